@@ -1,0 +1,25 @@
+# The two commands of the README: `make run` (set up + main job) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?= --ep 8
+
+.PHONY: venv run test clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0 || $(BIN)/python -m pip install -q "torch>=2.6,<2.14"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+run: venv
+	$(BIN)/python -m epmoe.launch $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

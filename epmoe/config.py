@@ -1,0 +1,215 @@
+"""Typed, validated configuration: the MoE architecture and the quantization recipe.
+
+Every config is a frozen dataclass checked at construction; a bad value raises `ValueError`
+naming the value, the rule and the fix. Model presets copy the numbers of each model's
+published Hugging Face `config.json` (source cited beside each preset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+RouterKind = Literal["softmax", "sigmoid_grouped", "sqrtsoftplus"]
+ActivationKind = Literal["swiglu", "swigluoai"]
+Recipe = Literal["bf16", "fp8_block", "mxfp8", "w4a8_mxfp4"]
+ScaleFmt = Literal["fp32", "ue8m0_fp32", "ue8m0_packed"]
+
+ROUTER_KINDS = ("softmax", "sigmoid_grouped", "sqrtsoftplus")
+ACTIVATION_KINDS = ("swiglu", "swigluoai")
+RECIPES = ("bf16", "fp8_block", "mxfp8", "w4a8_mxfp4")
+SCALE_FMTS = ("fp32", "ue8m0_fp32", "ue8m0_packed")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's architecture (identical for every MoE layer of a model).
+
+    hidden (D), moe_intermediate (I, per expert), num_experts (E, routed), top_k (K).
+    """
+
+    name: str
+    hidden: int
+    moe_intermediate: int
+    num_experts: int
+    top_k: int
+    num_shared_experts: int = 0
+    router: RouterKind = "softmax"
+    renormalize: bool = True  # norm_topk_prob
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    activation: ActivationKind = "swiglu"
+    activation_alpha: float = 1.702  # swigluoai only
+    swiglu_limit: float | None = None  # clamp limit (gpt-oss: 7.0); None = no clamp
+    num_moe_layers: int = 1
+    apply_router_weight_on_input: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "moe_intermediate", "num_experts", "top_k", "n_group", "topk_group",
+                  "num_moe_layers"):
+            v = getattr(self, f)
+            _check(isinstance(v, int) and v >= 1, f"{f} ({v!r}) must be a positive int")
+        _check(self.num_shared_experts >= 0,
+               f"num_shared_experts ({self.num_shared_experts}) must be >= 0")
+        _check(self.router in ROUTER_KINDS,
+               f"router ({self.router!r}) must be one of {ROUTER_KINDS}")
+        _check(self.activation in ACTIVATION_KINDS,
+               f"activation ({self.activation!r}) must be one of {ACTIVATION_KINDS}")
+        _check(self.top_k <= self.num_experts,
+               f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts}): "
+               f"a token cannot pick more experts than exist")
+        _check(self.num_experts % self.n_group == 0,
+               f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
+        _check(self.topk_group <= self.n_group,
+               f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        if self.router == "sigmoid_grouped" and self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            _check(self.top_k <= self.topk_group * per_group,
+                   f"top_k ({self.top_k}) must be <= topk_group*experts_per_group "
+                   f"({self.topk_group}*{per_group}): the kept groups must hold top_k experts")
+        _check(self.routed_scaling_factor > 0,
+               f"routed_scaling_factor ({self.routed_scaling_factor}) must be > 0")
+        _check(self.swiglu_limit is None or self.swiglu_limit > 0,
+               f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
+
+    @property
+    def shared_intermediate(self) -> int:
+        """The shared experts run as one MLP of width num_shared_experts * moe_intermediate."""
+        return self.num_shared_experts * self.moe_intermediate
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A quantization recipe and the format its scales are stored in.
+
+    - bf16: no quantization.
+    - fp8_block: e4m3 activations per 1x128 token group (dynamic), weights per 128x128 block.
+    - mxfp8: e4m3 activations and weights per 1x32 group with e8m0 (power-of-two) scales.
+    - w4a8_mxfp4: weights e2m1 (two per byte) with e8m0 scales per 32; activations fp8 per 128.
+    scale_fmt (fp8_block only): fp32, fp32 rounded up to a power of two (`ue8m0_fp32`), or
+    UE8M0 exponents packed four per int32 (`ue8m0_packed`, what SM100 DeepGEMM reads).
+    """
+
+    recipe: Recipe = "bf16"
+    scale_fmt: ScaleFmt = "fp32"
+
+    def __post_init__(self) -> None:
+        _check(self.recipe in RECIPES, f"recipe ({self.recipe!r}) must be one of {RECIPES}")
+        _check(self.scale_fmt in SCALE_FMTS,
+               f"scale_fmt ({self.scale_fmt!r}) must be one of {SCALE_FMTS}")
+        _check(self.recipe == "fp8_block" or self.scale_fmt == "fp32",
+               f"scale_fmt ({self.scale_fmt!r}) applies to fp8_block only; recipe "
+               f"{self.recipe!r} has fixed scales: leave scale_fmt='fp32'")
+
+    @property
+    def act_group(self) -> int:
+        """Columns per activation scale (0 = unquantized)."""
+        return {"bf16": 0, "fp8_block": 128, "mxfp8": 32, "w4a8_mxfp4": 128}[self.recipe]
+
+    @property
+    def weight_group(self) -> tuple[int, int]:
+        """(rows, cols) per weight scale ((0, 0) = unquantized)."""
+        return {"bf16": (0, 0), "fp8_block": (128, 128), "mxfp8": (1, 32),
+                "w4a8_mxfp4": (1, 32)}[self.recipe]
+
+    def check_shapes(self, cfg: MoEConfig, moe_intermediate: int | None = None) -> None:
+        """Raise if the layer's dims do not tile into this recipe's groups."""
+        inter = cfg.moe_intermediate if moe_intermediate is None else moe_intermediate
+        g = max(self.act_group, self.weight_group[1])
+        if g == 0:
+            return
+        _check(cfg.hidden % g == 0,
+               f"hidden ({cfg.hidden}) must be a multiple of {self.recipe}'s quant group ({g}); "
+               f"pick recipe bf16 or a model whose hidden size is a multiple of {g}")
+        _check(inter % g == 0,
+               f"moe intermediate per partition ({inter}) must be a multiple of {self.recipe}'s "
+               f"quant group ({g}); lower tp or pick recipe bf16")
+        rows = self.weight_group[0]
+        if rows > 1:
+            _check(cfg.hidden % rows == 0 and (2 * inter) % rows == 0,
+                   f"weight rows (hidden {cfg.hidden}, 2*intermediate {2 * inter}) must be "
+                   f"multiples of the {rows}-row weight block of {self.recipe}")
+
+
+# --------------------------------------------------------------------------------------------
+# Presets. Numbers from each model's config.json on the Hugging Face hub.
+
+PRESETS: dict[str, MoEConfig] = {}
+
+
+def _preset(cfg: MoEConfig) -> MoEConfig:
+    PRESETS[cfg.name] = cfg
+    return cfg
+
+
+# deepseek-ai/DeepSeek-V3/config.json: hidden_size 7168, moe_intermediate_size 2048,
+# n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, n_group 8, topk_group 4,
+# routed_scaling_factor 2.5, norm_topk_prob true, scoring_func sigmoid, topk_method noaux_tc,
+# num_hidden_layers 61, first_k_dense_replace 3 (-> 58 MoE layers).
+_preset(MoEConfig("deepseek-v3", hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8,
+                  num_shared_experts=1, router="sigmoid_grouped", renormalize=True, n_group=8,
+                  topk_group=4, routed_scaling_factor=2.5, num_moe_layers=58))
+# moonshotai/Kimi-K2-Instruct/config.json: hidden_size 7168, moe_intermediate_size 2048,
+# n_routed_experts 384, num_experts_per_tok 8, n_shared_experts 1, n_group 1, topk_group 1,
+# routed_scaling_factor 2.827, norm_topk_prob true, scoring_func sigmoid,
+# num_hidden_layers 61, first_k_dense_replace 1 (-> 60 MoE layers).
+_preset(MoEConfig("kimi-k2", hidden=7168, moe_intermediate=2048, num_experts=384, top_k=8,
+                  num_shared_experts=1, router="sigmoid_grouped", renormalize=True, n_group=1,
+                  topk_group=1, routed_scaling_factor=2.827, num_moe_layers=60))
+# Qwen/Qwen3-235B-A22B/config.json: hidden_size 4096, moe_intermediate_size 1536,
+# num_experts 128, num_experts_per_tok 8, norm_topk_prob true, num_hidden_layers 94,
+# decoder_sparse_step 1, mlp_only_layers [] (-> 94 MoE layers), no shared experts.
+_preset(MoEConfig("qwen3-235b-a22b", hidden=4096, moe_intermediate=1536, num_experts=128,
+                  top_k=8, router="softmax", renormalize=True, num_moe_layers=94))
+# Qwen/Qwen3-30B-A3B/config.json: hidden_size 2048, moe_intermediate_size 768, num_experts 128,
+# num_experts_per_tok 8, norm_topk_prob true, num_hidden_layers 48 (all MoE).
+_preset(MoEConfig("qwen3-30b-a3b", hidden=2048, moe_intermediate=768, num_experts=128, top_k=8,
+                  router="softmax", renormalize=True, num_moe_layers=48))
+# mistralai/Mixtral-8x7B-v0.1/config.json: hidden_size 4096, intermediate_size 14336,
+# num_local_experts 8, num_experts_per_tok 2, num_hidden_layers 32 (softmax over the top-2
+# logits == renormalized softmax top-k).
+_preset(MoEConfig("mixtral-8x7b", hidden=4096, moe_intermediate=14336, num_experts=8, top_k=2,
+                  router="softmax", renormalize=True, num_moe_layers=32))
+# openai/gpt-oss-120b/config.json: hidden_size 2880, intermediate_size 2880,
+# num_local_experts 128, num_experts_per_tok 4, num_hidden_layers 36, swiglu_limit 7.0;
+# activation alpha 1.702 (modeling code); router: softmax over the top-4 logits.
+_preset(MoEConfig("gpt-oss-120b", hidden=2880, moe_intermediate=2880, num_experts=128, top_k=4,
+                  router="softmax", renormalize=True, activation="swigluoai",
+                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=36))
+
+# Scaled-down variants: the same architecture (router, grouping, activation), small dims, so the
+# CPU demo and tests run in seconds. Dims stay multiples of 128 so every recipe applies.
+_preset(MoEConfig("deepseek-v3-tiny", hidden=256, moe_intermediate=128, num_experts=16,
+                  top_k=4, num_shared_experts=1, router="sigmoid_grouped", renormalize=True,
+                  n_group=4, topk_group=2, routed_scaling_factor=2.5, num_moe_layers=2))
+_preset(MoEConfig("kimi-k2-tiny", hidden=256, moe_intermediate=128, num_experts=24, top_k=4,
+                  num_shared_experts=1, router="sigmoid_grouped", renormalize=True,
+                  routed_scaling_factor=2.827, num_moe_layers=2))
+_preset(MoEConfig("qwen3-moe-tiny", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
+                  router="softmax", renormalize=True, num_moe_layers=2))
+_preset(MoEConfig("mixtral-tiny", hidden=256, moe_intermediate=256, num_experts=8, top_k=2,
+                  router="softmax", renormalize=True, num_moe_layers=2))
+_preset(MoEConfig("gpt-oss-tiny", hidden=256, moe_intermediate=256, num_experts=16, top_k=4,
+                  router="softmax", renormalize=True, activation="swigluoai",
+                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=2))
+_preset(MoEConfig("deepseek-v4-tiny", hidden=256, moe_intermediate=128, num_experts=16,
+                  top_k=4, num_shared_experts=1, router="sqrtsoftplus", renormalize=True,
+                  routed_scaling_factor=1.5, num_moe_layers=2))
+
+DEFAULT_PRESET = "deepseek-v3-tiny"
+
+
+def get_preset(name: str) -> MoEConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

@@ -1,0 +1,45 @@
+"""Every environment variable epmoe reads, in one place (debugging and caches only).
+
+Configuration is typed dataclasses (epmoe.config); nothing here changes numerics.
+| variable | meaning |
+| EPMOE_LOG_LEVEL | log level of the `epmoe` logger (default WARNING) |
+| EPMOE_TRITON_INTERPRET | 1: force Triton's CPU interpreter even with CUDA present (debugging) |
+| EPMOE_RAY_TMPDIR | Ray's temp dir for local clusters (default: Ray's own) |
+Without CUDA, TRITON_INTERPRET=1 is set before any Triton kernel is defined, so kernels run on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LOG_LEVEL = os.environ.get("EPMOE_LOG_LEVEL", "WARNING").upper()
+FORCE_TRITON_INTERPRET = os.environ.get("EPMOE_TRITON_INTERPRET", "0") == "1"
+RAY_TMPDIR = os.environ.get("EPMOE_RAY_TMPDIR") or None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+if FORCE_TRITON_INTERPRET or not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+logger = logging.getLogger("epmoe")
+if not logger.handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[epmoe %(levelname)s] %(message)s"))
+    logger.addHandler(_h)
+logger.setLevel(LOG_LEVEL)
+
+# The variables every GPU worker must carry (NVLink multicast off; single-node NVSHMEM).
+SAFETY_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}

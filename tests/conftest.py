@@ -1,0 +1,29 @@
+import os
+
+# Set by the test configuration itself (CI sets nothing): Triton's CPU interpreter, Ray without
+# token auth. Must happen before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1") if not os.environ.get("EPMOE_TEST_COMPILED") else None
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    n = torch.cuda.device_count() if has_cuda else 0
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "multigpu" in item.keywords and n < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA devices"))
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test run (printed on failure via the test id's repr)."""
+    import random
+
+    s = random.randrange(1 << 30)
+    torch.manual_seed(s)
+    return s
