@@ -2,11 +2,13 @@ import os
 
 # Set by the test configuration itself (CI sets nothing): Triton's CPU interpreter, Ray without
 # token auth. Must happen before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1") if not os.environ.get("EPMOE_TEST_COMPILED") else None
+import torch  # noqa: E402  (plain `import torch` defines no Triton kernel)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
