@@ -1,0 +1,52 @@
+"""Helpers shared by the kernel wrappers: interpreter flag, input checks, scale layouts."""
+
+from __future__ import annotations
+
+import os
+
+import epmoe.env  # noqa: F401  (sets TRITON_INTERPRET before triton defines any kernel)
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_tensor(name: str, t: torch.Tensor, dtypes: tuple, dim: int | None = None,
+                 contiguous: bool = True) -> None:
+    """dtype / rank / contiguity of one kernel input, each failure naming the fix."""
+    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check(t.dtype in dtypes, f"{name} dtype ({t.dtype}) must be one of "
+          f"{[str(d) for d in dtypes]}; convert it with .to() first")
+    if dim is not None:
+        check(t.dim() == dim, f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if contiguous:
+        check(t.is_contiguous(), f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be "
+              f"contiguous; call .contiguous() first")
+
+
+def align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Same bytes as a signed/unsigned int tensor (copies stay bit-exact, fp8/e8m0 included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def empty_mn_major(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[rows, cols] with strides (1, align(rows, 4)): the TMA-aligned column-major scale layout
+    DeepGEMM reads (fp32 on SM90, packed UE8M0 int32 on SM100)."""
+    ld = align_up(max(rows, 1), 4)
+    return torch.empty_strided((rows, cols), (1, ld), dtype=dtype, device=device)
+
+
+def is_mn_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.shape[1] > 1 and t.stride(0) == 1
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
