@@ -76,6 +76,9 @@ class MoEConfig:
                    f"({self.topk_group}*{per_group}): the kept groups must hold top_k experts")
         _check(self.routed_scaling_factor > 0,
                f"routed_scaling_factor ({self.routed_scaling_factor}) must be > 0")
+        _check(not self.apply_router_weight_on_input or self.top_k == 1,
+               f"apply_router_weight_on_input needs top_k == 1 (got {self.top_k}): the expert "
+               f"MLP is not linear, so per-slot input weights are ill-defined for top_k > 1")
         _check(self.swiglu_limit is None or self.swiglu_limit > 0,
                f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
 

@@ -50,3 +50,30 @@ def is_mn_major(t: torch.Tensor) -> bool:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+# In-kernel rounding helpers. The CPU interpreter's fp32 -> fp8 cast does not carry a rounding
+# into the exponent (7.94 -> 4 instead of 8) and its fp32 -> bf16 cast truncates; kernels
+# pre-round in fp32 (exact round-to-nearest-even) when INTERPRET so the final cast is exact.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def round_e4m3(x):
+    """fp32 x with |x| <= 448 -> the nearest e4m3 value (ties to even), still fp32."""
+    bits = tl.abs(x).to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 255) - 127, -6)  # e4m3 subnormals share 2**-6's quantum
+    inv_quantum = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
+    quantum = ((127 + (e - 3)) << 23).to(tl.float32, bitcast=True)
+    t = tl.abs(x) * inv_quantum  # exact (power of two), t < 2**4
+    t = ((t + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2**23: round to nearest even integer
+    return tl.where(x < 0, -t, t)  # keeps the sign of -0.0 and of values rounding to 0
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32 (finite inputs)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)

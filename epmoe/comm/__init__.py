@@ -1,0 +1,77 @@
+"""Comm backends behind one contract (`epmoe.comm.base.Comm`), chosen by name.
+
+| name      | tokens travel by                           | runs on         |
+|-----------|--------------------------------------------|-----------------|
+| local     | nothing (one rank, or tokens replicated)   | anywhere        |
+| allgather | all-gather tokens+routing, reduce-scatter  | gloo, NCCL      |
+| all2all   | all_to_all_single with split sizes         | gloo, NCCL      |
+| deepep-ht | DeepEP high-throughput (contiguous)        | CUDA + DeepEP   |
+| deepep-ll | DeepEP low-latency (masked, CUDA graphs)   | CUDA + DeepEP   |
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from epmoe.comm.base import Comm, ExpertBatch  # noqa: F401
+
+BACKENDS = {
+    "local": "epmoe.comm.local:LocalComm",
+    "allgather": "epmoe.comm.allgather:AllGatherComm",
+    "all2all": "epmoe.comm.all2all:All2AllComm",
+    "deepep-ht": "epmoe.comm.deepep:DeepEPHighThroughputComm",
+    "deepep-ll": "epmoe.comm.deepep:DeepEPLowLatencyComm",
+}
+CHOICES = ("auto", *BACKENDS)
+
+
+def backend_class(name: str) -> type[Comm]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown comm backend {name!r}; choose one of {', '.join(CHOICES)}")
+    mod, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def _unavailable(name, run, device) -> str | None:
+    try:
+        cls = backend_class(name)
+    except (ImportError, OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return cls.supports(run.cfg, run.quant, device, run.world)
+
+
+def resolve_backend(name: str, run, device) -> tuple[str, str]:
+    """-> (backend, one-line reason). `auto`: local when tokens do not travel; on CUDA the
+    DeepEP low-latency path for small per-rank batches, high-throughput for large ones, else
+    all2all (the portable reference)."""
+    if run.world == 1 or run.form != "ep_dp":
+        if name not in ("auto", "local"):
+            raise ValueError(f"backend {name!r} moves tokens between ranks, but form "
+                             f"{run.form!r} at world {run.world} replicates them: use "
+                             f"--backend local/auto, or --dp with ep > 1")
+        return "local", "tokens do not travel (one rank or replicated tokens)"
+    if name != "auto":
+        why = _unavailable(name, run, device)
+        if why is not None:
+            raise ValueError(f"backend {name!r} cannot run here: {why}")
+        return name, "requested"
+    tried = []
+    if getattr(device, "type", str(device)) == "cuda":
+        ll_max = getattr(run, "ll_max_tokens", 256)
+        first = "deepep-ll" if run.tokens <= ll_max else "deepep-ht"
+        why = _unavailable(first, run, device)
+        if why is None:
+            return first, f"auto: {first} ({run.tokens} tokens/rank vs LL threshold {ll_max})"
+        tried.append(f"{first}: {why}")
+    why = _unavailable("all2all", run, device)
+    assert why is None, why
+    return "all2all", "auto: all2all" + (f" ({'; '.join(tried)})" if tried else "")
+
+
+def make_comm(name: str, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
+              device=None) -> Comm:
+    cls = backend_class(name)
+    kwargs = {}
+    if getattr(cls, "needs_run", False):
+        kwargs = dict(run=run, device=device)
+    return cls(cfg, quant, expert_map_E, group=group, rank=rank, world=world, **kwargs)

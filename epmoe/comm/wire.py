@@ -1,0 +1,56 @@
+"""Moving tensors through torch.distributed portably (gloo and NCCL).
+
+gloo rejects fp8 (and a failed collective can wedge the group): every payload travels as a
+same-width integer view, which is bit-exact. Packed UE8M0 scales travel as their fp32 values
+(`wire_quant`), packing happens next to the GEMM that reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from epmoe.config import QuantConfig
+from epmoe.quant import QTensor
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_wire(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous integer view of t (same bytes)."""
+    t = t.contiguous()
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
+def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype)
+
+
+def wire_quant(quant: QuantConfig) -> QuantConfig:
+    if quant.scale_fmt == "ue8m0_packed":
+        return QuantConfig(quant.recipe, "ue8m0_fp32")
+    return quant
+
+
+def all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group) -> torch.Tensor:
+    """Rows of x (grouped by destination) -> rows received (grouped by source)."""
+    w = as_wire(x)
+    out = torch.empty((sum(recv_splits), *x.shape[1:]), dtype=w.dtype, device=x.device)
+    dist.all_to_all_single(out, w, recv_splits, send_splits, group=group)
+    return from_wire(out, x.dtype)
+
+
+def all_to_all_qtensor(x: QTensor, send_splits, recv_splits, group) -> QTensor:
+    data = all_to_all_rows(x.data, send_splits, recv_splits, group)
+    scale = None if x.scale is None else all_to_all_rows(x.scale, send_splits, recv_splits,
+                                                          group)
+    return QTensor(data, scale, x.recipe, x.group, x.scale_fmt)
+
+
+def all_gather_rows(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """Equal-size row blocks from every rank, concatenated in rank order."""
+    w = as_wire(x)
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=w.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, w, group=group)
+    return from_wire(out, x.dtype)

@@ -1,0 +1,118 @@
+"""The experts contract: grouped expert MLPs over the contiguous or masked layout.
+
+One class per kernel family (torch reference, Triton, DeepGEMM); recipe and layout are data.
+Every backend computes, per expert e and row x:
+    h = x @ w13[e].T            (fp32 accumulate; F = 2I columns: [0, I) gate, [I, 2I) up)
+    a = act(h[:, :I], h[:, I:])  (swiglu: silu(g)*u, optional clamp; swigluoai: gpt-oss)
+    a_q = quantize_act(a)        (the recipe's activation quantization, per row)
+    y = a_q @ w2[e].T            (fp32 accumulate, bf16 out)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.layout import (ContiguousLayout, gather_masked_reduce, make_contiguous_layout,
+                          permute_qtensor, unpermute_reduce)
+from epmoe.quant import QTensor, QWeight
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's weights for the experts a rank holds (E local experts).
+
+    w13          QWeight [E, 2I, D]  rows [0, I) gate proj, [I, 2I) up proj
+    w2           QWeight [E, D, I]   down proj
+    expert_ids_E int64 [E]           global (physical slot) id of each local expert
+    """
+
+    w13: QWeight
+    w2: QWeight
+    expert_ids_E: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2.shape[2]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13.shape[2]
+
+
+def activation(h_MF: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """SwiGLU family on fp32 [..., 2I] -> fp32 [..., I]."""
+    i = h_MF.shape[-1] // 2
+    gate, up = h_MF[..., :i].float(), h_MF[..., i:].float()
+    lim = cfg.swiglu_limit
+    if cfg.activation == "swiglu":
+        if lim is not None:
+            gate = gate.clamp(max=lim)
+            up = up.clamp(-lim, lim)
+        return torch.nn.functional.silu(gate) * up
+    # swigluoai (gpt-oss): clamp, gate * sigmoid(alpha * gate) * (up + 1)
+    if lim is not None:
+        gate = gate.clamp(max=lim)
+        up = up.clamp(-lim, lim)
+    return gate * torch.sigmoid(cfg.activation_alpha * gate) * (up + 1)
+
+
+class Experts(ABC):
+    """Grouped expert compute for one layer on one rank."""
+
+    name: str = "?"
+
+    def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig):
+        self.weights, self.cfg, self.quant = weights, cfg, quant
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device) -> str | None:
+        """None if this backend can run the config on the device, else the reason it cannot."""
+        return None
+
+    @property
+    def alignment(self) -> int:
+        """Row alignment of each expert group that this backend's GEMM assumes."""
+        return 1
+
+    @abstractmethod
+    def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
+        """x [M, D] rows in `layout` -> y [M, D] bf16 (padding rows: any value)."""
+
+    @abstractmethod
+    def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x [E, C, D], counts [E] -> y [E, C, D] bf16 (rows past a count: any value)."""
+
+    def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
+                    num_rows: int | None = None) -> ContiguousLayout:
+        """The layout at this backend's alignment; a finer alignment than the GEMM's is refused
+        (an expert-index aligned finer than BLOCK_M would make the GEMM read another expert)."""
+        a = self.alignment if alignment is None else alignment
+        if a % self.alignment:
+            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
+                             f"alignment ({self.alignment})")
+        return make_contiguous_layout(topk_ids_NK, self.weights.num_experts, a, num_rows)
+
+    def permute(self, x: QTensor, layout: ContiguousLayout) -> QTensor:
+        return permute_qtensor(x, layout)
+
+    def unpermute(self, y_MD, layout, topk_weights_NK) -> torch.Tensor:
+        return unpermute_reduce(y_MD, layout, topk_weights_NK, out_dtype=torch.float32)
+
+    def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
+              alignment: int | None = None) -> torch.Tensor:
+        """Tokens [N, D] with local expert ids (-1 = not here) -> out [N, D] (fp32 or bf16),
+        out[n] = sum_k w[n,k] * expert_{id[n,k]}(x[n]) (fp32 sum, one cast)."""
+        layout = self.make_layout(topk_ids_NK, alignment)
+        y = self.run_contiguous(self.permute(x, layout), layout)
+        return self.unpermute(y, layout, topk_weights_NK)
+
+    def apply_masked(self, x_ECD: QTensor, counts_E, layout, topk_weights_NK) -> torch.Tensor:
+        return gather_masked_reduce(self.run_masked(x_ECD, counts_E), layout, topk_weights_NK)

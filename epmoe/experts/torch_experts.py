@@ -1,0 +1,44 @@
+"""Plain-torch experts: dequantize, fp32 matmul per expert group. Runs everywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.experts.base import Experts, activation
+from epmoe.layout import ContiguousLayout
+from epmoe.quant import QTensor, dequantize_act, dequantize_weight, quantize_act
+
+
+class TorchExperts(Experts):
+    name = "torch"
+
+    def __init__(self, weights, cfg, quant):
+        super().__init__(weights, cfg, quant)
+        # Dequantized once per weight load: the reference backend trades memory for simplicity.
+        self._w13 = dequantize_weight(weights.w13)  # fp32 [E, F, D]
+        self._w2 = dequantize_weight(weights.w2)  # fp32 [E, D, I]
+
+    def _mlp(self, x_RD: torch.Tensor, e: int) -> torch.Tensor:
+        h = x_RD @ self._w13[e].T
+        h = h.to(torch.bfloat16).float()  # GEMM1 writes bf16, as the fused paths do
+        a = dequantize_act(quantize_act(activation(h, self.cfg), self.quant))
+        return (a @ self._w2[e].T).to(torch.bfloat16)
+
+    def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
+        xf = dequantize_act(x)
+        y = torch.zeros(xf.shape, dtype=torch.bfloat16, device=xf.device)
+        offs = layout.offsets_E1.tolist()
+        counts = layout.counts_E.tolist()
+        for e in range(layout.num_experts):
+            if counts[e]:
+                s = offs[e]
+                y[s:s + counts[e]] = self._mlp(xf[s:s + counts[e]], e)
+        return y
+
+    def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
+        xf = dequantize_act(x)
+        y = torch.zeros(xf.shape, dtype=torch.bfloat16, device=xf.device)
+        for e, c in enumerate(counts_E.tolist()):
+            if c:
+                y[e, :c] = self._mlp(xf[e, :c], e)
+        return y

@@ -1,0 +1,179 @@
+"""Fused SwiGLU activation + per-token-group quantization (the step between the two GEMMs).
+
+a = act(h[:, :I], h[:, I:]) exactly as `epmoe.experts.base.activation` (swiglu with optional
+clamp, swigluoai with alpha / limit), then per row and per `group` columns the rules of
+`epmoe.quant`: amax clamped to >= 1e-10, scale = amax / 448 (fp32) or rounded up to a power of
+two (ue8m0 formats, mxfp8), data = fp8(clamp(a / scale, -448, 448)). Scale outputs:
+
+  fp32 row-major [M, G]                     fp8_block / w4a8_mxfp4, scale_fmt fp32 / ue8m0_fp32
+  fp32 MN-major [M, G], strides (1, align(M, 4))   mn_major=True (DeepGEMM SM90's TMA layout)
+  int32 packed UE8M0 [M, ceil(G/4)], MN-major      scale_fmt ue8m0_packed (DeepGEMM SM100)
+  uint8 e8m0 [M, D/32]                      mxfp8
+
+Under the CPU interpreter the kernel pre-rounds in fp32 (its fp8 / bf16 casts round wrongly), so
+codes match the torch quantizer there as on GPU, save where the activation's last bit differs.
+"""
+
+from __future__ import annotations
+
+from epmoe.kernels._common import (INTERPRET, check, check_tensor, empty_mn_major,
+                                   next_pow2, round_bf16, round_e4m3)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.config import MoEConfig, QuantConfig  # noqa: E402
+from epmoe.quant import AMAX_MIN, FP8_DTYPE, FP8_MAX, QTensor  # noqa: E402
+
+# QUANT modes of the kernel
+_BF16, _FP32, _POW2, _E8M0, _PACKED = 0, 1, 2, 3, 4
+# ACT modes
+_NONE, _SWIGLU, _SWIGLUOAI = 0, 1, 2
+
+
+@triton.jit
+def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m, s_stride_g,
+                      limit, alpha, amax_min, fp8_max,
+                      ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
+                      PRE_ROUND: tl.constexpr,
+                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    pid_g = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = offs_m < M
+    rows_h = h_ptr + offs_m.to(tl.int64)[:, None] * stride_h
+    rows_q = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q
+    num_groups = tl.cdiv(I, GROUP)
+    word = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for j in tl.static_range(GROUPS_PER_PROG):
+        g = pid_g * GROUPS_PER_PROG + j
+        offs_c = g * GROUP + tl.arange(0, GROUP)
+        m2 = mm[:, None] & (offs_c < I)[None, :]
+        a = tl.load(rows_h + offs_c[None, :], mask=m2, other=0.0).to(tl.float32)
+        if ACT != 0:
+            up = tl.load(rows_h + I + offs_c[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_LIMIT:
+                a = tl.minimum(a, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            if ACT == 1:
+                a = a * tl.sigmoid(a) * up
+            else:
+                a = a * tl.sigmoid(alpha * a) * (up + 1.0)
+        if QUANT == 0:
+            if PRE_ROUND:
+                a = round_bf16(a)
+            tl.store(rows_q + offs_c[None, :], a.to(q_ptr.dtype.element_ty), mask=m2)
+        else:
+            amax = tl.maximum(tl.max(tl.abs(a), axis=1), amax_min)
+            s = amax / fp8_max
+            if QUANT >= 2:  # round up to a power of two, exactly (bit arithmetic)
+                bits = s.to(tl.int32, bitcast=True)
+                e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+                s = (e8 << 23).to(tl.float32, bitcast=True)
+            q = tl.math.div_rn(a, s[:, None])
+            q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
+            if PRE_ROUND:
+                q = round_e4m3(q)
+            tl.store(rows_q + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=m2)
+            gm = mm & (g < num_groups)
+            s_at = s_ptr + offs_m.to(tl.int64) * s_stride_m
+            if QUANT <= 2:
+                tl.store(s_at + g * s_stride_g, s, mask=gm)
+            elif QUANT == 3:
+                tl.store(s_at + g * s_stride_g, e8.to(tl.uint8), mask=gm)
+            else:
+                word = word | tl.where(g < num_groups, e8 << (8 * j), 0)
+    if QUANT == 4:
+        tl.store(s_ptr + offs_m.to(tl.int64) * s_stride_m + pid_g * s_stride_g, word, mask=mm)
+
+
+def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mode: int,
+            group: int, mn_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    m = h.shape[0]
+    dev = h.device
+    if quant_mode == _BF16:
+        q = torch.empty((m, cols), dtype=torch.bfloat16, device=dev)
+        s = None
+        group = min(next_pow2(max(cols, 1)), 1024 if INTERPRET else 256)
+        gpp = 1
+    else:
+        q = torch.empty((m, cols), dtype=FP8_DTYPE, device=dev)
+        g = cols // group
+        if quant_mode == _PACKED:
+            s, gpp = empty_mn_major(m, triton.cdiv(g, 4), torch.int32, dev), 4
+        else:
+            sdt = torch.uint8 if quant_mode == _E8M0 else torch.float32
+            s = (empty_mn_major(m, g, sdt, dev) if mn_major
+                 else torch.empty((m, g), dtype=sdt, device=dev))
+            gpp = min(4, g) if INTERPRET else 1
+    if m == 0 or cols == 0:
+        return q, s
+    block_m = 64 if INTERPRET else 16
+    num_col_blocks = triton.cdiv(cols, group)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(num_col_blocks, gpp))
+    _act_quant_kernel[grid](
+        h, q, s if s is not None else q, m, cols, h.stride(0), q.stride(0),
+        s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+        float(limit) if limit is not None else 0.0, float(alpha), AMAX_MIN, FP8_MAX,
+        ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET, GROUP=group,
+        GROUPS_PER_PROG=gpp, BLOCK_M=block_m, num_warps=4)
+    return q, s
+
+
+def _quant_mode(recipe: str, scale_fmt: str) -> int:
+    if recipe == "bf16":
+        return _BF16
+    if recipe == "mxfp8":
+        return _E8M0
+    return {"fp32": _FP32, "ue8m0_fp32": _POW2, "ue8m0_packed": _PACKED}[scale_fmt]
+
+
+def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
+                     mn_major: bool = False) -> QTensor:
+    """GEMM1 output h [M, 2I] (bf16/fp32; [0, I) gate, [I, 2I) up) -> quantized a [M, I] in the
+    recipe's activation format (bf16 recipe: bf16 data, no scale). mn_major: fp32 / e8m0 scales
+    in the TMA-aligned column-major layout (packed UE8M0 is always MN-major)."""
+    check_tensor("h_MF", h_MF, (torch.bfloat16, torch.float16, torch.float32), dim=2,
+                 contiguous=False)
+    check(h_MF.stride(1) == 1, f"h_MF rows must be contiguous (stride {h_MF.stride()}); call "
+          f".contiguous() first")
+    f = h_MF.shape[1]
+    check(f % 2 == 0, f"h_MF columns ({f}) must be even: [gate | up] halves of 2I")
+    i = f // 2
+    group = quant.act_group
+    check(group == 0 or i % group == 0,
+          f"intermediate ({i}) must be a multiple of {quant.recipe}'s activation group "
+          f"({group}); pick recipe bf16 or lower tp")
+    act = _SWIGLU if cfg.activation == "swiglu" else _SWIGLUOAI
+    mode = _quant_mode(quant.recipe, quant.scale_fmt)
+    q, s = _launch(h_MF, i, act, cfg.swiglu_limit, cfg.activation_alpha, mode, group, mn_major)
+    return QTensor(q, s, quant.recipe, group, quant.scale_fmt)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int = 128, scale_fmt: str = "fp32",
+                          mn_major: bool = False, recipe: str | None = None) -> QTensor:
+    """x [M, D] -> fp8 per 1 x group: group 128 (fp8_block / w4a8_mxfp4 activations; scale_fmt
+    fp32, ue8m0_fp32 or ue8m0_packed) or 32 (mxfp8, e8m0 uint8 scales)."""
+    check_tensor("x", x, (torch.bfloat16, torch.float16, torch.float32), dim=2,
+                 contiguous=False)
+    check(x.stride(1) == 1, f"x rows must be contiguous (stride {x.stride()}); call "
+          f".contiguous() first")
+    check(group in (32, 128), f"group ({group}) must be 128 (fp8 block) or 32 (mxfp8)")
+    recipe = recipe or ("fp8_block" if group == 128 else "mxfp8")
+    check(recipe in ("fp8_block", "w4a8_mxfp4") if group == 128 else recipe == "mxfp8",
+          f"recipe ({recipe!r}) does not quantize activations per {group} columns; group 128 "
+          f"is fp8_block / w4a8_mxfp4, 32 is mxfp8")
+    check(group == 128 or scale_fmt == "fp32",
+          f"scale_fmt ({scale_fmt!r}) applies to group 128; mxfp8 scales are e8m0 bytes: "
+          f"leave scale_fmt='fp32'")
+    check(scale_fmt in ("fp32", "ue8m0_fp32", "ue8m0_packed"),
+          f"scale_fmt ({scale_fmt!r}) must be fp32, ue8m0_fp32 or ue8m0_packed")
+    d = x.shape[1]
+    check(d % group == 0, f"x columns ({d}) must be a multiple of group ({group})")
+    mode = _quant_mode(recipe, scale_fmt)
+    q, s = _launch(x, d, _NONE, None, 0.0, mode, group, mn_major)
+    return QTensor(q, s, recipe, group, scale_fmt)
+
+
+__all__ = ["triton_act_quant", "per_token_group_quant"]

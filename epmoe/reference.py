@@ -1,0 +1,121 @@
+"""The float64 oracle: plain loops, dequantized weights, no shared code with the fast paths
+except the recipe's quantize-dequantize of activations (fake quant, opt-out).
+
+`reference_route` re-derives each router from its definition; `reference_moe` runs the whole
+layer token by token, expert by expert. Every numerical test compares against these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.quant import dequantize_act, quantize_act
+
+# max |out - ref| / max |ref| allowed per recipe. Measured with the torch backend: 0.3-0.5%
+# for every recipe (bf16 output rounding dominates); the margin covers fused kernels whose fp32
+# sums differ in order (an fp8 code of the intermediate can flip). Layer outputs are bf16; fp8/fp4 paths
+# re-quantize the intermediate, where bf16 rounding of GEMM1 can flip an fp8 code).
+TOLERANCE = {"bf16": 1e-2, "fp8_block": 2e-2, "mxfp8": 2e-2, "w4a8_mxfp4": 2e-2}
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    diff = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    if math.isnan(diff):
+        return float("inf")
+    return diff / max(ref.abs().max().item(), 1e-30)
+
+
+def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
+    """-> (topk_ids [T, K] int64, topk_weights [T, K] float64), token by token."""
+    t = logits_TE.shape[0]
+    k = cfg.top_k
+    ids = torch.empty(t, k, dtype=torch.long)
+    ws = torch.empty(t, k, dtype=torch.float64)
+    for n in range(t):
+        lg = logits_TE[n].double()
+        if cfg.router == "softmax":
+            p = torch.exp(lg - lg.max())
+            p = p / p.sum()
+            order = sorted(range(cfg.num_experts), key=lambda e: -p[e].item())[:k]
+            w = torch.stack([p[e] for e in order])
+        else:
+            if cfg.router == "sigmoid_grouped":
+                s = 1.0 / (1.0 + torch.exp(-lg))
+            else:
+                s = torch.sqrt(torch.log1p(torch.exp(lg)))
+            b = s + (bias_E.double() if bias_E is not None else 0.0)
+            allowed = set(range(cfg.num_experts))
+            if cfg.n_group > 1:
+                per = cfg.num_experts // cfg.n_group
+                gscore = [sum(sorted(b[g * per:(g + 1) * per].tolist(), reverse=True)[:2])
+                          for g in range(cfg.n_group)]
+                groups = sorted(range(cfg.n_group), key=lambda g: -gscore[g])[:cfg.topk_group]
+                allowed = {g * per + i for g in groups for i in range(per)}
+            order = sorted(allowed, key=lambda e: -b[e].item())[:k]
+            w = torch.stack([s[e] for e in order])
+        if cfg.renormalize:
+            w = w / w.sum()
+        ids[n] = torch.tensor(order)
+        ws[n] = w * cfg.routed_scaling_factor
+    return ids, ws
+
+
+def _act(h: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    i = h.shape[-1] // 2
+    g, u = h[:i], h[i:]
+    lim = cfg.swiglu_limit
+    if lim is not None:
+        g = g.clamp(max=lim)
+        u = u.clamp(-lim, lim)
+    if cfg.activation == "swiglu":
+        return g / (1 + torch.exp(-g)) * u
+    a = cfg.activation_alpha
+    return g / (1 + torch.exp(-a * g)) * (u + 1)
+
+
+def _fake_quant(x: torch.Tensor, quant: QuantConfig, on: bool) -> torch.Tensor:
+    if not on or quant.recipe == "bf16":
+        return x.to(torch.bfloat16).double() if on else x
+    return dequantize_act(quantize_act(x.float()[None], quant))[0].double()
+
+
+def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq):
+    h = w13_FD @ x_D
+    if fq:  # GEMM1 writes bf16 in every fused path (DeepGEMM, Triton): part of the recipe
+        h = h.to(torch.bfloat16).double()
+    a = _fake_quant(_act(h, cfg), quant, fq)
+    return w2_DI @ a
+
+
+def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig,
+                  topk_ids_TK: torch.Tensor | None = None, topk_weights_TK=None,
+                  fake_quant: bool = True) -> torch.Tensor:
+    """float64 [T, D]. oracle = (gate_ED, bias_E, w13_EFD, w2_EDI, shared) in float64
+    (see weights.dequantized_full_layer). Routing from the oracle's own router unless given
+    (given ids are logical expert ids; -1 = empty slot)."""
+    gate, bias, w13, w2, shared = oracle
+    x = x_TD.double()
+    if topk_ids_TK is None:
+        topk_ids_TK, topk_weights_TK = reference_route(x @ gate.T, cfg, bias)
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        xq = _fake_quant(x[n], quant, fake_quant)
+        acc = torch.zeros_like(x[n])
+        for j in range(topk_ids_TK.shape[1]):
+            e = int(topk_ids_TK[n, j])
+            if e < 0:
+                continue
+            w = float(topk_weights_TK[n, j])
+            if cfg.apply_router_weight_on_input:
+                acc += _mlp(_fake_quant(x[n] * w, quant, fake_quant), w13[e], w2[e], cfg, quant,
+                            fake_quant)
+            else:
+                acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant)
+        if shared is not None:
+            acc += _mlp(xq, shared[0], shared[1], cfg, quant, fake_quant)
+        out[n] = acc
+    return out

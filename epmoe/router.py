@@ -1,0 +1,104 @@
+"""Routers: fp32 gate logits -> (topk_weights_TK fp32, topk_ids_TK), and the replica hook.
+
+Kinds (MoEConfig.router):
+- softmax: softmax over all experts, top-k, optionally renormalized (Qwen3, Mixtral, gpt-oss).
+- sigmoid_grouped (DeepSeek-V3 / Kimi-K2 "noaux_tc"): s = sigmoid(logits); selection on
+  s + e_score_correction_bias, limited to the topk_group best of n_group groups (a group's score
+  is the sum of its top-2 biased scores); weights are the UNBIASED s of the chosen experts,
+  renormalized if configured, times routed_scaling_factor.
+- sqrtsoftplus (DeepSeek-V4 style): s = sqrt(softplus(logits)); selection on s + bias; weights
+  from unbiased s, renormalized, times routed_scaling_factor.
+Ids are signed (int32 default, int64 on request); -1 marks an empty slot (weight 0).
+
+EPLB hook: `ReplicaMap` maps logical expert ids to physical slots; a token's replica is chosen
+deterministically and evenly by (token index + slot) modulo the expert's replica count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Router output for T tokens.
+
+    topk_ids_TK      int32/int64 [T, K]  logical (or, after ReplicaMap, physical) expert ids; -1 empty
+    topk_weights_TK  fp32 [T, K]         combine weights (0 on empty slots)
+    """
+
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+def _check_logits(logits_TE: torch.Tensor, cfg: MoEConfig) -> None:
+    if logits_TE.dim() != 2 or logits_TE.shape[1] != cfg.num_experts:
+        raise ValueError(f"router logits must be [T, num_experts={cfg.num_experts}], got "
+                         f"{tuple(logits_TE.shape)}")
+    if not logits_TE.is_floating_point():
+        raise ValueError(f"router logits must be floating point, got {logits_TE.dtype}")
+
+
+def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
+          id_dtype: torch.dtype = torch.int32) -> Routing:
+    """Select top_k experts per token. Computation in fp32 whatever the logits dtype."""
+    _check_logits(logits_TE, cfg)
+    if id_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")
+    logits = logits_TE.float()
+    k = cfg.top_k
+    if cfg.router == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        w, ids = torch.topk(probs, k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits) if cfg.router == "sigmoid_grouped" else \
+            torch.sqrt(torch.nn.functional.softplus(logits))
+        biased = scores if bias_E is None else scores + bias_E.float()
+        if cfg.n_group > 1:
+            t = biased.shape[0]
+            grouped = biased.view(t, cfg.n_group, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.topk(group_scores, cfg.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            biased = biased.masked_fill(~mask.unsqueeze(-1).expand_as(grouped).reshape(t, -1),
+                                        float("-inf"))
+        ids = torch.topk(biased, k, dim=-1).indices
+        w = scores.gather(1, ids)
+    if cfg.renormalize:
+        w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
+    w = w * cfg.routed_scaling_factor
+    return Routing(ids.to(id_dtype), w.float())
+
+
+@dataclass(frozen=True)
+class ReplicaMap:
+    """Logical -> physical expert slots of one layer (EPLB).
+
+    log2phy_ER  int64 [E, R_max]  physical slots of each logical expert, padded with -1
+    logcnt_E    int64 [E]         replicas per logical expert (>= 1)
+    """
+
+    log2phy_ER: torch.Tensor
+    logcnt_E: torch.Tensor
+
+    @staticmethod
+    def identity(num_experts: int, device=None) -> "ReplicaMap":
+        ids = torch.arange(num_experts, device=device)
+        return ReplicaMap(ids[:, None].clone(), torch.ones(num_experts, dtype=torch.long,
+                                                            device=device))
+
+    def to_physical(self, topk_ids_TK: torch.Tensor, token_offset: int = 0) -> torch.Tensor:
+        """Replica r = (global token index + k) mod count(expert); -1 stays -1."""
+        t, k = topk_ids_TK.shape
+        ids = topk_ids_TK.long()
+        valid = ids >= 0
+        safe = ids.clamp(min=0)
+        cnt = self.logcnt_E.to(ids.device)[safe]
+        tok = torch.arange(t, device=ids.device)[:, None] + token_offset
+        r = (tok + torch.arange(k, device=ids.device)[None, :]) % cnt
+        phys = self.log2phy_ER.to(ids.device)[safe, r]
+        return torch.where(valid, phys, torch.full_like(phys, -1)).to(topk_ids_TK.dtype)

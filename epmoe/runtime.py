@@ -1,0 +1,212 @@
+"""One rank's runtime: builds its layers (weights, comm, experts) and runs steps.
+
+The launcher creates one `Runtime` per rank (in-process for ep=1, a Ray actor otherwise) and
+drives all of them through `call(method, *args)`. A step runs every MoE layer of the stack on
+this rank's tokens; layer l+1 takes x + out of layer l (a residual stack without attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import make_comm
+from epmoe.config import MoEConfig, QuantConfig, get_preset
+from epmoe.experts.base import Experts
+from epmoe.layer import MoELayer
+from epmoe.parallel import LayerPlan
+from epmoe.router import ReplicaMap, Routing
+from epmoe.timing import StageTimer
+from epmoe.weights import synthetic_layer
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs; validated before any worker starts."""
+
+    model: str = "deepseek-v3-tiny"
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    form: str = "ep_dp"  # tp | ep | ep_dp
+    world: int = 1
+    backend: str = "auto"
+    experts: str = "auto"
+    tokens: int = 64  # per rank (ep_dp) or in total (tp / ep: replicated)
+    layers: int | None = None  # None = the preset's num_moe_layers
+    steps: int = 4
+    seed: int = 0
+    routing: str = "router"  # router | uniform | zipf:S | drift:S:P | trace:FILE
+    redundant_experts: int = 0
+    timeout_s: float = 120.0
+    check: bool = True  # keep last-step tensors for the oracle
+    model_overrides: tuple = ()  # ((field, value), ...) applied to the preset
+
+    @property
+    def cfg(self) -> MoEConfig:
+        cfg = get_preset(self.model)
+        if self.model_overrides:
+            cfg = cfg.replace(**dict(self.model_overrides))
+        return cfg
+
+    @property
+    def num_layers(self) -> int:
+        n = self.cfg.num_moe_layers if self.layers is None else self.layers
+        if n < 1:
+            raise ValueError(f"layers ({n}) must be >= 1")
+        return n
+
+    def plan(self, rank: int, backend: str) -> LayerPlan:
+        return LayerPlan(form=self.form, rank=rank, world=self.world,
+                         backend=backend if self.form == "ep_dp" or self.world == 1 else "local",
+                         experts=self.experts,
+                         num_slots=self.cfg.num_experts + self.redundant_experts)
+
+    def validate(self) -> None:
+        if self.world < 1:
+            raise ValueError(f"world ({self.world}) must be >= 1")
+        if self.tokens < 1:
+            raise ValueError(f"tokens ({self.tokens}) must be >= 1")
+        if self.steps < 1:
+            raise ValueError(f"steps ({self.steps}) must be >= 1")
+        self.num_layers  # noqa: B018  (validates)
+        self.plan(0, "local").validate(self.cfg, self.quant)
+
+    def replace(self, **kw) -> "RunConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _device_for(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Runtime:
+    def __init__(self, run: RunConfig, rank: int = 0, group=None, device=None,
+                 backend: str | None = None):
+        run.validate()
+        self.run, self.rank, self.group = run, rank, group
+        self.world = run.world
+        self.device = torch.device(device) if device is not None else _device_for(rank)
+        self.cfg = run.cfg
+        self.timer = StageTimer(enabled=True, device=self.device)
+        from epmoe.comm import resolve_backend
+
+        self.backend, self.backend_reason = resolve_backend(
+            backend or run.backend, run, self.device)
+        self.plan = run.plan(rank, self.backend)
+        self.replica_maps: list[ReplicaMap | None] = [None] * run.num_layers
+        self.layers = [self._build_layer(l) for l in range(run.num_layers)]
+        self.experts_reason = getattr(self, "_experts_reason", "")
+        self.step_ms: list[float] = []
+        self.last: list[dict] = []
+        # [L, slots] (token, k) pairs routed to each physical slot by this rank's tokens
+        self.load_LS = torch.zeros(run.num_layers, self.plan.slots(self.cfg), dtype=torch.long)
+
+    # ---------------------------------------------------------------- building
+    def _make_experts(self, weights) -> Experts:
+        try:
+            from epmoe.experts.select import make_experts
+        except ImportError:  # pragma: no cover (select ships with the package)
+            from epmoe.experts.torch_experts import TorchExperts
+
+            self._experts_reason = "torch: selector unavailable"
+            return TorchExperts(weights, self.cfg, self.run.quant)
+        experts, reason = make_experts(self.run.experts, weights, self.cfg, self.run.quant,
+                                       self.device)
+        self._experts_reason = reason
+        return experts
+
+    def _build_layer(self, l: int, slot_to_logical=None) -> MoELayer:
+        run, cfg, plan = self.run, self.cfg, self.plan
+        slots = plan.local_slots(cfg)
+        logical = [slot_to_logical[s] if slot_to_logical is not None else s % cfg.num_experts
+                   for s in slots]
+        with_shared, sslice = plan.shared_slice(cfg, run.quant)
+        w = synthetic_layer(cfg, run.quant, l, run.seed, logical, plan.inter_slice(cfg),
+                            sslice, with_shared, self.device)
+        w = dataclasses.replace(w, experts=dataclasses.replace(
+            w.experts, expert_ids_E=torch.as_tensor(slots, dtype=torch.long, device=self.device)))
+        experts = self._make_experts(w.experts)
+        shared = self._make_experts(w.shared) if w.shared is not None else None
+        comm = make_comm(self.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
+                         group=self.group, rank=self.rank, world=self.world, run=run,
+                         device=self.device)
+        return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
+                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
+
+    # ---------------------------------------------------------------- stepping
+    def tokens_for(self, step: int) -> torch.Tensor:
+        """This rank's input tokens: own tokens under ep_dp, the shared batch under tp/ep."""
+        src = self.rank if self.run.form == "ep_dp" else 0
+        g = torch.Generator().manual_seed(self.run.seed * 7919 + step * 131 + src + 1)
+        x = torch.randn(self.run.tokens, self.cfg.hidden, generator=g)
+        return x.to(torch.bfloat16).to(self.device)
+
+    def routing_for(self, step: int, l: int, x: torch.Tensor) -> Routing | None:
+        spec = self.run.routing
+        if spec == "router":
+            return None
+        from epmoe.eplb.routing import make_routing
+
+        cfg = self.cfg
+        n_src = self.world if self.run.form == "ep_dp" else 1
+        ids = make_routing(spec, self.run.num_layers, cfg.num_experts, cfg.top_k,
+                           self.run.tokens * n_src, step, self.run.seed)[l]
+        if self.run.form == "ep_dp":
+            ids = ids[self.rank * self.run.tokens:(self.rank + 1) * self.run.tokens]
+        g = torch.Generator().manual_seed(self.run.seed + step * 17 + l)
+        w = torch.softmax(torch.randn(ids.shape[0] * n_src, cfg.top_k, generator=g), -1)
+        if self.run.form == "ep_dp":
+            w = w[self.rank * self.run.tokens:(self.rank + 1) * self.run.tokens]
+        else:
+            w = w[:ids.shape[0]]
+        return Routing(ids.to(torch.int32).to(self.device),
+                       (w * cfg.routed_scaling_factor).to(self.device))
+
+    @property
+    def token_offset(self) -> int:
+        return self.rank * self.run.tokens if self.run.form == "ep_dp" else 0
+
+    def step(self, step: int) -> float:
+        """Run all layers once; returns this rank's step time in ms."""
+        x = self.tokens_for(step)
+        keep = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for l, layer in enumerate(self.layers):
+            r = self.routing_for(step, l, x)
+            out = layer.forward(x, r, token_offset=self.token_offset)
+            ids = layer.last_physical_ids.reshape(-1).long().cpu()
+            self.load_LS[l] += torch.bincount(ids[ids >= 0], minlength=self.load_LS.shape[1])
+            if self.run.check:
+                keep.append(dict(x=x.cpu(), out=out.cpu(),
+                                 ids=None if r is None else r.topk_ids_TK.cpu(),
+                                 w=None if r is None else r.topk_weights_TK.cpu(),
+                                 phys=layer.last_physical_ids.cpu()))
+            x = (x.float() + out.float()).to(torch.bfloat16)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.step_ms.append(ms)
+        self.last = keep
+        return ms
+
+    # ---------------------------------------------------------------- reporting
+    def report(self) -> dict:
+        """This rank's timings, loads and (if check) last-step tensors."""
+        stages = self.timer.collect()
+        return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
+                    stages_ms=stages, last=self.last, load_LS=self.load_LS.clone(),
+                    backend=self.backend, backend_reason=self.backend_reason,
+                    experts_reason=self.experts_reason)
+
+    def call(self, method: str, *args, **kwargs):
+        """The one entry the driver uses (Ray actors forward to it)."""
+        return getattr(self, method)(*args, **kwargs)
