@@ -68,7 +68,9 @@ def round_e4m3(x):
     quantum = ((127 + (e - 3)) << 23).to(tl.float32, bitcast=True)
     t = tl.abs(x) * inv_quantum  # exact (power of two), t < 2**4
     t = ((t + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2**23: round to nearest even integer
-    return tl.where(x < 0, -t, t)  # keeps the sign of -0.0 and of values rounding to 0
+    # Copy x's sign bit (a value rounding to zero keeps it: -0.0); `-t` would be 0 - t = +0.0.
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+    return (t.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
