@@ -1,0 +1,246 @@
+"""Grouped GEMM y = x @ w[e].T over the contiguous and the masked expert layouts.
+
+Contiguous: rows [M, K] with row_expert_M; groups are aligned to the layout's alignment, and
+BLOCK_M divides it, so each BLOCK_M tile belongs to one expert (read from its first row; a tile
+whose first row is padding is all padding and skipped). Masked: x [E, C, K] with counts [E];
+tiles past an expert's count are skipped. Recipes (acc fp32, out bf16):
+
+  bf16        bf16 x bf16
+  fp8_block   fp8 x fp8, per K block of 128: acc += dot * a_scale[row, kb] * w_scale[n/128, kb]
+              (activation scales fp32 any strides, or packed UE8M0 int32)
+  mxfp8       fp8 x fp8 with e8m0 scales per 32 on both sides, dequantized to bf16 in-kernel
+  w4a8_mxfp4  e2m1 weights (two a byte) x e8m0 per 32, decoded in-kernel to bf16; fp8
+              activations, per-128 fp32 scales applied to the fp32 partial sums
+
+Names follow DeepGEMM's grammar: m-grouped, nt (w stored [N, K]), contiguous / masked.
+"""
+
+from __future__ import annotations
+
+from epmoe.kernels._common import INTERPRET, check, round_bf16
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.layout import ContiguousLayout  # noqa: E402
+from epmoe.quant import FP8_DTYPE, QTensor, QWeight  # noqa: E402
+
+_RECIPE_ID = {"bf16": 0, "fp8_block": 1, "mxfp8": 2, "w4a8_mxfp4": 3}
+
+
+@triton.jit
+def _e8m0_to_fp32(e):
+    e = e.to(tl.int32)
+    bits = tl.where(e == 0, 0x400000, e << 23)  # 2**-127 is subnormal
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_fp32(c):
+    """uint8/int32 codes 0..15 -> fp32: magnitude 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign."""
+    c = c.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bn, w, s in ((128, 4, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4))]
+
+
+def _maybe_autotune(fn):
+    """Autotune BLOCK_N / warps / stages on GPU; the interpreter runs one fixed config."""
+    if INTERPRET:
+        return fn
+    return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M"])(fn)
+
+
+@_maybe_autotune
+@triton.jit
+def _grouped_gemm_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr,
+        M, N, K, stride_am, stride_as_m, stride_as_g,
+        stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm,
+        RECIPE: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
+        DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if MASKED:  # M = capacity C; rows of expert e are [e*C, e*C + count)
+        e = tl.program_id(2)
+        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        run = pid_m * BLOCK_M < tl.load(counts_ptr + e)
+        rows = e * M + local
+        row_mask = local < M
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        e = tl.load(row_expert_ptr + pid_m * BLOCK_M)
+        run = e >= 0
+        row_mask = rows < M
+    if run:
+        rows64 = rows.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e64 = e.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(a_ptr + rows64[:, None] * stride_am + offs_k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if RECIPE == 3:  # e2m1 codes: bytes [BLOCK_N, BLOCK_K // 2], low nibble first
+                offs_kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                packed = tl.load(b_ptr + e64 * stride_be + offs_n[:, None] * stride_bn
+                                 + offs_kh[None, :],
+                                 mask=n_mask[:, None] & (offs_kh < K // 2)[None, :], other=0)
+                packed = packed.to(tl.int32)
+                w = tl.reshape(tl.join(_e2m1_to_fp32(packed & 15), _e2m1_to_fp32(packed >> 4)),
+                               (BLOCK_N, BLOCK_K))
+            else:
+                w = tl.load(b_ptr + e64 * stride_be + offs_n[:, None] * stride_bn
+                            + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if RECIPE >= 2:  # e8m0 weight scales per 32 columns: dequantize to bf16 in-kernel
+                offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                ws = _e8m0_to_fp32(tl.load(bs_ptr + e64 * stride_bs_e
+                                           + offs_n[:, None] * stride_bs_n
+                                           + offs_g[None, :] * stride_bs_k,
+                                           mask=n_mask[:, None] & (offs_g < K // 32)[None, :],
+                                           other=127))
+                w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+                               * ws[:, :, None], (BLOCK_N, BLOCK_K))
+            if RECIPE == 2:  # mxfp8 activations: e8m0 per 32 as well
+                offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                a_s = _e8m0_to_fp32(tl.load(as_ptr + rows64[:, None] * stride_as_m
+                                            + offs_g[None, :] * stride_as_g,
+                                            mask=row_mask[:, None] & (offs_g < K // 32)[None, :],
+                                            other=127))
+                a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
+                               * a_s[:, :, None], (BLOCK_M, BLOCK_K))
+            if DOT_FP32:
+                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+            elif RECIPE >= 2:
+                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            else:
+                part = tl.dot(a, tl.trans(w))
+            if RECIPE == 1 or RECIPE == 3:  # per-row activation scale of this K block of 128
+                kb = k0 // 128
+                if A_PACKED:
+                    word = tl.load(as_ptr + rows64 * stride_as_m + (kb // 4) * stride_as_g,
+                                   mask=row_mask, other=0)
+                    a_s = _e8m0_to_fp32((word >> (8 * (kb % 4))) & 255)
+                else:
+                    a_s = tl.load(as_ptr + rows64 * stride_as_m + kb * stride_as_g,
+                                  mask=row_mask, other=0.0)
+                part = part * a_s[:, None]
+            if RECIPE == 1:  # 128 x 128 weight block scales
+                b_s = tl.load(bs_ptr + e64 * stride_bs_e + (offs_n // 128) * stride_bs_n
+                              + (k0 // 128) * stride_bs_k, mask=n_mask, other=0.0)
+                part = part * b_s[None, :]
+            acc += part
+        if PRE_ROUND:
+            acc = round_bf16(acc)
+        tl.store(c_ptr + rows64[:, None] * stride_cm + offs_n[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _check_operands(x: QTensor, w: QWeight) -> None:
+    check(isinstance(x, QTensor) and isinstance(w, QWeight),
+          f"x must be a QTensor and w a QWeight, got {type(x).__name__}, {type(w).__name__}")
+    check(w.recipe in _RECIPE_ID, f"weight recipe ({w.recipe!r}) must be one of "
+          f"{tuple(_RECIPE_ID)}")
+    check(x.recipe == w.recipe, f"activation recipe ({x.recipe!r}) must match the weights' "
+          f"({w.recipe!r}); quantize activations with the weights' QuantConfig")
+    want = torch.bfloat16 if w.recipe == "bf16" else FP8_DTYPE
+    check(x.data.dtype == want, f"x.data dtype ({x.data.dtype}) must be {want} for recipe "
+          f"{w.recipe}")
+    check(x.data.stride(-1) == 1, f"x.data rows must be contiguous (stride {x.data.stride()})")
+    check(w.data.is_contiguous(), "w.data must be contiguous; call .contiguous() on it")
+    k = x.data.shape[-1]
+    check(w.shape[2] == k, f"x columns K ({k}) must equal the weights' K ({w.shape[2]})")
+    if w.recipe != "bf16":
+        check(k % 128 == 0, f"K ({k}) must be a multiple of 128 for recipe {w.recipe}")
+        check(x.scale is not None, f"x.scale is None but recipe {w.recipe} needs scales")
+
+
+def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tensor,
+            row_expert, counts, m: int, grid_m: int, num_e: int, block_m: int, masked: bool):
+    e, n, k = w.shape
+    recipe = _RECIPE_ID[w.recipe]
+    packed = x.scale_fmt == "ue8m0_packed" and recipe in (1, 3)
+    a_data, b_data = a_2d, w.data
+    bs = w.scale if w.scale is not None else w.data
+    s = s_2d if s_2d is not None else a_2d
+    block_k = 64 if recipe == 0 else 128
+    kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, DOT_FP32=INTERPRET,
+                  PRE_ROUND=INTERPRET, BLOCK_M=block_m, BLOCK_K=block_k)
+    if INTERPRET:
+        kwargs.update(BLOCK_N=min(128, triton.next_power_of_2(n)), num_warps=4)
+
+    def grid(meta):
+        return (grid_m, triton.cdiv(n, meta["BLOCK_N"]), num_e)
+
+    _grouped_gemm_kernel[grid](
+        a_data, s, b_data, bs, out_2d, row_expert, counts, m, n, k,
+        a_2d.stride(0), s.stride(0) if s_2d is not None else 0,
+        s.stride(1) if s_2d is not None else 0,
+        b_data.stride(0), b_data.stride(1), bs.stride(0) if w.scale is not None else 0,
+        bs.stride(1) if w.scale is not None else 0, bs.stride(2) if w.scale is not None else 0,
+        out_2d.stride(0), **kwargs)
+
+
+def _pick_block_m(alignment: int) -> int:
+    for bm in (128, 64, 32, 16):
+        if alignment % bm == 0:
+            return bm
+    raise ValueError(f"layout alignment ({alignment}) must be a multiple of 16 for the Triton "
+                     f"grouped GEMM (its smallest BLOCK_M); build the layout with alignment 16+")
+
+
+def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: ContiguousLayout,
+                                        block_m: int | None = None) -> torch.Tensor:
+    """x [M, K] rows of `layout` (QTensor of w's recipe), w [E, N, K] -> y [M, N] bf16.
+    Padding rows of y are left unwritten (any value)."""
+    _check_operands(x, w)
+    check(x.data.dim() == 2 and x.data.shape[0] == layout.num_rows,
+          f"x.data shape {tuple(x.data.shape)} must be [M, K] with M = layout.num_rows "
+          f"({layout.num_rows})")
+    check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
+          f"weights {w.shape[0]}; build the layout with num_experts = w.shape[0]")
+    bm = _pick_block_m(layout.alignment) if block_m is None else block_m
+    check(layout.alignment % bm == 0, f"BLOCK_M ({bm}) must divide the layout's alignment "
+          f"({layout.alignment}): a tile must not straddle two experts; pass a smaller "
+          f"block_m or build the layout with alignment a multiple of {bm}")
+    m = layout.num_rows
+    out = torch.empty((m, w.shape[1]), dtype=torch.bfloat16, device=x.data.device)
+    if m == 0:
+        return out
+    _launch(x, w, x.data, x.scale, out, layout.row_expert_M, layout.counts_E, m,
+            triton.cdiv(m, bm), 1, bm, masked=False)
+    return out
+
+
+def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tensor,
+                                    block_m: int = 64) -> torch.Tensor:
+    """x [E, C, K] (scales [E, C, G], or [E*C, G] rows for packed UE8M0), counts [E] ->
+    y [E, C, N] bf16; rows past each count are left unwritten (any value)."""
+    _check_operands(x, w)
+    check(x.data.dim() == 3 and x.data.shape[0] == w.shape[0],
+          f"x.data shape {tuple(x.data.shape)} must be [E, C, K] with E = {w.shape[0]}")
+    check(x.data.is_contiguous(), "x.data must be contiguous [E, C, K]; call .contiguous()")
+    check(counts_E.dtype == torch.int32 and tuple(counts_E.shape) == (w.shape[0],),
+          f"counts_E must be int32 [{w.shape[0]}], got {counts_E.dtype} {tuple(counts_E.shape)}")
+    e, c, k = x.data.shape
+    s = x.scale
+    if s is not None and s.dim() == 3:
+        s = s.reshape(e * c, s.shape[2])  # a view when rows flatten, else a copy
+    out = torch.empty((e, c, w.shape[1]), dtype=torch.bfloat16, device=x.data.device)
+    if e * c == 0:
+        return out
+    _launch(x, w, x.data.view(e * c, k), s, out.view(e * c, -1), counts_E, counts_E, c,
+            triton.cdiv(c, block_m), e, block_m, masked=True)
+    return out
+
+
+__all__ = ["triton_m_grouped_gemm_nt_contiguous", "triton_m_grouped_gemm_nt_masked"]
