@@ -5,6 +5,7 @@ Configuration is typed dataclasses (epmoe.config); nothing here changes numerics
 | EPMOE_LOG_LEVEL | log level of the `epmoe` logger (default WARNING) |
 | EPMOE_TRITON_INTERPRET | 1: force Triton's CPU interpreter even with CUDA present (debugging) |
 | EPMOE_RAY_TMPDIR | Ray's temp dir for local clusters (default: Ray's own) |
+| EPMOE_FAULT | tests only: "RANK:METHOD:exit|hang|raise" makes that rank fail in that call |
 Without CUDA, TRITON_INTERPRET=1 is set before any Triton kernel is defined, so kernels run on CPU.
 """
 
@@ -16,6 +17,7 @@ import os
 LOG_LEVEL = os.environ.get("EPMOE_LOG_LEVEL", "WARNING").upper()
 FORCE_TRITON_INTERPRET = os.environ.get("EPMOE_TRITON_INTERPRET", "0") == "1"
 RAY_TMPDIR = os.environ.get("EPMOE_RAY_TMPDIR") or None
+FAULT = os.environ.get("EPMOE_FAULT", "")
 
 
 def _cuda_available() -> bool:

@@ -1,7 +1,8 @@
 """Moving tensors through torch.distributed portably (gloo and NCCL).
 
-gloo rejects fp8 (and a failed collective can wedge the group): every payload travels as a
-same-width integer view, which is bit-exact. Packed UE8M0 scales travel as their fp32 values
+gloo rejects fp8 and int16 (and a failed collective can wedge the group): every floating
+payload travels as its raw bytes (a uint8 view, last dim times the element size): bit-exact,
+and valid on every backend. Packed UE8M0 scales travel as their fp32 values
 (`wire_quant`), packing happens next to the GEMM that reads them.
 """
 
@@ -13,17 +14,18 @@ import torch.distributed as dist
 from epmoe.config import QuantConfig
 from epmoe.quant import QTensor
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def as_wire(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous integer view of t (same bytes)."""
+    """Floating tensors as contiguous uint8 bytes [..., D * itemsize]; integers unchanged."""
     t = t.contiguous()
-    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+    if not t.is_floating_point():
+        return t
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8)
 
 
 def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.view(dtype)
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 def wire_quant(quant: QuantConfig) -> QuantConfig:
@@ -36,7 +38,7 @@ def all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[i
                     group) -> torch.Tensor:
     """Rows of x (grouped by destination) -> rows received (grouped by source)."""
     w = as_wire(x)
-    out = torch.empty((sum(recv_splits), *x.shape[1:]), dtype=w.dtype, device=x.device)
+    out = torch.empty((sum(recv_splits), *w.shape[1:]), dtype=w.dtype, device=x.device)
     dist.all_to_all_single(out, w, recv_splits, send_splits, group=group)
     return from_wire(out, x.dtype)
 
@@ -51,6 +53,6 @@ def all_to_all_qtensor(x: QTensor, send_splits, recv_splits, group) -> QTensor:
 def all_gather_rows(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """Equal-size row blocks from every rank, concatenated in rank order."""
     w = as_wire(x)
-    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=w.dtype, device=x.device)
+    out = torch.empty((world * w.shape[0], *w.shape[1:]), dtype=w.dtype, device=x.device)
     dist.all_gather_into_tensor(out, w, group=group)
     return from_wire(out, x.dtype)

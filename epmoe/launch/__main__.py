@@ -1,0 +1,5 @@
+import sys
+
+from epmoe.launch.cli import main
+
+sys.exit(main())

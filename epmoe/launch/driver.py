@@ -1,0 +1,216 @@
+"""Drive N ranks: in-process for one rank, Ray actors in a placement group otherwise.
+
+Every wait has a deadline. A rank that dies or hangs becomes a `LaunchError` naming the rank
+and the stage; all workers are then torn down (actors killed, placement group removed, the
+Ray cluster stopped if we started it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+from epmoe.env import RAY_TMPDIR, SAFETY_ENV, logger
+from epmoe.runtime import RunConfig, Runtime
+
+
+class LaunchError(RuntimeError):
+    """A run failed: which rank, which stage, why."""
+
+
+def _progress(total: int, quiet: bool):
+    if quiet:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    p = Progress(TextColumn("[bold]steps"), BarColumn(), MofNCompleteColumn(),
+                 TimeElapsedColumn(), transient=True)
+    p.start()
+    p.add_task("steps", total=total)
+    return p
+
+
+class InProcessDriver:
+    """One rank, no Ray, no process group."""
+
+    def __init__(self, run: RunConfig, quiet: bool = False):
+        self.run, self.quiet = run, quiet
+
+    def execute(self) -> tuple[list[dict], list[dict]]:
+        rt = Runtime(self.run)
+        bar = _progress(self.run.steps, self.quiet)
+        try:
+            for s in range(self.run.steps):
+                rt.step(s)
+                if bar:
+                    bar.advance(bar.task_ids[0])
+        finally:
+            if bar:
+                bar.stop()
+        where = [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(rt.device),
+                      pid=os.getpid())]
+        return [rt.report()], where
+
+    def close(self):
+        pass
+
+
+class RayDriver:
+    """world ranks as Ray actors (one GPU each on CUDA machines, fractional CPUs otherwise)."""
+
+    def __init__(self, run: RunConfig, address: str | None = None, use_gpu: bool | None = None,
+                 quiet: bool = False, num_cpus: int | None = None):
+        self.run, self.address, self.quiet = run, address, quiet
+        self.num_cpus = num_cpus
+        self.use_gpu = use_gpu
+        self.actors, self.pg, self.started_ray = [], None, False
+
+    # ------------------------------------------------------------------ cluster
+    def _connect(self):
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        env = dict(SAFETY_ENV, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        for k, v in os.environ.items():
+            if k.startswith("EPMOE_") or k in ("TRITON_INTERPRET", "PYTHONPATH", "LD_LIBRARY_PATH",
+                                               "NVSHMEM_REMOTE_TRANSPORT",
+                                               "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"):
+                env[k] = v
+        self.env = env
+        kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                  runtime_env={"env_vars": env})
+        if ray.is_initialized():
+            return ray
+        if self.address:
+            ray.init(address=self.address, **kw)
+        else:
+            import torch
+
+            gpus = torch.cuda.device_count() if self.use_gpu is not False else 0
+            cpus = self.num_cpus or max(self.run.world, os.cpu_count() or 1)
+            ray.init(num_cpus=cpus, num_gpus=gpus, _temp_dir=RAY_TMPDIR, **kw)
+            self.started_ray = True
+        return ray
+
+    def _check_capacity(self, ray, per_rank: dict):
+        total = ray.cluster_resources()
+        for res, amount in per_rank.items():
+            have = total.get(res, 0)
+            if have < amount * self.run.world:
+                raise LaunchError(
+                    f"the cluster has {have:g} {res}, but {self.run.world} ranks need "
+                    f"{amount * self.run.world:g} ({amount:g} each): lower --ep/--tp or add nodes")
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, stage: str, refs: list, timeout: float | None = None):
+        """ray.get on one ref per rank with a deadline; failures name the rank and stage."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        timeout = self.run.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = {ref: r for r, ref in enumerate(refs)}
+        results = [None] * len(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(pending.values())
+                raise LaunchError(f"rank(s) {ranks} did not finish stage '{stage}' within "
+                                  f"{timeout:g} s (hung or too slow; raise --timeout if the "
+                                  f"job is just slow)")
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    results[r] = ray.get(ref)
+                except RayActorError as e:
+                    raise LaunchError(f"rank {r} died during stage '{stage}': "
+                                      f"{str(e).splitlines()[0]}") from None
+                except RayTaskError as e:
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise LaunchError(f"rank {r} failed in stage '{stage}': "
+                                      f"{type(cause).__name__}: {cause}") from None
+                except GetTimeoutError:  # pragma: no cover
+                    pending[ref] = r
+        return results
+
+    def _all(self, stage: str, method: str, *args, timeout=None):
+        return self._wait(stage, [getattr(a, method).remote(*args) for a in self.actors],
+                          timeout)
+
+    # ------------------------------------------------------------------ run
+    def execute(self) -> tuple[list[dict], list[dict]]:
+        ray = self._connect()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from epmoe.launch.worker import Worker
+
+        import torch
+
+        gpu = self.use_gpu if self.use_gpu is not None else torch.cuda.is_available()
+        per_rank = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self._check_capacity(ray, per_rank)
+        self.pg = placement_group([dict(per_rank) for _ in range(self.run.world)],
+                                  strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.run.timeout_s)
+        except Exception:
+            raise LaunchError(f"placement group of {self.run.world} x {per_rank} not ready "
+                              f"within {self.run.timeout_s:g} s: the cluster lacks resources "
+                              f"(check `ray status`)") from None
+        actor_cls = ray.remote(Worker)
+        for r in range(self.run.world):
+            opts = dict(num_cpus=1, num_gpus=1 if gpu else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self.pg, placement_group_bundle_index=r),
+                        runtime_env={"env_vars": self.env})
+            self.actors.append(actor_cls.options(**opts).remote(r, self.run.world, self.env))
+        where = self._all("start", "where")
+        addr, port = ray.get(self.actors[0].free_port.remote(), timeout=self.run.timeout_s)
+        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s)
+        self._all("build", "build", self.run)
+        bar = _progress(self.run.steps, self.quiet)
+        try:
+            for s in range(self.run.steps):
+                self._all(f"step {s}", "call", "step", s)
+                if bar:
+                    bar.advance(bar.task_ids[0])
+        finally:
+            if bar:
+                bar.stop()
+        reports = self._all("report", "call", "report")
+        return reports, where
+
+    def close(self):
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # pragma: no cover
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+            except Exception:  # pragma: no cover
+                pass
+            self.pg = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        logger.debug("ray driver closed")
+
+
+@contextmanager
+def driver_for(run: RunConfig, address: str | None = None, quiet: bool = False,
+               use_gpu: bool | None = None, num_cpus: int | None = None):
+    d = (InProcessDriver(run, quiet) if run.world == 1 and address is None
+         else RayDriver(run, address, use_gpu=use_gpu, quiet=quiet, num_cpus=num_cpus))
+    try:
+        yield d
+    finally:
+        d.close()

@@ -1,0 +1,188 @@
+"""Turn the ranks' reports into one summary: oracle check, timing, load; a table and JSON."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+
+import torch
+
+from epmoe import __version__
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.runtime import RunConfig
+from epmoe.weights import synthetic_layer
+
+# Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
+MAX_CHECK_TOKENS_PER_RANK = 64
+
+
+class LazyOracleLayer:
+    """The float64 oracle's weights of one layer, built per expert on first use (a full-size
+    model never materializes all of its experts)."""
+
+    def __init__(self, run: RunConfig, layer: int):
+        self.run, self.layer = run, layer
+        lw = synthetic_layer(run.cfg, run.quant, layer, run.seed, [], with_shared=True)
+        from epmoe.weights import layer_to_oracle
+
+        self.gate, self.bias, _, _, self.shared = layer_to_oracle(lw)
+        self._cache: dict[int, tuple] = {}
+        outer = self
+
+        class _Idx:
+            def __init__(self, j):
+                self.j = j
+
+            def __getitem__(self, e):
+                return outer._expert(int(e))[self.j]
+
+        self.w13, self.w2 = _Idx(0), _Idx(1)
+
+    def _expert(self, e: int):
+        if e not in self._cache:
+            from epmoe.quant import dequantize_weight
+
+            lw = synthetic_layer(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
+                                 with_shared=False)
+            self._cache[e] = (dequantize_weight(lw.experts.w13)[0].double(),
+                              dequantize_weight(lw.experts.w2)[0].double())
+        return self._cache[e]
+
+    def as_tuple(self):
+        return self.gate, self.bias, self.w13, self.w2, self.shared
+
+
+def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
+    """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
+    if not run.check or not reports[0]["last"]:
+        return dict(checked=False, passed=None, max_rel_err=None,
+                    tolerance=TOLERANCE[run.quant.recipe])
+    srcs = reports if run.form == "ep_dp" else reports[:1]
+    per_layer = []
+    n_check = min(run.tokens, MAX_CHECK_TOKENS_PER_RANK)
+    for l in range(run.num_layers):
+        recs = [r["last"][l] for r in srcs]
+        x = torch.cat([rec["x"][:n_check] for rec in recs])
+        out = torch.cat([rec["out"][:n_check] for rec in recs])
+        ids = w = None
+        if recs[0]["ids"] is not None:
+            ids = torch.cat([rec["ids"][:n_check] for rec in recs])
+            w = torch.cat([rec["w"][:n_check] for rec in recs])
+        oracle = LazyOracleLayer(run, l).as_tuple()
+        ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
+        per_layer.append(max_rel_err(out, ref))
+        if run.form != "ep_dp":  # replicated tokens: every rank must hold the same output
+            for r in reports[1:]:
+                other = r["last"][l]["out"][:n_check]
+                per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
+    tol = TOLERANCE[run.quant.recipe]
+    worst = max(per_layer)
+    return dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
+                per_layer=per_layer, tokens_checked=n_check * len(srcs),
+                metric="max|out-ref| / max|ref| per layer, float64 oracle")
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dict | None = None) -> dict:
+    world = run.world
+    steps = len(reports[0]["step_ms"])
+    step_ms = [max(r["step_ms"][s] for r in reports) for s in range(steps)]
+    timed = step_ms[1:] if steps > 1 else step_ms  # step 0 warms up
+    stages = {}
+    order = ["router", "dispatch", "experts", "combine", "shared", "all_reduce"]
+    names = {k for r in reports for k in r["stages_ms"]}
+    for name in [n for n in order if n in names] + sorted(names - set(order)):
+        vals = [v for r in reports for v in r["stages_ms"].get(name, [])]
+        # per-call median, times calls per step = ms per step spent in the stage
+        per_step = len(vals) / (len(reports) * steps)
+        stages[name] = _median(vals) * per_step
+    tokens_step = run.tokens * (world if run.form == "ep_dp" else 1)
+    load_src = reports if run.form == "ep_dp" else reports[:1]
+    load_LS = sum(r["load_LS"] for r in load_src)  # [L, slots]
+    cfg = run.cfg
+    slots = load_LS.shape[1]
+    per_slot = load_LS.sum(0)
+    per_rank = [int(x) for x in per_slot.view(world, -1).sum(1)] if run.form != "tp" else \
+        [int(per_slot.sum())] * world
+    per_expert = torch.zeros(cfg.num_experts, dtype=torch.long)
+    logical = [int(s % cfg.num_experts) for s in range(slots)]
+    if extra and "slot_to_logical" in extra:
+        logical = extra.pop("slot_to_logical")
+    per_expert.index_add_(0, torch.tensor(logical), per_slot)
+    bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
+    nodes = sorted({w["node_id"] for w in where})
+    summary = dict(
+        epmoe_version=__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        config=dict(model=run.model, recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
+                    tokens_per_rank=run.tokens if run.form == "ep_dp" else None,
+                    tokens=tokens_step, layers=run.num_layers, steps=run.steps, seed=run.seed,
+                    routing=run.routing, hidden=cfg.hidden, moe_intermediate=cfg.moe_intermediate,
+                    num_experts=cfg.num_experts, top_k=cfg.top_k),
+        world=dict(form=run.form, ep=world if run.form != "tp" else 1,
+                   tp=world if run.form == "tp" else 1, dp=world if run.form == "ep_dp" else 1,
+                   backend=reports[0]["backend"], backend_reason=reports[0]["backend_reason"],
+                   experts=reports[0]["experts_reason"], device=reports[0]["device"],
+                   nodes=len(nodes),
+                   ranks=[dict(rank=w["rank"], host=w["host"], node=nodes.index(w["node_id"]),
+                               device=w["device"]) for w in where]),
+        correctness=check_correctness(run, reports),
+        timing=dict(step_ms_median=_median(timed), step_ms=step_ms, stages_ms=stages,
+                    tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
+                    note="step = all layers, max over ranks; median excludes step 0 (warm-up)"),
+        load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
+                  balancedness=bal, unit="(token, k) pairs summed over layers and steps"),
+    )
+    if extra:
+        summary.update(extra)
+    return summary
+
+
+def render(summary: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c, w, t, ld = (summary["correctness"], summary["world"], summary["timing"], summary["load"])
+    cfg = summary["config"]
+    head = Table(title=f"epmoe: {cfg['model']} x{cfg['layers']} layers, {cfg['recipe']}, "
+                       f"form {w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)",
+                 show_header=False)
+    head.add_row("backend", f"{w['backend']} ({w['backend_reason']})")
+    head.add_row("experts", str(w["experts"]))
+    head.add_row("device", w["device"])
+    if c.get("checked"):
+        ok = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
+        head.add_row("correctness", f"{ok} max rel err {c['max_rel_err']:.2e} <= tol "
+                                    f"{c['tolerance']:.0e} over {c['tokens_checked']} tokens")
+    else:
+        head.add_row("correctness", "not checked (--no-check)")
+    head.add_row("step time", f"{t['step_ms_median']:.2f} ms median  ({t['tokens_per_s']:.0f} "
+                              f"tokens/s)")
+    head.add_row("balancedness", f"{ld['balancedness']:.3f} (mean/max tokens per rank)")
+    console.print(head)
+    st = Table(title="stages (ms per step, median over ranks)")
+    for name in t["stages_ms"]:
+        st.add_column(name, justify="right")
+    st.add_row(*[f"{v:.3f}" for v in t["stages_ms"].values()])
+    console.print(st)
+    rk = Table(title="ranks")
+    for col in ("rank", "node", "host", "tokens routed here"):
+        rk.add_column(col, justify="right")
+    for r in w["ranks"]:
+        rk.add_row(str(r["rank"]), str(r["node"]), r["host"],
+                   str(ld["tokens_per_rank"][r["rank"]]))
+    console.print(rk)
+    per_e = ld["tokens_per_expert"]
+    tot = max(sum(per_e), 1)
+    hot = sorted(range(len(per_e)), key=lambda e: -per_e[e])[:8]
+    console.print("per-expert load (share of (token,k) pairs), hottest first: "
+                  + ", ".join(f"e{e} {per_e[e] / tot:.1%}" for e in hot)
+                  + f"  | min {min(per_e) / tot:.1%}, ideal {1 / len(per_e):.1%}")
+    if "eplb" in summary:
+        from epmoe.launch.eplb_report import render_eplb
+
+        render_eplb(summary["eplb"], console)
