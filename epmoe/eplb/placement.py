@@ -44,8 +44,7 @@ class Placement:
     def from_phy2log(cls, phy2log_LR, num_experts: int, num_gpus: int) -> Placement:
         p = np.asarray(phy2log_LR, dtype=np.int64)
         L, R = p.shape
-        cnt = np.zeros((L, num_experts), np.int64)
-        np.add.at(cnt, (np.arange(L)[:, None], p), 1)
+        cnt = _counts(p, num_experts)
         order = np.argsort(p, axis=1, kind="stable")  # slots grouped by expert, ascending
         start = np.cumsum(cnt, 1) - cnt
         e_sorted = np.take_along_axis(p, order, 1)
@@ -134,7 +133,6 @@ def rebalance_incremental(weight_LE, old: Placement, num_groups: int, num_nodes:
     _validate(w, old.num_slots, num_groups, num_nodes, num_gpus)
     L, E = w.shape
     R, S = old.num_slots, old.slots_per_gpu
-    rows = np.arange(L)
     old_p, old_cnt = old.phy2log.numpy(), old.logcnt.numpy()
     cnt, _ = _greedy_counts(w, R)
     keep_old = (w / old_cnt).max(1) <= (w / cnt).max(1) * (1 + 1e-12)
@@ -152,11 +150,10 @@ def rebalance_incremental(weight_LE, old: Placement, num_groups: int, num_nodes:
     kept_load = np.where(keep, np.take_along_axis(per_copy, old_p, 1), 0.0)
     bin_load = kept_load.reshape(L, num_gpus, S).sum(-1)
     bin_free = (~keep).reshape(L, num_gpus, S).sum(-1)
-    has = np.zeros((L, num_gpus, E), np.int16)
-    np.add.at(has, (rows[:, None], np.arange(R)[None, :] // S, old_p), keep.astype(np.int16))
+    has = _counts((np.arange(R) // S * E + old_p).reshape(L, R), num_gpus * E, keep)
+    has = has.reshape(L, num_gpus, E)
     # the missing replicas, heaviest first, padded to the same count per layer
-    kept_cnt = np.zeros((L, E), np.int64)
-    np.add.at(kept_cnt, (rows[:, None], old_p), keep.astype(np.int64))
+    kept_cnt = _counts(old_p, E, keep)
     need = cnt - kept_cnt
     num_new = need.sum(1)
     N = int(num_new.max())
@@ -232,6 +229,14 @@ def _check_hierarchical(E, num_groups, num_nodes) -> None:
 # building blocks, vectorized over a batch B of rows (layers, or layers x nodes)
 
 
+def _counts(idx_BN, num_bins, mask_BN=None) -> np.ndarray:
+    """int64 [B, num_bins]: how often each value occurs per row (only where mask_BN)."""
+    B = idx_BN.shape[0]
+    flat = (idx_BN + np.arange(B)[:, None] * num_bins).ravel()
+    wts = None if mask_BN is None else mask_BN.ravel().astype(np.int64)
+    return np.bincount(flat, wts, minlength=B * num_bins).astype(np.int64).reshape(B, num_bins)
+
+
 def _gpu_loads(w, phy2log, cnt, num_gpus) -> np.ndarray:
     L, R = phy2log.shape
     slot = np.take_along_axis(w / cnt, phy2log, 1)
@@ -240,8 +245,7 @@ def _gpu_loads(w, phy2log, cnt, num_gpus) -> np.ndarray:
 
 def _max_load(w, phy2log, num_gpus, cnt=None) -> np.ndarray:
     if cnt is None:
-        cnt = np.zeros_like(w, dtype=np.int64)
-        np.add.at(cnt, (np.arange(w.shape[0])[:, None], phy2log), 1)
+        cnt = _counts(phy2log, w.shape[1])
     return _gpu_loads(w, phy2log, cnt, num_gpus).max(1)
 
 
@@ -327,53 +331,78 @@ def _round_match(load_BN, expert_BN, num_bins):
     return bin_BN
 
 
-def _refine(load_BGS, expert_BGS, num_experts, max_rounds=48, num_partners=8):
-    """Swap a pair between the max-load bin and one of the `num_partners` lightest bins while
-    that strictly lowers the max-load bin without making the partner as heavy, and puts no
-    second copy of an expert on a bin. In place."""
+def _refine(load_BGS, expert_BGS, num_experts, sweeps=8, num_pairs=4, polish=12,
+            num_partners=16):
+    """Lower the max bin load by swapping one item pair between two bins, in place.
+
+    A swap moves load d > 0 from the heavier bin h to the lighter bin l; it is taken only if
+    both new loads stay below the old load of h (so the sorted load vector strictly drops)
+    and it puts no second copy of an expert on either bin. `sweeps` rounds pair the q-th
+    heaviest bin with the q-th lightest (q < num_pairs, all pairs at once), then `polish` rounds try the
+    max bin against the `num_partners` lightest bins."""
     B, G, S = load_BGS.shape
-    P = min(num_partners, G - 1)
-    if P < 1:
+    if G < 2:
         return
-    cnt = np.zeros((B, G, num_experts), np.int16)
-    np.add.at(cnt, (np.arange(B)[:, None, None], np.arange(G)[None, :, None], expert_BGS), 1)
+    flat = (np.arange(B)[:, None, None] * G + np.arange(G)[None, :, None]) * num_experts
+    cnt = np.bincount((flat + expert_BGS).ravel(), minlength=B * G * num_experts)
+    E = num_experts
+    cnt = cnt.reshape(B, G, E)
+    cnt_flat = cnt.reshape(-1)  # a view: swaps update both
+    I, J = np.repeat(np.arange(S), S), np.tile(np.arange(S), S)
+
+    def best(rows, h, l):  # rows [n], h, l [n, Q] -> (new max [n, Q, S*S], load of h [n, Q])
+        rq = rows[:, None]
+        xh, xl = load_BGS[rq, h], load_BGS[rq, l]
+        lh, ll = xh.sum(-1), xl.sum(-1)
+        d = xh[:, :, I] - xl[:, :, J]
+        new_max = np.maximum(lh[..., None] - d, ll[..., None] + d)
+        base = rq * G
+        l_has = cnt_flat[((base + l)[..., None] * E + expert_BGS[rq, h])] > 0  # l holds h's item
+        h_has = cnt_flat[((base + h)[..., None] * E + expert_BGS[rq, l])] > 0
+        bad = (d <= 1e-12 * lh[..., None]) | l_has[:, :, I] | h_has[:, :, J]
+        np.putmask(new_max, bad, np.inf)
+        return new_max, lh
+
+    def swap(rows, h, l, k):  # one swap per (rows, h, l), item pair k of I x J
+        i, j = I[k], J[k]
+        xi, xj = load_BGS[rows, h, i], load_BGS[rows, l, j]
+        ei, ej = expert_BGS[rows, h, i], expert_BGS[rows, l, j]
+        load_BGS[rows, h, i], load_BGS[rows, l, j] = xj, xi
+        expert_BGS[rows, h, i], expert_BGS[rows, l, j] = ej, ei
+        cnt[rows, h, ei] -= 1
+        cnt[rows, l, ej] -= 1
+        cnt[rows, h, ej] += 1
+        cnt[rows, l, ei] += 1
+
     active = np.arange(B)
-    for _ in range(max_rounds):
+    Q = max(1, min(G // 2, num_pairs))
+    for _ in range(sweeps):
+        if active.size == 0:
+            break
+        order = np.argsort(load_BGS[active].sum(-1), axis=1, kind="stable")
+        h, l = order[:, ::-1][:, :Q], order[:, :Q]
+        new_max, lh = best(active, h, l)
+        k = new_max.argmin(-1)
+        ok = np.take_along_axis(new_max, k[..., None], -1)[..., 0] < lh * (1 - 1e-12)
+        rr, qq = np.nonzero(ok)
+        swap(active[rr], h[rr, qq], l[rr, qq], k[rr, qq])
+        active = active[ok.any(1)]
+    active = np.arange(B)
+    P = min(num_partners, G - 1)
+    for _ in range(polish):
+        if active.size == 0:
+            break
+        bl = load_BGS[active].sum(-1)
+        order = np.argsort(bl, axis=1, kind="stable")
+        h, l = order[:, -1:].repeat(P, 1), order[:, :P]
+        new_max, lh = best(active, h, l)
         n = active.size
-        if n == 0:
-            break
-        r = np.arange(n)
-        rr = r[:, None]
-        bl = load_BGS[active].sum(-1)  # [n, G]
-        a = bl.argmax(1)
-        la = bl[r, a]
-        part = np.argpartition(bl, P, axis=1)[:, :P]  # the P lightest bins (never the max)
-        part = np.where(part == a[:, None], np.argpartition(bl, P, axis=1)[:, P:P + 1], part)
-        xa, ea = load_BGS[active, a], expert_BGS[active, a]  # [n, S]
-        xp, ep = load_BGS[active[:, None], part], expert_BGS[active[:, None], part]  # [n, P, S]
-        d = xa[:, None, :, None] - xp[:, :, None, :]  # [n, P, S_a, S_p]
-        new_max = np.maximum(la[:, None, None, None] - d, bl[rr, part][:, :, None, None] + d)
-        ok = d > 1e-12 * la[:, None, None, None]
-        bb = active[:, None, None]
-        ok &= (cnt[bb, part[:, :, None], ea[:, None, :]] == 0)[..., None]  # partner lacks e_i
-        ok &= (cnt[bb, a[:, None, None], ep] == 0)[:, :, None, :]  # max bin lacks e_j
-        new_max = np.where(ok, new_max, np.inf).reshape(n, -1)
-        best = new_max.argmin(1)
-        improved = new_max[r, best] < la * (1 - 1e-12)
-        if not improved.any():
-            break
-        b = active[improved]
-        pi, i, j = np.unravel_index(best[improved], (P, S, S))
-        ai, g = a[improved], part[improved, pi]
-        xi, xj = load_BGS[b, ai, i], load_BGS[b, g, j]
-        ei, ej = expert_BGS[b, ai, i], expert_BGS[b, g, j]
-        load_BGS[b, ai, i], load_BGS[b, g, j] = xj, xi
-        expert_BGS[b, ai, i], expert_BGS[b, g, j] = ej, ei
-        cnt[b, ai, ei] -= 1
-        cnt[b, g, ej] -= 1
-        cnt[b, ai, ej] += 1
-        cnt[b, g, ei] += 1
-        active = b
+        k = new_max.reshape(n, -1).argmin(1)
+        ok = new_max.reshape(n, -1)[np.arange(n), k] < lh[:, 0] * (1 - 1e-12)
+        q, k = np.divmod(k, S * S)
+        r = np.arange(n)[ok]
+        swap(active[r], h[r, 0], l[r, q[r]], k[r])
+        active = active[ok]
 
 
 def _pack_ours(w_BN, cnt_BN, num_bins):
