@@ -176,7 +176,7 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, DOT_FP32=INTERPRET,
                   PRE_ROUND=INTERPRET, BLOCK_M=block_m, BLOCK_K=block_k)
     if INTERPRET:
-        kwargs.update(BLOCK_N=min(128, triton.next_power_of_2(n)), num_warps=4)
+        kwargs.update(BLOCK_N=min(256, triton.next_power_of_2(n)), num_warps=4)
 
     def grid(meta):
         return (grid_m, triton.cdiv(n, meta["BLOCK_N"]), num_e)

@@ -1,0 +1,100 @@
+"""Triton experts: permute -> GEMM1 -> fused act + quant -> GEMM2 -> gather, all Triton kernels.
+
+Runs on CUDA (compiled) and on CPU under Triton's interpreter (slow: tests and debugging only).
+Every recipe of epmoe.config (bf16, fp8_block in each scale format, mxfp8, w4a8_mxfp4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.config import RECIPES, MoEConfig, QuantConfig
+from epmoe.experts.base import ExpertWeights, Experts
+from epmoe.kernels._common import INTERPRET
+from epmoe.kernels.act_quant import triton_act_quant
+from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
+from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
+                                        triton_m_grouped_gemm_nt_masked)
+from epmoe.kernels.permute import (triton_make_contiguous_layout, triton_permute,
+                                   triton_permute_rows)
+from epmoe.layout import ContiguousLayout, MaskedLayout
+from epmoe.quant import QTensor
+
+
+class TritonExperts(Experts):
+    """block_m: the GEMM's BLOCK_M, which is also the layout alignment this backend asks for
+    (default 128 on GPU, 32 under the interpreter to keep padding small)."""
+
+    name = "triton"
+
+    def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
+                 block_m: int | None = None):
+        super().__init__(weights, cfg, quant)
+        self.block_m = block_m or (32 if INTERPRET else 128)
+        if self.block_m not in (16, 32, 64, 128):
+            raise ValueError(f"block_m ({self.block_m}) must be one of 16, 32, 64, 128")
+        if weights.w13.recipe != quant.recipe or weights.w2.recipe != quant.recipe:
+            raise ValueError(f"weights are {weights.w13.recipe}/{weights.w2.recipe} but the "
+                             f"recipe is {quant.recipe}; quantize them with the same QuantConfig")
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device) -> str | None:
+        if quant.recipe not in RECIPES:
+            return f"recipe {quant.recipe!r} unsupported"
+        device = torch.device(device)
+        if device.type != "cuda" and not INTERPRET:
+            return f"device {device} is not CUDA and TRITON_INTERPRET is off"
+        try:
+            quant.check_shapes(cfg)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @property
+    def alignment(self) -> int:
+        return self.block_m
+
+    def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
+                    num_rows: int | None = None) -> ContiguousLayout:
+        a = self.alignment if alignment is None else alignment
+        if a % self.alignment:
+            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
+                             f"alignment ({self.alignment})")
+        return triton_make_contiguous_layout(topk_ids_NK, self.weights.num_experts, a,
+                                             num_rows=num_rows)
+
+    def permute(self, x: QTensor, layout: ContiguousLayout) -> QTensor:
+        return triton_permute_rows(x, layout)
+
+    def unpermute(self, y_MD, layout, topk_weights_NK) -> torch.Tensor:
+        return triton_unpermute_reduce(y_MD, layout, topk_weights_NK)
+
+    def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
+              alignment: int | None = None) -> torch.Tensor:
+        """One pass builds the layout and copies the rows (the seed's ep_scatter)."""
+        a = self.alignment if alignment is None else alignment
+        if a % self.alignment:
+            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
+                             f"alignment ({self.alignment})")
+        xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
+        return self.unpermute(self.run_contiguous(xp, layout), layout, topk_weights_NK)
+
+    def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
+        bm = self.block_m if layout.alignment % self.block_m == 0 else None
+        h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
+        a = triton_act_quant(h, self.cfg, self.quant)
+        return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm)
+
+    def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
+        e, c, _ = x.data.shape
+        counts_E = counts_E.to(torch.int32)
+        bm = min(self.block_m, 64)
+        h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
+        a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant)
+        a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)
+        return triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm)
+
+    def apply_masked(self, x_ECD: QTensor, counts_E, layout: MaskedLayout,
+                     topk_weights_NK) -> torch.Tensor:
+        return triton_gather_masked_reduce(self.run_masked(x_ECD, counts_E), layout,
+                                           topk_weights_NK)

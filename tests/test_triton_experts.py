@@ -1,0 +1,111 @@
+"""TritonExperts against TorchExperts on the same weights, and the backend selector.
+
+Tolerance: both backends quantize the same GEMM1 output, but their fp32 sums differ in order,
+so a bf16 h can differ by one ulp and move an activation code; outputs are compared at
+max |err| <= 3e-2 * max |ref| (fp8 / fp4 recipes) and 1e-2 (bf16)."""
+
+import pytest
+import torch
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.experts.base import ExpertWeights
+from epmoe.experts.select import make_experts
+from epmoe.experts.torch_experts import TorchExperts
+from epmoe.experts.triton_experts import TritonExperts
+from epmoe.layout import make_masked_layout, scatter_masked
+from epmoe.quant import quantize_act, quantize_weight
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=6, top_k=3)
+OAI = CFG.replace(activation="swigluoai", swiglu_limit=7.0)
+
+
+def _weights(cfg, quant):
+    e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
+    w13 = torch.randn(e, 2 * i, d, device=DEV) / d ** 0.5
+    w2 = torch.randn(e, d, i, device=DEV) / i ** 0.5
+    return ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
+                         torch.arange(e, device=DEV))
+
+
+def _routing(n, cfg):
+    scores = torch.rand(n, cfg.num_experts, device=DEV)
+    w, ids = scores.topk(cfg.top_k, dim=1)
+    ids = ids.to(torch.int32)
+    ids[torch.rand(n, cfg.top_k, device=DEV) < 0.15] = -1  # slots of other ranks
+    return ids, w
+
+
+def _rel(y, ref):
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.mark.parametrize("cfg,recipe,fmt", [
+    (CFG, "bf16", "fp32"), (CFG, "fp8_block", "fp32"), (OAI, "fp8_block", "fp32"),
+    (CFG, "fp8_block", "ue8m0_packed"), (CFG, "mxfp8", "fp32"), (OAI, "w4a8_mxfp4", "fp32")],
+    ids=["bf16", "fp8", "fp8-oai", "fp8-packed", "mxfp8", "w4a8-oai"])
+def test_triton_experts_apply_matches_torch(cfg, recipe, fmt, seed):
+    quant = QuantConfig(recipe, fmt)
+    weights = _weights(cfg, quant)
+    n = 48
+    x_f = torch.randn(n, cfg.hidden, device=DEV)
+    x = quantize_act(x_f, quant)
+    ids, w = _routing(n, cfg)
+    tri = TritonExperts(weights, cfg, quant, block_m=32)
+    y = tri.apply(x, ids, w)
+    # the torch backend takes packed UE8M0 in its fp32 form (the same power-of-two values)
+    qref = QuantConfig(recipe, "ue8m0_fp32") if fmt == "ue8m0_packed" else quant
+    xref = quantize_act(x_f, qref) if fmt == "ue8m0_packed" else x
+    ref = TorchExperts(weights, cfg, qref).apply(xref, ids, w, alignment=32)
+    err = _rel(y, ref)
+    print(f"{recipe=} {fmt=} act={cfg.activation} {n=} rel err {err:.2e}")
+    assert y.dtype == torch.bfloat16 and y.shape == (n, cfg.hidden)
+    assert err <= (1e-2 if recipe == "bf16" else 3e-2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "w4a8_mxfp4"])
+def test_triton_experts_masked_matches_torch(recipe, seed):
+    quant = QuantConfig(recipe)
+    weights = _weights(CFG, quant)
+    n, cap = 32, 40
+    ids, w = _routing(n, CFG)
+    lay = make_masked_layout(ids, CFG.num_experts, cap)
+    x = quantize_act(scatter_masked(torch.randn(n, CFG.hidden, device=DEV), lay), quant)
+    y = TritonExperts(weights, CFG, quant, block_m=32).apply_masked(x, lay.counts_E, lay, w)
+    ref = TorchExperts(weights, CFG, quant).apply_masked(x, lay.counts_E, lay, w)
+    assert _rel(y, ref) <= (1e-2 if recipe == "bf16" else 3e-2)
+
+
+def test_triton_experts_permute_then_run_uses_given_layout(seed):
+    quant = QuantConfig("fp8_block")
+    weights = _weights(CFG, quant)
+    tri = TritonExperts(weights, CFG, quant, block_m=32)
+    x = quantize_act(torch.randn(24, CFG.hidden, device=DEV), quant)
+    ids, w = _routing(24, CFG)
+    layout = tri.make_layout(ids, alignment=64)
+    y = tri.unpermute(tri.run_contiguous(tri.permute(x, layout), layout), layout, w)
+    ref = TorchExperts(weights, CFG, quant).apply(x, ids, w, alignment=64)
+    assert _rel(y, ref) <= 3e-2
+    with pytest.raises(ValueError, match=r"alignment \(16\) must be a multiple of triton's"):
+        tri.make_layout(ids, alignment=16)
+
+
+def test_make_experts_reasons():
+    quant = QuantConfig("bf16")
+    weights = _weights(CFG, quant)
+    ex, why = make_experts("torch", weights, CFG, quant, DEV)
+    assert ex.name == "torch" and why == "torch: chosen"
+    ex, why = make_experts("auto", weights, CFG, quant, DEV)
+    assert why.endswith(f"{ex.name}: chosen") and "\n" not in why
+    if DEV == "cpu":
+        assert ex.name == "torch" and "not CUDA" in why
+    ex, why = make_experts("triton", weights, CFG, quant, DEV)
+    assert ex.name == "triton" and why == "triton: chosen"
+    with pytest.raises(ValueError, match=r"experts backend \('nope'\) must be one of"):
+        make_experts("nope", weights, CFG, quant, DEV)
+
+
+def test_triton_supports_reports_bad_shapes():
+    bad = MoEConfig("b", hidden=200, moe_intermediate=128, num_experts=4, top_k=2)
+    why = TritonExperts.supports(bad, QuantConfig("fp8_block"), torch.device(DEV))
+    assert why is not None and "hidden (200)" in why
