@@ -136,8 +136,10 @@ class RayDriver:
         return results
 
     def _all(self, stage: str, method: str, *args, timeout=None):
-        return self._wait(stage, [getattr(a, method).remote(*args) for a in self.actors],
-                          timeout)
+        t0 = time.monotonic()
+        out = self._wait(stage, [getattr(a, method).remote(*args) for a in self.actors], timeout)
+        logger.info("stage %s: %.2f s", stage, time.monotonic() - t0)
+        return out
 
     # ------------------------------------------------------------------ run
     def execute(self) -> tuple[list[dict], list[dict]]:
@@ -164,8 +166,7 @@ class RayDriver:
         for r in range(self.run.world):
             opts = dict(num_cpus=1, num_gpus=1 if gpu else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self.pg, placement_group_bundle_index=r),
-                        runtime_env={"env_vars": self.env})
+                            placement_group=self.pg, placement_group_bundle_index=r))
             self.actors.append(actor_cls.options(**opts).remote(r, self.run.world, self.env))
         where = self._all("start", "where")
         addr, port = ray.get(self.actors[0].free_port.remote(), timeout=self.run.timeout_s)
