@@ -27,7 +27,8 @@ def check_valid(p: Placement, L, E, R, G):
     assert (p.logcnt >= 1).all(), "every logical expert needs a replica"
     assert (p.logcnt.sum(1) == R).all()
     assert ((p.phy2log >= 0) & (p.phy2log < E)).all()
-    cnt = torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, p.phy2log, torch.ones_like(p.phy2log))
+    ones = torch.ones_like(p.phy2log)
+    cnt = torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, p.phy2log, ones)
     assert torch.equal(cnt, p.logcnt)
     for layer in range(L):  # log2phy lists each slot exactly once, under its expert
         slots = p.log2phy[layer][p.log2phy[layer] >= 0]

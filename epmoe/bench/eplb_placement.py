@@ -3,9 +3,9 @@
     python -m epmoe.bench.eplb_placement [--json FILE]
 
 One line per case: shape, balancedness (mean/max GPU load, averaged over layers) of ours and
-DeepSeek's, ours/DeepSeek max GPU load, and time (median of 20 runs, 1 thread) with the ratio
-to DeepSeek's time (our vectorized reimplementation of its algorithm). The drift case also
-times `rebalance_incremental` from the previous step's placement and counts moved slots.
+DeepSeek's, ours/DeepSeek max GPU load, and time (median of 20 runs, 1 thread; wall and CPU)
+with the ratio to DeepSeek's time (our vectorized reimplementation of its algorithm). The drift
+case also times `rebalance_incremental` from the previous step's placement and counts moved slots.
 """
 
 from __future__ import annotations
@@ -36,32 +36,37 @@ def routed_weight(spec, step, num_tokens=4096, seed=0):
 
 
 def median_ms(fn, reps=20):
+    """Median milliseconds of `reps` calls: (wall, this thread's CPU time; the latter is the
+    honest figure on a shared machine)."""
     fn()
-    ts = []
+    ts, cs = [], []
     for _ in range(reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        cs.append(time.thread_time() - c)
+    return statistics.median(ts) * 1e3, statistics.median(cs) * 1e3
 
 
 def run_case(name, w, num_replicas, num_nodes, num_gpus, old=None):
     args = (w, num_replicas, NUM_GROUPS, num_nodes, num_gpus)
     ours, ds = rebalance(*args), deepseek_rebalance(*args)
-    t_ours = median_ms(lambda: rebalance(*args))
-    t_ds = median_ms(lambda: deepseek_rebalance(*args))
+    (t_ours, c_ours), (t_ds, c_ds) = (median_ms(lambda: rebalance(*args)),
+                                      median_ms(lambda: deepseek_rebalance(*args)))
     ratio = (ours.gpu_loads(w).max(1).values / ds.gpu_loads(w).max(1).values).mean().item()
     row = dict(case=name, layers=w.shape[0], experts=w.shape[1], replicas=num_replicas,
                gpus=num_gpus, nodes=num_nodes, bal_ours=ours.balancedness(w).mean().item(),
                bal_deepseek=ds.balancedness(w).mean().item(), max_load_ratio=ratio,
-               ms_ours=t_ours, ms_deepseek=t_ds)
+               ms_ours=t_ours, ms_deepseek=t_ds, cpu_ms_ours=c_ours, cpu_ms_deepseek=c_ds)
     line = (f"{name:<14} L={w.shape[0]} E={w.shape[1]} R={num_replicas} G={num_gpus} "
             f"nodes={num_nodes}: balancedness ours {row['bal_ours']:.4f} vs deepseek "
             f"{row['bal_deepseek']:.4f}, max load ours/ds {ratio:.3f}; "
-            f"{t_ours:.1f} ms vs {t_ds:.1f} ms ({t_ours / t_ds:.2f}x)")
+            f"{t_ours:.1f} ms vs {t_ds:.1f} ms ({t_ours / t_ds:.2f}x), cpu {c_ours:.1f} vs "
+            f"{c_ds:.1f} ms")
     if old is not None:
         inc, moves = rebalance_incremental(w, old, NUM_GROUPS, num_nodes, num_gpus)
-        t_inc = median_ms(lambda: rebalance_incremental(w, old, NUM_GROUPS, num_nodes, num_gpus))
+        t_inc, _ = median_ms(lambda: rebalance_incremental(w, old, NUM_GROUPS, num_nodes,
+                                                            num_gpus))
         row.update(bal_incremental=inc.balancedness(w).mean().item(), moves=moves, ms_inc=t_inc)
         line += (f"; incremental bal {row['bal_incremental']:.4f}, {moves} of "
                  f"{w.shape[0] * num_replicas} slots moved, {t_inc:.1f} ms")

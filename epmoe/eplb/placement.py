@@ -331,15 +331,15 @@ def _round_match(load_BN, expert_BN, num_bins):
     return bin_BN
 
 
-def _refine(load_BGS, expert_BGS, num_experts, sweeps=8, num_pairs=4, polish=12,
-            num_partners=16):
+def _refine(load_BGS, expert_BGS, num_experts, sweeps=8, num_pairs=4, polish=6,
+            num_partners=8):
     """Lower the max bin load by swapping one item pair between two bins, in place.
 
     A swap moves load d > 0 from the heavier bin h to the lighter bin l; it is taken only if
     both new loads stay below the old load of h (so the sorted load vector strictly drops)
     and it puts no second copy of an expert on either bin. `sweeps` rounds pair the q-th
-    heaviest bin with the q-th lightest (q < num_pairs, all pairs at once), then `polish` rounds try the
-    max bin against the `num_partners` lightest bins."""
+    heaviest bin with the q-th lightest (q < num_pairs, all pairs at once); then `polish`
+    rounds try the max bin against the `num_partners` lightest bins."""
     B, G, S = load_BGS.shape
     if G < 2:
         return
@@ -386,7 +386,7 @@ def _refine(load_BGS, expert_BGS, num_experts, sweeps=8, num_pairs=4, polish=12,
         ok = np.take_along_axis(new_max, k[..., None], -1)[..., 0] < lh * (1 - 1e-12)
         rr, qq = np.nonzero(ok)
         swap(active[rr], h[rr, qq], l[rr, qq], k[rr, qq])
-        active = active[ok.any(1)]
+        active = active[ok[:, 0]]  # go on while the heaviest bin still drops
     active = np.arange(B)
     P = min(num_partners, G - 1)
     for _ in range(polish):
