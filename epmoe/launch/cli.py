@@ -90,7 +90,7 @@ def build_run(a: argparse.Namespace):
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
-                    timeout_s=a.timeout, check=a.check)
+                    timeout_s=a.timeout, check=a.check, eplb=a.eplb, eplb_window=a.eplb_window)
     run.validate()
     if run.routing != "router":
         from epmoe.eplb.routing import make_routing

@@ -37,20 +37,16 @@ class InProcessDriver:
     def __init__(self, run: RunConfig, quiet: bool = False):
         self.run, self.quiet = run, quiet
 
+    def start(self) -> list[dict]:
+        self.rt = Runtime(self.run)
+        return [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(self.rt.device),
+                     pid=os.getpid())]
+
+    def call_all(self, stage: str, method: str, *args) -> list:
+        return [self.rt.call(method, *args)]
+
     def execute(self) -> tuple[list[dict], list[dict]]:
-        rt = Runtime(self.run)
-        bar = _progress(self.run.steps, self.quiet)
-        try:
-            for s in range(self.run.steps):
-                rt.step(s)
-                if bar:
-                    bar.advance(bar.task_ids[0])
-        finally:
-            if bar:
-                bar.stop()
-        where = [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(rt.device),
-                      pid=os.getpid())]
-        return [rt.report()], where
+        return run_steps(self)
 
     def close(self):
         pass
@@ -135,6 +131,10 @@ class RayDriver:
                     pending[ref] = r
         return results
 
+    def call_all(self, stage: str, method: str, *args) -> list:
+        """runtime.method(*args) on every rank, with the run's deadline."""
+        return self._all(stage, "call", method, *args)
+
     def _all(self, stage: str, method: str, *args, timeout=None):
         t0 = time.monotonic()
         out = self._wait(stage, [getattr(a, method).remote(*args) for a in self.actors], timeout)
@@ -143,6 +143,9 @@ class RayDriver:
 
     # ------------------------------------------------------------------ run
     def execute(self) -> tuple[list[dict], list[dict]]:
+        return run_steps(self)
+
+    def start(self) -> list[dict]:
         ray = self._connect()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -172,17 +175,7 @@ class RayDriver:
         addr, port = ray.get(self.actors[0].free_port.remote(), timeout=self.run.timeout_s)
         self._all("init_process_group", "init_group", addr, port, self.run.timeout_s)
         self._all("build", "build", self.run)
-        bar = _progress(self.run.steps, self.quiet)
-        try:
-            for s in range(self.run.steps):
-                self._all(f"step {s}", "call", "step", s)
-                if bar:
-                    bar.advance(bar.task_ids[0])
-        finally:
-            if bar:
-                bar.stop()
-        reports = self._all("report", "call", "report")
-        return reports, where
+        return where
 
     def close(self):
         import ray
@@ -204,6 +197,23 @@ class RayDriver:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         logger.debug("ray driver closed")
+
+
+def run_steps(d, on_step=None) -> tuple[list[dict], list[dict]]:
+    """Start the ranks, run every step (calling on_step(step) after each), collect reports."""
+    where = d.start()
+    bar = _progress(d.run.steps, d.quiet)
+    try:
+        for s in range(d.run.steps):
+            d.call_all(f"step {s}", "step", s)
+            if on_step is not None:
+                on_step(s)
+            if bar:
+                bar.advance(bar.task_ids[0])
+    finally:
+        if bar:
+            bar.stop()
+    return d.call_all("report", "report"), where
 
 
 @contextmanager

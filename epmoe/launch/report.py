@@ -103,15 +103,10 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dic
     load_src = reports if run.form == "ep_dp" else reports[:1]
     load_LS = sum(r["load_LS"] for r in load_src)  # [L, slots]
     cfg = run.cfg
-    slots = load_LS.shape[1]
     per_slot = load_LS.sum(0)
     per_rank = [int(x) for x in per_slot.view(world, -1).sum(1)] if run.form != "tp" else \
         [int(per_slot.sum())] * world
-    per_expert = torch.zeros(cfg.num_experts, dtype=torch.long)
-    logical = [int(s % cfg.num_experts) for s in range(slots)]
-    if extra and "slot_to_logical" in extra:
-        logical = extra.pop("slot_to_logical")
-    per_expert.index_add_(0, torch.tensor(logical), per_slot)
+    per_expert = sum(r["load_LE"] for r in load_src).sum(0)
     bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
     nodes = sorted({w["node_id"] for w in where})
     summary = dict(
