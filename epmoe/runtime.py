@@ -281,6 +281,7 @@ class Runtime:
             if new_R != self.phy2log[l]:
                 self.phy2log[l] = new_R
                 layer.experts = self._make_experts(layer.weights.experts)
+                layer.experts.timer = self.timer
                 layer.replica_map = self.replica_maps[l] = self._replica_map(new_R)
         self.recorder.clear()
         return dict(balancedness_before=float(before.mean()),

@@ -19,6 +19,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import (ContiguousLayout, gather_masked_reduce, make_contiguous_layout,
                           permute_qtensor, unpermute_reduce)
 from epmoe.quant import QTensor, QWeight
+from epmoe.timing import StageTimer
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Experts(ABC):
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig):
         self.weights, self.cfg, self.quant = weights, cfg, quant
+        # The layer hands its timer over; stages "experts.permute", ".gemm1", ".act_quant",
+        # ".gemm2", ".gather" then appear in the run report (CUDA events on GPU).
+        self.timer = StageTimer(enabled=False)
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device) -> str | None:
@@ -110,9 +114,13 @@ class Experts(ABC):
               alignment: int | None = None) -> torch.Tensor:
         """Tokens [N, D] with local expert ids (-1 = not here) -> out [N, D] (fp32 or bf16),
         out[n] = sum_k w[n,k] * expert_{id[n,k]}(x[n]) (fp32 sum, one cast)."""
-        layout = self.make_layout(topk_ids_NK, alignment)
-        y = self.run_contiguous(self.permute(x, layout), layout)
-        return self.unpermute(y, layout, topk_weights_NK)
+        t = self.timer
+        with t.stage("experts.permute"):
+            layout = self.make_layout(topk_ids_NK, alignment)
+            xp = self.permute(x, layout)
+        y = self.run_contiguous(xp, layout)
+        with t.stage("experts.gather"):
+            return self.unpermute(y, layout, topk_weights_NK)
 
     def apply_masked(self, x_ECD: QTensor, counts_E, layout, topk_weights_NK) -> torch.Tensor:
         return gather_masked_reduce(self.run_masked(x_ECD, counts_E), layout, topk_weights_NK)

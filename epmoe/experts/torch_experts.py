@@ -19,10 +19,14 @@ class TorchExperts(Experts):
         self._w2 = dequantize_weight(weights.w2)  # fp32 [E, D, I]
 
     def _mlp(self, x_RD: torch.Tensor, e: int) -> torch.Tensor:
-        h = x_RD @ self._w13[e].T
-        h = h.to(torch.bfloat16).float()  # GEMM1 writes bf16, as the fused paths do
-        a = dequantize_act(quantize_act(activation(h, self.cfg), self.quant))
-        return (a @ self._w2[e].T).to(torch.bfloat16)
+        t = self.timer
+        with t.stage("experts.gemm1"):
+            h = x_RD @ self._w13[e].T
+            h = h.to(torch.bfloat16).float()  # GEMM1 writes bf16, as the fused paths do
+        with t.stage("experts.act_quant"):
+            a = dequantize_act(quantize_act(activation(h, self.cfg), self.quant))
+        with t.stage("experts.gemm2"):
+            return (a @ self._w2[e].T).to(torch.bfloat16)
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         xf = dequantize_act(x)

@@ -76,14 +76,22 @@ class TritonExperts(Experts):
         if a % self.alignment:
             raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
                              f"alignment ({self.alignment})")
-        xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
-        return self.unpermute(self.run_contiguous(xp, layout), layout, topk_weights_NK)
+        t = self.timer
+        with t.stage("experts.permute"):
+            xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
+        y = self.run_contiguous(xp, layout)
+        with t.stage("experts.gather"):
+            return self.unpermute(y, layout, topk_weights_NK)
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         bm = self.block_m if layout.alignment % self.block_m == 0 else None
-        h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
-        a = triton_act_quant(h, self.cfg, self.quant)
-        return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm)
+        t = self.timer
+        with t.stage("experts.gemm1"):
+            h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
+        with t.stage("experts.act_quant"):
+            a = triton_act_quant(h, self.cfg, self.quant)
+        with t.stage("experts.gemm2"):
+            return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         e, c, _ = x.data.shape
