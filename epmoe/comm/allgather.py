@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from epmoe.comm.base import Comm, ExpertBatch
-from epmoe.comm.wire import all_gather_rows, wire_quant
+from epmoe.comm.wire import all_gather_rows, reduce_scatter_single, wire_quant
 from epmoe.quant import QTensor, quantize_act
 
 
@@ -56,5 +55,5 @@ class AllGatherComm(Comm):
         full = expert_out.float().contiguous()
         out = torch.empty((handle.max_tokens, full.shape[1]), dtype=torch.float32,
                           device=full.device)
-        dist.reduce_scatter_tensor(out, full, group=self.group)
+        reduce_scatter_single(out, full, group=self.group)
         return out[:handle.num_tokens]

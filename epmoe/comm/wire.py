@@ -14,6 +14,12 @@ import torch.distributed as dist
 from epmoe.config import QuantConfig
 from epmoe.quant import QTensor
 
+# torch 2.13 renamed the tensor collectives (the old names warn on every call); older torch
+# has only the old names. Same signatures.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def as_wire(t: torch.Tensor) -> torch.Tensor:
     """Floating tensors as contiguous uint8 bytes [..., D * itemsize]; integers unchanged."""
     t = t.contiguous()
@@ -37,6 +43,8 @@ def wire_quant(quant: QuantConfig) -> QuantConfig:
 def all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                     group) -> torch.Tensor:
     """Rows of x (grouped by destination) -> rows received (grouped by source)."""
+    if x.dim() == 1:  # a 1-D float's byte view has itemsize rows per element: keep one
+        return all_to_all_rows(x[:, None], send_splits, recv_splits, group)[:, 0]
     w = as_wire(x)
     out = torch.empty((sum(recv_splits), *w.shape[1:]), dtype=w.dtype, device=x.device)
     dist.all_to_all_single(out, w, recv_splits, send_splits, group=group)
@@ -54,5 +62,5 @@ def all_gather_rows(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """Equal-size row blocks from every rank, concatenated in rank order."""
     w = as_wire(x)
     out = torch.empty((world * w.shape[0], *w.shape[1:]), dtype=w.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, w, group=group)
+    all_gather_single(out, w, group=group)
     return from_wire(out, x.dtype)
