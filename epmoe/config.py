@@ -69,7 +69,7 @@ class MoEConfig:
                f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         _check(self.topk_group <= self.n_group,
                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
-        if self.router == "sigmoid_grouped" and self.n_group > 1:
+        if self.router != "softmax" and self.n_group > 1:  # both score routers group-limit
             per_group = self.num_experts // self.n_group
             _check(self.top_k <= self.topk_group * per_group,
                    f"top_k ({self.top_k}) must be <= topk_group*experts_per_group "

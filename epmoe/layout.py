@@ -138,11 +138,25 @@ def unpermute_reduce(y_MD: torch.Tensor, layout: ContiguousLayout,
 
     topk_weights_NK None: weights already applied (apply_router_weight_on_input), plain sum.
     """
-    n, k = layout.inv_perm_NK.shape
-    inv = layout.inv_perm_NK.long()
-    valid = inv >= 0
-    rows = y_MD[inv.clamp(min=0).reshape(-1)].float().view(n, k, -1)
-    w = valid.float() if topk_weights_NK is None else topk_weights_NK.float() * valid
+    return _gather_weighted_sum(y_MD, layout.inv_perm_NK, topk_weights_NK, out_dtype)
+
+
+def _gather_weighted_sum(y_RD: torch.Tensor, idx_NK: torch.Tensor,
+                         topk_weights_NK: torch.Tensor | None,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """out[n] = sum_k w[n,k] * y[idx[n,k]] over idx >= 0. Skipped slots contribute exactly 0,
+    even when the row they would clamp to holds garbage (padding / rows past a count may be
+    NaN), and y may have no rows at all (every slot skipped)."""
+    n, k = idx_NK.shape
+    d = y_RD.shape[-1]
+    if y_RD.shape[0] == 0:
+        return torch.zeros((n, d), dtype=out_dtype, device=y_RD.device)
+    idx = idx_NK.long()
+    valid = idx >= 0
+    rows = y_RD[idx.clamp(min=0).reshape(-1)].float().view(n, k, d)
+    rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros((), device=rows.device))
+    w = valid.float() if topk_weights_NK is None else \
+        torch.where(valid, topk_weights_NK.float(), torch.zeros((), device=valid.device))
     return torch.einsum("nkd,nk->nd", rows, w).to(out_dtype)
 
 
@@ -176,7 +190,7 @@ def make_masked_layout(topk_ids_NK: torch.Tensor, num_experts: int,
                          f"the masked layout's capacity ({capacity}); raise the capacity "
                          f"(max tokens per rank x ranks) to at least {worst}")
     inv = lay.inv_perm_NK.long()
-    e = lay.row_expert_M.long()[inv.clamp(min=0)]
+    e = topk_ids_NK.long()  # (not row_expert_M[inv]: it has no rows when every slot is -1)
     within = inv - lay.offsets_E1.long()[e.clamp(min=0)]
     slot = torch.where(inv >= 0, e * capacity + within, torch.full_like(inv, -1))
     return MaskedLayout(slot_NK=slot.to(torch.int32), counts_E=lay.counts_E, capacity=capacity)
@@ -200,10 +214,5 @@ def gather_masked_reduce(y_ECD: torch.Tensor, layout: MaskedLayout,
                          topk_weights_NK: torch.Tensor | None,
                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """out[n] = sum_k w[n,k] * y[slot[n,k]], fp32 accumulate, one cast."""
-    n, k = layout.slot_NK.shape
     flat = y_ECD.reshape(-1, y_ECD.shape[-1])
-    slot = layout.slot_NK.long()
-    valid = slot >= 0
-    rows = flat[slot.clamp(min=0).reshape(-1)].float().view(n, k, -1)
-    w = valid.float() if topk_weights_NK is None else topk_weights_NK.float() * valid
-    return torch.einsum("nkd,nk->nd", rows, w).to(out_dtype)
+    return _gather_weighted_sum(flat, layout.slot_NK, topk_weights_NK, out_dtype)

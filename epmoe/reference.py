@@ -87,7 +87,14 @@ def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq):
     h = w13_FD @ x_D
     if fq:  # GEMM1 writes bf16 in every fused path (DeepGEMM, Triton): part of the recipe
         h = h.to(torch.bfloat16).double()
-    a = _fake_quant(_act(h, cfg), quant, fq)
+        # ...and the activation is evaluated in fp32 before it is quantized. h is bf16, so two
+        # elements of a group often share a gate value and a/amax is an exact ratio that lands
+        # on an fp8 rounding tie; float64 would then round it the other way from every fp32
+        # path, a one-code flip worth ~2-3% of the output at small intermediate sizes.
+        a = _act(h.float(), cfg).double()
+    else:
+        a = _act(h, cfg)
+    a = _fake_quant(a, quant, fq)
     return w2_DI @ a
 
 
@@ -111,7 +118,11 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
                 continue
             w = float(topk_weights_TK[n, j])
             if cfg.apply_router_weight_on_input:
-                acc += _mlp(_fake_quant(x[n] * w, quant, fake_quant), w13[e], w2[e], cfg, quant,
+                # the scaled token is an activation in the input dtype (bf16) before it is
+                # quantized, as in the layer: without that rounding the fp8 codes decorrelate
+                xw = x[n] * w
+                xw = xw.to(torch.bfloat16).double() if fake_quant else xw
+                acc += _mlp(_fake_quant(xw, quant, fake_quant), w13[e], w2[e], cfg, quant,
                             fake_quant)
             else:
                 acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant)

@@ -234,6 +234,9 @@ def load_layer(path: str, naming: str, cfg: MoEConfig, quant: QuantConfig, layer
             s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in raw])
             w2 = torch.stack([d[0] for _, _, d in raw])
             s2 = torch.stack([d[1] for _, _, d in raw])
+            _check_shape(w13, (len(ids), 2 * cfg.moe_intermediate, cfg.hidden),
+                         "experts' gate/up")
+            _check_shape(w2, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
             experts = ExpertWeights(QWeight(w13, s13, "fp8_block"), QWeight(w2, s2, "fp8_block"),
                                     torch.as_tensor(ids, dtype=torch.long))
             if device is not None:
@@ -253,6 +256,7 @@ def load_layer(path: str, naming: str, cfg: MoEConfig, quant: QuantConfig, layer
     w13 = torch.stack(w13s) if ids else torch.zeros(0, 2 * n_i, cfg.hidden)
     w2 = torch.stack(w2s) if ids else torch.zeros(0, cfg.hidden, n_i)
     _check_shape(w13, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
+    _check_shape(w2, (len(ids), cfg.hidden, n_i), "experts' down")
     experts = build_expert_weights(w13, w2, quant, ids, device)
     return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
 

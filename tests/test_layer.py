@@ -1,0 +1,140 @@
+"""MoELayer (router -> local comm -> torch experts -> combine + shared) against the oracle.
+
+Built through `Runtime` (one rank, form ep_dp, local comm), so the test covers what the CLI
+runs; the oracle rebuilds the layer's weights from the seed (`dequantized_full_layer`)."""
+
+import random
+
+import pytest
+import torch
+
+from epmoe.config import QuantConfig
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.router import ReplicaMap, Routing
+from epmoe.runtime import RunConfig, Runtime
+from epmoe.weights import dequantized_full_layer
+
+RECIPES = [("bf16", "fp32"), ("fp8_block", "fp32"), ("mxfp8", "fp32"), ("w4a8_mxfp4", "fp32"),
+           ("fp8_block", "ue8m0_fp32")]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: OpenMP threads cost more in synchronization than they save."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _runtime(model, quant, seed, layers=1, tokens=32, overrides=()):
+    run = RunConfig(model=model, quant=quant, experts="torch", tokens=tokens, layers=layers,
+                    steps=1, seed=seed, model_overrides=tuple(overrides))
+    rt = Runtime(run, device="cpu")
+    rt.step(0)
+    return rt
+
+
+def _check(out, ref, quant, msg):
+    assert out.dtype == torch.bfloat16 and not out.isnan().any(), msg
+    err = max_rel_err(out, ref)
+    assert err <= TOLERANCE[quant.recipe], f"rel err {err:.2e}; {msg}"
+    return err
+
+
+@pytest.mark.parametrize("recipe,fmt", RECIPES)
+@pytest.mark.parametrize("model", ["deepseek-v3-tiny", "qwen3-moe-tiny", "gpt-oss-tiny",
+                                   "kimi-k2-tiny", "deepseek-v4-tiny"])
+def test_layer_matches_oracle(model, recipe, fmt, seed):
+    quant = QuantConfig(recipe, fmt)
+    rt = _runtime(model, quant, seed, tokens=16)
+    cfg = rt.cfg
+    x, out = rt.last[0]["x"], rt.last[0]["out"]
+    assert x.abs().sum() > 0 and out.shape == x.shape
+    ref = reference_moe(x, dequantized_full_layer(cfg, quant, 0, seed), cfg, quant)
+    _check(out, ref, quant, f"{model=} {recipe=} {fmt=} {seed=}")
+
+
+def test_second_layer_takes_residual(seed):
+    quant = QuantConfig("fp8_block")
+    rt = _runtime("deepseek-v3-tiny", quant, seed, layers=2, tokens=16)
+    l0, l1 = rt.last
+    torch.testing.assert_close(l1["x"].float(), (l0["x"].float() + l0["out"].float())
+                               .to(torch.bfloat16).float())
+    ref = reference_moe(l1["x"], dequantized_full_layer(rt.cfg, quant, 1, seed), rt.cfg, quant)
+    _check(l1["out"], ref, quant, f"{seed=}")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_shared_experts_on_and_off(recipe, seed):
+    quant = QuantConfig(recipe)
+    on = _runtime("deepseek-v3-tiny", quant, seed, tokens=16)
+    off = _runtime("deepseek-v3-tiny", quant, seed, tokens=16,
+                   overrides=[("num_shared_experts", 0)])
+    assert on.layers[0].weights.shared is not None and off.layers[0].weights.shared is None
+    x = on.last[0]["x"]
+    assert torch.equal(x, off.last[0]["x"])
+    oracle_on = dequantized_full_layer(on.cfg, quant, 0, seed)
+    oracle_off = dequantized_full_layer(off.cfg, quant, 0, seed)
+    assert oracle_off[4] is None
+    ref_on = reference_moe(x, oracle_on, on.cfg, quant)
+    ref_off = reference_moe(x, oracle_off, off.cfg, quant)
+    _check(on.last[0]["out"], ref_on, quant, f"shared on {seed=}")
+    _check(off.last[0]["out"], ref_off, quant, f"shared off {seed=}")
+    # the shared MLP contributes far more than the tolerance: dropping it would be caught
+    assert max_rel_err(ref_off, ref_on) > 10 * TOLERANCE[recipe]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "w4a8_mxfp4"])
+def test_apply_router_weight_on_input_top1(recipe, seed):
+    quant = QuantConfig(recipe)
+    # not renormalized: a renormalized top-1 weight is always 1 and the flag would be a no-op
+    ov = [("top_k", 1), ("apply_router_weight_on_input", True), ("renormalize", False)]
+    rt = _runtime("qwen3-moe-tiny", quant, seed, tokens=32, overrides=ov)
+    cfg = rt.cfg
+    x, out = rt.last[0]["x"], rt.last[0]["out"]
+    oracle = dequantized_full_layer(cfg, quant, 0, seed)
+    ref = reference_moe(x, oracle, cfg, quant)
+    _check(out, ref, quant, f"{recipe=} {seed=}")
+    on_output = reference_moe(x, oracle, cfg.replace(apply_router_weight_on_input=False), quant)
+    assert max_rel_err(on_output, ref) > 5 * TOLERANCE[recipe], "weight placement not tested"
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_given_routing_with_empty_slots(recipe, seed):
+    """A replayed routing: -1 slots are skipped, an expert may receive nothing or everything."""
+    quant = QuantConfig(recipe)
+    rt = _runtime("qwen3-moe-tiny", quant, seed, tokens=8)
+    layer, cfg = rt.layers[0], rt.cfg
+    g = torch.Generator().manual_seed(seed)
+    t = 24
+    x = torch.randn(t, cfg.hidden, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (t, cfg.top_k), generator=g)  # experts 4.. receive nothing
+    ids[:8] = 2  # eight tokens put every slot on expert 2
+    ids[torch.rand(t, cfg.top_k, generator=g) < 0.3] = -1
+    ids[5] = -1  # a token with no expert at all
+    w = torch.rand(t, cfg.top_k, generator=g)
+    oracle = dequantized_full_layer(cfg, quant, 0, seed)
+    for dtype in (torch.int32, torch.int64):
+        out = layer.forward(x, Routing(ids.to(dtype), w))
+        ref = reference_moe(x, oracle, cfg, quant, ids, w)
+        _check(out, ref, quant, f"{recipe=} {dtype=} {seed=}")
+        assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+def test_identity_replica_map_changes_nothing(seed):
+    quant = QuantConfig("bf16")
+    rt = _runtime("qwen3-moe-tiny", quant, seed, tokens=16)
+    layer = rt.layers[0]
+    x = rt.last[0]["x"]
+    plain = layer.forward(x)
+    layer.replica_map = ReplicaMap.identity(rt.cfg.num_experts)
+    assert torch.equal(layer.forward(x, token_offset=random.randrange(100)), plain)
+
+
+def test_wrong_hidden_raises():
+    rt = _runtime("qwen3-moe-tiny", QuantConfig(), 0, tokens=4)
+    with pytest.raises(ValueError, match=r"x must be \[T, hidden=256\], got \(4, 128\)"):
+        rt.layers[0].forward(torch.randn(4, 128).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be \[T, hidden=256\], got \(256,\)"):
+        rt.layers[0].forward(torch.randn(256).to(torch.bfloat16))
