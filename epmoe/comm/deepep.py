@@ -1,0 +1,264 @@
+"""DeepEP (v1, intranode NVLink) behind the comm contract: high-throughput and low-latency.
+
+| class                      | dispatch -> ExpertBatch                     | combine                      |
+|----------------------------|---------------------------------------------|------------------------------|
+| DeepEPHighThroughputComm   | get_dispatch_layout -> dispatch (fp8 data + | combine: sums the experts'   |
+|                            | fp32 scales for fp8_block, else bf16);      | weighted rows per token      |
+|                            | form "tokens", local ids (-1 elsewhere)     | (bf16 wire, fp32 out)        |
+| DeepEPLowLatencyComm       | low_latency_dispatch (fp8 or bf16) -> form  | low_latency_combine applies  |
+|                            | "masked" [E_local, C, D] + counts           | the top-k weights            |
+
+One DeepEP `Buffer` per (process group, mode) is shared by every layer of a process: DeepEP's
+NVSHMEM (low-latency mode) initializes once per process, and one IPC buffer per layer would
+waste memory. Buffers are sized from the run: HT from DeepEP's config size hints at the model's
+hidden size; LL from the run's max tokens per rank (`ll_max_tokens`, else `--tokens`).
+Experts are owned in contiguous blocks (rank r: slots [r*E/ep, (r+1)*E/ep)), as DeepEP assumes.
+Single node only (NVLink): NVSHMEM runs with no remote transport.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.wire import wire_quant
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.kernels.act_quant import per_token_group_quant
+from epmoe.quant import QTensor
+
+LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # DeepEP v1 SWITCH_HIDDEN
+LL_MAX_TOPK = 11
+HT_RANKS = (2, 4, 8)  # intranode configs DeepEP ships
+# single node over NVLink, no NVLink multicast (SAFETY_ENV); set before NVSHMEM initializes
+NVSHMEM_SINGLE_NODE_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none",
+                           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+                           "NVSHMEM_DISABLE_NVLS": "1"}
+
+_BUFFERS: dict[tuple, object] = {}  # (group id, mode) -> deep_ep.Buffer, see the docstring
+
+
+def _deep_ep():
+    import deep_ep  # noqa: PLC0415  (lazy: optional, CUDA-only dependency)
+
+    return deep_ep
+
+
+def _common_unsupported(cfg: MoEConfig, quant: QuantConfig, device, world: int) -> str | None:
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        return f"device {device} is not CUDA"
+    try:
+        _deep_ep()
+    except (ImportError, OSError, RuntimeError) as exc:
+        return f"deep_ep unavailable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    if world not in HT_RANKS:
+        return f"DeepEP intranode runs at ep in {HT_RANKS} (one node), got ep={world}"
+    if quant.recipe not in ("bf16", "fp8_block"):
+        return f"DeepEP carries bf16 or fp8 1x128 tokens; recipe {quant.recipe} is not one"
+    if cfg.hidden % 128:
+        return f"hidden ({cfg.hidden}) must be a multiple of 128 for DeepEP"
+    return None
+
+
+def _shared_buffer(group, key: tuple, make):
+    k = (id(group), *key)
+    buf = _BUFFERS.get(k)
+    if buf is None:
+        buf = _BUFFERS[k] = make()
+    return buf
+
+
+def _low_latency_buffer(group, need: int, make):
+    """The process's LL buffer for `group`, reused when large enough: NVSHMEM initializes once
+    per process, so a second, larger one cannot be made."""
+    k = (id(group), "ll")
+    buf = _BUFFERS.get(k)
+    if buf is None:
+        buf = _BUFFERS[k] = make()
+    elif buf.num_rdma_bytes < need:
+        raise ValueError(f"this process's DeepEP low-latency buffer has {buf.num_rdma_bytes} "
+                         f"bytes but this layer needs {need}; NVSHMEM allocates once per "
+                         f"process, so build the largest config (ll_max_tokens x hidden x "
+                         f"experts) first")
+    return buf
+
+
+def _topk64(topk_ids_TK: torch.Tensor) -> torch.Tensor:
+    return topk_ids_TK.to(torch.int64).contiguous()
+
+
+@dataclass(frozen=True)
+class DeepEPHandle:
+    """What combine needs (high-throughput).
+
+    deep_ep_handle  DeepEP's dispatch handle (its layout: prefix matrices, source indices)
+    num_tokens      this rank's T
+    """
+
+    deep_ep_handle: tuple
+    num_tokens: int
+
+
+class DeepEPHighThroughputComm(Comm):
+    """`num_sms`: SMs DeepEP's kernels take (DeepEP's default 20; 24-48 trades GEMM SMs for
+    bandwidth). Repeated dispatch of the same routing tensors (same objects, unmodified) reuses
+    DeepEP's cached layout: no get_dispatch_layout and no host sync for counts."""
+
+    name = "deepep-ht"
+    needs_run = True
+
+    def __init__(self, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
+                 device=None, num_sms: int | None = None):
+        super().__init__(cfg, quant, expert_map_E, group=group, rank=rank, world=world)
+        why = self.supports(cfg, quant, device or expert_map_E.device, world)
+        if why:
+            raise ValueError(f"comm backend 'deepep-ht' cannot run here: {why}")
+        ep = _deep_ep()
+        if num_sms is not None:
+            ep.Buffer.set_num_sms(num_sms)
+        self.num_experts = self.expert_map_E.shape[0]
+        if self.num_experts % world:
+            raise ValueError(f"physical experts ({self.num_experts}) must be divisible by ep "
+                             f"({world})")
+        self.dispatch_config = ep.Buffer.get_dispatch_config(world)
+        self.combine_config = ep.Buffer.get_combine_config(world)
+        hidden_bytes = cfg.hidden * 2  # bf16 rows bound fp8 rows + scales
+        nvl = max(self.dispatch_config.get_nvl_buffer_size_hint(hidden_bytes, world),
+                  self.combine_config.get_nvl_buffer_size_hint(hidden_bytes, world))
+        self.buffer = _shared_buffer(group, ("ht", nvl), lambda: ep.Buffer(group, nvl, 0))
+        self.wire = wire_quant(quant)
+        self._cache = None  # (ids, weights, versions, layout outputs)
+
+    @classmethod
+    def supports(cls, cfg, quant, device, world) -> str | None:
+        return _common_unsupported(cfg, quant, device, world)
+
+    def _payload(self, x_TD: torch.Tensor):
+        if self.wire.recipe == "bf16":
+            return x_TD.to(torch.bfloat16).contiguous()
+        # one Triton pass; fp32 scales [T, D/128] (powers of two for the ue8m0 formats)
+        q = per_token_group_quant(x_TD.contiguous(), 128, self.wire.scale_fmt)
+        return q.data, q.scale
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
+        ids = _topk64(topk_ids_TK)
+        w = topk_weights_TK.float().contiguous()
+        payload = self._payload(x_TD)
+        c = self._cache
+        if c is not None and c[0] is topk_ids_TK and c[1] is topk_weights_TK \
+                and c[2] == (topk_ids_TK._version, topk_weights_TK._version):
+            recv, *_ = self.buffer.dispatch(payload, handle=c[3].deep_ep_handle,
+                                            config=self.dispatch_config)
+            recv_ids, recv_w, handle = c[4], c[5], c[3]
+        else:
+            per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+                ids, self.num_experts)
+            recv, recv_ids, recv_w, _, ep_handle, _ = self.buffer.dispatch(
+                payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w,
+                config=self.dispatch_config)
+            handle = DeepEPHandle(ep_handle, x_TD.shape[0])
+            self._cache = (topk_ids_TK, topk_weights_TK,
+                           (topk_ids_TK._version, topk_weights_TK._version), handle,
+                           recv_ids, recv_w)
+        if isinstance(recv, tuple):
+            xq = QTensor(recv[0], recv[1], "fp8_block", 128, self.wire.scale_fmt)
+        else:
+            xq = QTensor(recv, None, "bf16", 0, self.quant.scale_fmt)
+        # DeepEP returns local expert ids (rank-relative, -1 elsewhere)
+        return ExpertBatch("tokens", xq, recv_ids.to(torch.int32), recv_w), handle
+
+    def combine(self, expert_out, handle: DeepEPHandle):
+        out, _, _ = self.buffer.combine(expert_out.to(torch.bfloat16).contiguous(),
+                                        handle.deep_ep_handle, config=self.combine_config)
+        return out.float()
+
+
+@dataclass(frozen=True)
+class DeepEPLowLatencyHandle:
+    """deep_ep_handle   DeepEP's LL handle (source info, layout range, sizes)
+    topk_ids_TK      int64 [T, K] physical ids (the combine re-reads them)
+    topk_weights_TK  fp32 [T, K] (applied by the combine)"""
+
+    deep_ep_handle: tuple
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+class DeepEPLowLatencyComm(Comm):
+    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's ll_max_tokens,
+    else its --tokens); dispatch and combine make no host sync and allocate nothing that
+    varies with routing, so the pair can be captured in a CUDA graph."""
+
+    name = "deepep-ll"
+    needs_run = True
+
+    def __init__(self, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
+                 device=None, max_tokens: int | None = None):
+        super().__init__(cfg, quant, expert_map_E, group=group, rank=rank, world=world)
+        why = self.supports(cfg, quant, device or expert_map_E.device, world)
+        if why:
+            raise ValueError(f"comm backend 'deepep-ll' cannot run here: {why}")
+        for k, v in NVSHMEM_SINGLE_NODE_ENV.items():
+            os.environ.setdefault(k, v)
+        ep = _deep_ep()
+        self.num_experts = self.expert_map_E.shape[0]
+        if self.num_experts % world:
+            raise ValueError(f"physical experts ({self.num_experts}) must be divisible by ep "
+                             f"({world})")
+        self.max_tokens = int(max_tokens or getattr(run, "ll_max_tokens", None)
+                              or getattr(run, "tokens", 0) or 128)
+        need = ep.Buffer.get_low_latency_rdma_size_hint(self.max_tokens, cfg.hidden, world,
+                                                        self.num_experts)
+        self.buffer = _low_latency_buffer(group, need, lambda: ep.Buffer(
+            group, 0, need, low_latency_mode=True,
+            num_qps_per_rank=max(1, self.num_experts // world)))
+        self.use_fp8 = quant.recipe == "fp8_block"
+
+    @classmethod
+    def supports(cls, cfg, quant, device, world) -> str | None:
+        why = _common_unsupported(cfg, quant, device, world)
+        if why:
+            return why
+        if cfg.hidden not in LL_HIDDEN:
+            return f"DeepEP low-latency kernels take hidden in {LL_HIDDEN}, got {cfg.hidden}"
+        if cfg.top_k > LL_MAX_TOPK:
+            return f"DeepEP low-latency kernels take top_k <= {LL_MAX_TOPK}, got {cfg.top_k}"
+        return None
+
+    @property
+    def capacity(self) -> int:
+        """Rows per local expert in the masked batch: max_tokens x ranks."""
+        return self.max_tokens * self.world
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
+        t = x_TD.shape[0]
+        if t > self.max_tokens:
+            raise ValueError(f"tokens per rank ({t}) exceed the low-latency buffers' "
+                             f"max_tokens ({self.max_tokens}); raise ll_max_tokens (or "
+                             f"--tokens) to at least {t}, or use deepep-ht")
+        ids = _topk64(topk_ids_TK)
+        fmt = self.quant.scale_fmt
+        recv, counts, ep_handle, _, _ = self.buffer.low_latency_dispatch(
+            x_TD.to(torch.bfloat16).contiguous(), ids, self.max_tokens, self.num_experts,
+            use_fp8=self.use_fp8, round_scale=self.use_fp8 and fmt != "fp32",
+            use_ue8m0=self.use_fp8 and fmt == "ue8m0_packed")
+        if self.use_fp8:
+            # scales [E, C, G] with C the unit stride (DeepGEMM's TMA layout per expert)
+            xq = QTensor(recv[0], recv[1], "fp8_block", 128, fmt)
+        else:
+            xq = QTensor(recv, None, "bf16", 0, fmt)
+        batch = ExpertBatch("masked", xq, counts_E=counts)
+        return batch, DeepEPLowLatencyHandle(ep_handle, ids, topk_weights_TK.float().contiguous())
+
+    def combine(self, expert_out, handle: DeepEPLowLatencyHandle):
+        out, _, _ = self.buffer.low_latency_combine(
+            expert_out.to(torch.bfloat16).contiguous(), handle.topk_ids_TK,
+            handle.topk_weights_TK, handle.deep_ep_handle)
+        return out.float()
+
+
+__all__ = ["DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
+           "DeepEPLowLatencyHandle", "NVSHMEM_SINGLE_NODE_ENV"]
