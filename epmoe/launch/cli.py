@@ -1,7 +1,7 @@
 """`python -m epmoe.launch` — flags, validation before any worker starts, run, report.
 
 Exit codes: 0 run passed (or was not checked), 1 correctness failed, 2 bad flags / impossible
-shapes, 3 a rank failed or hung (LaunchError).
+shapes (including more ranks than the cluster holds), 3 a rank failed or hung (LaunchError).
 """
 
 from __future__ import annotations
@@ -96,9 +96,10 @@ def build_run(a: argparse.Namespace):
         from epmoe.eplb.routing import make_routing
 
         make_routing(run.routing, 1, run.cfg.num_experts, run.cfg.top_k, 2, 0, run.seed)
-    if form != "ep_dp" and a.backend not in ("auto", "local"):
+    if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
         raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "
-                         f"does not do: drop --no-dp / --tp, or use --backend auto")
+                         f"on {world} rank(s) does not do: use --ep > 1 with --dp, or "
+                         f"--backend auto")
     return run
 
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from epmoe.launch.driver import LaunchError, driver_for
+    from epmoe.launch.driver import ClusterTooSmall, LaunchError, driver_for
     from epmoe.launch.report import render, summarize
 
     use_gpu = {"auto": None, "cpu": False, "cuda": True}[a.device]
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
             else:
                 reports, where = d.execute()
                 extra = None
+    except ClusterTooSmall as e:  # impossible shape for this cluster, found before any worker
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

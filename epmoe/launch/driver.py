@@ -19,6 +19,10 @@ class LaunchError(RuntimeError):
     """A run failed: which rank, which stage, why."""
 
 
+class ClusterTooSmall(LaunchError):
+    """The cluster cannot hold the requested ranks: found before any worker starts (exit 2)."""
+
+
 def _progress(total: int, quiet: bool):
     if quiet:
         return None
@@ -60,7 +64,7 @@ class RayDriver:
         self.run, self.address, self.quiet = run, address, quiet
         self.num_cpus = num_cpus
         self.use_gpu = use_gpu
-        self.actors, self.pg, self.started_ray = [], None, False
+        self.actors, self.pg, self.started_ray, self.connected = [], None, False, False
 
     # ------------------------------------------------------------------ cluster
     def _connect(self):
@@ -80,13 +84,14 @@ class RayDriver:
             return ray
         if self.address:
             ray.init(address=self.address, **kw)
+            self.connected = True  # disconnect on close; the cluster is not ours to stop
         else:
             import torch
 
             gpus = torch.cuda.device_count() if self.use_gpu is not False else 0
             cpus = self.num_cpus or max(self.run.world, os.cpu_count() or 1)
             ray.init(num_cpus=cpus, num_gpus=gpus, _temp_dir=RAY_TMPDIR, **kw)
-            self.started_ray = True
+            self.started_ray = self.connected = True
         return ray
 
     def _check_capacity(self, ray, per_rank: dict):
@@ -94,7 +99,7 @@ class RayDriver:
         for res, amount in per_rank.items():
             have = total.get(res, 0)
             if have < amount * self.run.world:
-                raise LaunchError(
+                raise ClusterTooSmall(
                     f"the cluster has {have:g} {res}, but {self.run.world} ranks need "
                     f"{amount * self.run.world:g} ({amount:g} each): lower --ep/--tp or add nodes")
 
@@ -194,8 +199,8 @@ class RayDriver:
             except Exception:  # pragma: no cover
                 pass
             self.pg = None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self.connected and ray.is_initialized():
+            ray.shutdown()  # stops the cluster if we started it, else only disconnects
         logger.debug("ray driver closed")
 
 
