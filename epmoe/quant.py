@@ -191,6 +191,13 @@ def _amax(x: torch.Tensor, dims) -> torch.Tensor:
     return x.abs().amax(dim=dims).clamp(min=AMAX_MIN)
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c correctly rounded on every device. CUDA turns division by a Python scalar into a
+    multiply by its reciprocal (one ulp off for some inputs), which would make scales, and so
+    fp8 codes, differ between CPU and GPU; a 0-dim device tensor gets true division."""
+    return t / torch.tensor(c, dtype=t.dtype, device=t.device)
+
+
 def _index0(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """index_select along dim 0, through uint8 for fp8 (CPU fp8 lacks most kernels)."""
     if t.dtype == FP8_DTYPE:
@@ -257,7 +264,7 @@ def quantize_act(x: torch.Tensor, quant: QuantConfig) -> QTensor:
         raise ValueError(f"scale_fmt ue8m0_packed needs 2-D activations [T, D], got shape "
                          f"{tuple(x.shape)}; reshape to [-1, D] first")
     xg = x.float().reshape(*x.shape[:-1], d // group, group)
-    scale = _amax(xg, -1) / FP8_MAX
+    scale = _div(_amax(xg, -1), FP8_MAX)
     if recipe == "mxfp8" or quant.scale_fmt != "fp32":
         scale = round_scale_pow2(scale)
     data = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(x.shape)
@@ -382,7 +389,7 @@ def quantize_weight(w: torch.Tensor, quant: QuantConfig) -> QWeight:
         _check_multiple("weight rows N", n, BLOCK, recipe,
                         "pick recipe bf16 or dims that are multiples of 128 (lower tp)")
         wb = wf.reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-        scale = _amax(wb, (2, 4)) / FP8_MAX
+        scale = _div(_amax(wb, (2, 4)), FP8_MAX)
         fmt = "fp32"
         if quant.scale_fmt != "fp32":
             scale, fmt = round_scale_pow2(scale), "ue8m0_fp32"
@@ -392,7 +399,7 @@ def quantize_weight(w: torch.Tensor, quant: QuantConfig) -> QWeight:
                     f"pick recipe bf16 or dims that are multiples of {MX_GROUP}")
     wg = wf.reshape(e, n, k // MX_GROUP, MX_GROUP)
     qmax = FP8_MAX if recipe == "mxfp8" else E2M1_MAX
-    scale = round_scale_pow2(_amax(wg, -1) / qmax)
+    scale = round_scale_pow2(_div(_amax(wg, -1), qmax))
     scaled = wg / scale.unsqueeze(-1)
     e8 = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
     if recipe == "mxfp8":

@@ -66,7 +66,7 @@ def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m,
             tl.store(rows_q + offs_c[None, :], a.to(q_ptr.dtype.element_ty), mask=m2)
         else:
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), amax_min)
-            s = amax / fp8_max
+            s = tl.math.div_rn(amax, fp8_max)  # IEEE: plain / is approximate on GPU
             if QUANT >= 2:  # round up to a power of two, exactly (bit arithmetic)
                 bits = s.to(tl.int32, bitcast=True)
                 e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
