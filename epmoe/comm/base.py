@@ -3,7 +3,8 @@
     batch, handle = comm.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
     expert_out = experts(batch)               # token form: [N, D] fp32, weighted sum per token
                                               # masked form: [E, C, D] bf16, unweighted
-    out_TD = comm.combine(expert_out, handle) # fp32 [T, D], this rank's tokens (or all, per form)
+    out_TD = comm.combine(expert_out, handle) # [T, D] this rank's tokens: fp32, or bf16 when the
+                                              # backend reduced in fp32 and cast once (DeepEP)
 
 Combine is the inverse of dispatch. Handles are frozen dataclasses private to their backend;
 `ExpertBatch` is the shared result type.
@@ -82,4 +83,5 @@ class Comm(ABC):
 
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
-        """-> out_TD fp32"""
+        """-> out_TD: the weighted sum over slots, summed in fp32 (returned as fp32, or as bf16
+        when the backend's own kernel already cast once: an extra fp32 copy would cost HBM time)"""

@@ -173,7 +173,7 @@ class DeepEPHighThroughputComm(Comm):
     def combine(self, expert_out, handle: DeepEPHandle):
         out, _, _ = self.buffer.combine(expert_out.to(torch.bfloat16).contiguous(),
                                         handle.deep_ep_handle, config=self.combine_config)
-        return out.float()
+        return out  # bf16: DeepEP already reduced in fp32 and cast once
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ class DeepEPLowLatencyComm(Comm):
         out, _, _ = self.buffer.low_latency_combine(
             expert_out.to(torch.bfloat16).contiguous(), handle.topk_ids_TK,
             handle.topk_weights_TK, handle.deep_ep_handle)
-        return out.float()
+        return out  # bf16: DeepEP already reduced in fp32 and cast once
 
 
 __all__ = ["DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
