@@ -153,6 +153,7 @@ class DeepGemmExperts(Experts):
         return self._alignment
 
     def _stage(self, name: str):
+        name = "experts." + name  # same stage names as every experts backend
         return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ GEMMs
