@@ -94,14 +94,20 @@ class Experts(ABC):
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x [E, C, D], counts [E] -> y [E, C, D] bf16 (rows past a count: any value)."""
 
-    def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
-                    num_rows: int | None = None) -> ContiguousLayout:
-        """The layout at this backend's alignment; a finer alignment than the GEMM's is refused
-        (an expert-index aligned finer than BLOCK_M would make the GEMM read another expert)."""
+    def resolve_alignment(self, alignment: int | None) -> int:
+        """The row alignment to use: this backend's GEMM alignment or a multiple of it. A finer
+        one is refused: an expert index aligned finer than BLOCK_M makes the GEMM read another
+        expert's id for part of a tile (the seed's mk_alignment_scope problem)."""
         a = self.alignment if alignment is None else alignment
-        if a % self.alignment:
+        if a < 1 or a % self.alignment:
             raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
                              f"alignment ({self.alignment})")
+        return a
+
+    def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
+                    num_rows: int | None = None) -> ContiguousLayout:
+        """The layout at this backend's alignment (see resolve_alignment)."""
+        a = self.resolve_alignment(alignment)
         return make_contiguous_layout(topk_ids_NK, self.weights.num_experts, a, num_rows)
 
     def permute(self, x: QTensor, layout: ContiguousLayout) -> QTensor:

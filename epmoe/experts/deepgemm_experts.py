@@ -205,10 +205,7 @@ class DeepGemmExperts(Experts):
                     num_rows: int | None = None) -> ContiguousLayout:
         from epmoe.kernels.permute import triton_make_contiguous_layout
 
-        a = self.alignment if alignment is None else alignment
-        if a % self.alignment:
-            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
-                             f"alignment ({self.alignment})")
+        a = self.resolve_alignment(alignment)
         return triton_make_contiguous_layout(topk_ids_NK, self.weights.num_experts, a,
                                              num_rows=num_rows)
 
@@ -217,10 +214,7 @@ class DeepGemmExperts(Experts):
         from epmoe.kernels.gather import triton_unpermute_reduce
         from epmoe.kernels.permute import triton_permute
 
-        a = self.alignment if alignment is None else alignment
-        if a % self.alignment:
-            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
-                             f"alignment ({self.alignment})")
+        a = self.resolve_alignment(alignment)
         with self._stage("permute"):
             xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
         y = self.run_contiguous(xp, layout)

@@ -56,10 +56,7 @@ class TritonExperts(Experts):
 
     def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
                     num_rows: int | None = None) -> ContiguousLayout:
-        a = self.alignment if alignment is None else alignment
-        if a % self.alignment:
-            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
-                             f"alignment ({self.alignment})")
+        a = self.resolve_alignment(alignment)
         return triton_make_contiguous_layout(topk_ids_NK, self.weights.num_experts, a,
                                              num_rows=num_rows)
 
@@ -72,10 +69,7 @@ class TritonExperts(Experts):
     def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
               alignment: int | None = None) -> torch.Tensor:
         """One pass builds the layout and copies the rows (the seed's ep_scatter)."""
-        a = self.alignment if alignment is None else alignment
-        if a % self.alignment:
-            raise ValueError(f"alignment ({a}) must be a multiple of {self.name}'s GEMM "
-                             f"alignment ({self.alignment})")
+        a = self.resolve_alignment(alignment)
         t = self.timer
         with t.stage("experts.permute"):
             xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
