@@ -33,6 +33,7 @@ class RunConfig:
     form: str = "ep_dp"  # tp | ep | ep_dp
     world: int = 1
     backend: str = "auto"
+    ll_max_tokens: int = 256  # auto backend: DeepEP low-latency up to this many tokens per rank
     experts: str = "auto"
     tokens: int = 64  # per rank (ep_dp) or in total (tp / ep: replicated)
     layers: int | None = None  # None = the preset's num_moe_layers

@@ -57,7 +57,7 @@ def resolve_backend(name: str, run, device) -> tuple[str, str]:
         return name, "requested"
     tried = []
     if getattr(device, "type", str(device)) == "cuda":
-        ll_max = getattr(run, "ll_max_tokens", 256)
+        ll_max = run.ll_max_tokens
         first = "deepep-ll" if run.tokens <= ll_max else "deepep-ht"
         why = _unavailable(first, run, device)
         if why is None:

@@ -11,7 +11,7 @@
 One DeepEP `Buffer` per (process group, mode) is shared by every layer of a process: DeepEP's
 NVSHMEM (low-latency mode) initializes once per process, and one IPC buffer per layer would
 waste memory. Buffers are sized from the run: HT from DeepEP's config size hints at the model's
-hidden size; LL from the run's max tokens per rank (`ll_max_tokens`, else `--tokens`).
+hidden size; LL from the run's max tokens per rank (`--tokens`).
 Experts are owned in contiguous blocks (rank r: slots [r*E/ep, (r+1)*E/ep)), as DeepEP assumes.
 Single node only (NVLink): NVSHMEM runs with no remote transport.
 """
@@ -80,7 +80,7 @@ def _low_latency_buffer(group, need: int, make):
     elif buf.num_rdma_bytes < need:
         raise ValueError(f"this process's DeepEP low-latency buffer has {buf.num_rdma_bytes} "
                          f"bytes but this layer needs {need}; NVSHMEM allocates once per "
-                         f"process, so build the largest config (ll_max_tokens x hidden x "
+                         f"process, so build the largest config (--tokens x hidden x "
                          f"experts) first")
     return buf
 
@@ -188,7 +188,7 @@ class DeepEPLowLatencyHandle:
 
 
 class DeepEPLowLatencyComm(Comm):
-    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's ll_max_tokens,
+    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's --tokens,
     else its --tokens); dispatch and combine make no host sync and allocate nothing that
     varies with routing, so the pair can be captured in a CUDA graph."""
 
@@ -208,8 +208,7 @@ class DeepEPLowLatencyComm(Comm):
         if self.num_experts % world:
             raise ValueError(f"physical experts ({self.num_experts}) must be divisible by ep "
                              f"({world})")
-        self.max_tokens = int(max_tokens or getattr(run, "ll_max_tokens", None)
-                              or getattr(run, "tokens", 0) or 128)
+        self.max_tokens = int(max_tokens or getattr(run, "tokens", 0) or 128)
         need = ep.Buffer.get_low_latency_rdma_size_hint(self.max_tokens, cfg.hidden, world,
                                                         self.num_experts)
         self.buffer = _low_latency_buffer(group, need, lambda: ep.Buffer(
@@ -237,8 +236,8 @@ class DeepEPLowLatencyComm(Comm):
         t = x_TD.shape[0]
         if t > self.max_tokens:
             raise ValueError(f"tokens per rank ({t}) exceed the low-latency buffers' "
-                             f"max_tokens ({self.max_tokens}); raise ll_max_tokens (or "
-                             f"--tokens) to at least {t}, or use deepep-ht")
+                             f"max_tokens ({self.max_tokens}); size them with --tokens (max tokens "
+                             f"per rank) of at least {t}, or use deepep-ht")
         ids = _topk64(topk_ids_TK)
         fmt = self.quant.scale_fmt
         recv, counts, ep_handle, _, _ = self.buffer.low_latency_dispatch(

@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --ep > 1: each rank its own tokens (EP+DP, default); --no-dp "
                         "replicates tokens and all-reduces (form ep)")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help="comm backend")
+    g.add_argument("--ll-max-tokens", type=int, default=256,
+                   help="with --backend auto on CUDA: DeepEP low-latency up to this many tokens "
+                        "per rank, high-throughput above (default 256)")
     g.add_argument("--experts", default="auto", choices=("auto", "torch", "triton", "deepgemm"),
                    help="experts backend")
     m = p.add_argument_group("model and data")
@@ -83,6 +86,8 @@ def build_run(a: argparse.Namespace):
         raise ValueError("--redundant-experts needs --eplb (replicas are placed by EPLB)")
     if a.eplb and form == "tp":
         raise ValueError("--eplb places experts across EP ranks: use --ep, not --tp")
+    if a.ll_max_tokens < 1:
+        raise ValueError(f"--ll-max-tokens ({a.ll_max_tokens}) must be >= 1")
     if a.timeout <= 0:
         raise ValueError(f"--timeout ({a.timeout}) must be > 0 seconds")
     if a.rebalance_every < 1:
@@ -90,7 +95,8 @@ def build_run(a: argparse.Namespace):
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
-                    timeout_s=a.timeout, check=a.check, eplb=a.eplb, eplb_window=a.eplb_window)
+                    timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
+                    eplb=a.eplb, eplb_window=a.eplb_window)
     run.validate()
     if run.routing != "router":
         from epmoe.eplb.routing import make_routing
