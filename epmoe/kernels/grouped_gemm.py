@@ -46,103 +46,142 @@ def _e2m1_to_fp32(c):
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+# BLOCK_M is fixed by the layout's alignment (128 for the contiguous layout at DeepSeek shapes);
+# the autotuner picks BLOCK_N / warps / stages (<= 6 configs; small problems keep the first).
 _CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in ((128, 4, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4))]
+            for bn, w, s in ((128, 8, 4), (128, 8, 3), (256, 8, 3), (128, 4, 4), (64, 4, 4),
+                             (256, 8, 4))]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Tiny problems (unit tests, decode) are launch-bound: skip the tuning sweep."""
+    n, k = named_args["N"], named_args["K"]
+    return configs if n * k >= 1024 * 1024 else configs[:1]
 
 
 def _maybe_autotune(fn):
     """Autotune BLOCK_N / warps / stages on GPU; the interpreter runs one fixed config."""
     if INTERPRET:
         return fn
-    return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M"])(fn)
+    return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M"],
+                           prune_configs_by={"early_config_prune": _prune_configs})(fn)
 
 
 @_maybe_autotune
 @triton.jit
 def _grouped_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr,
-        M, N, K, stride_am, stride_as_m, stride_as_g,
+        M, N, K, GRID_M, stride_am, stride_as_m, stride_as_g,
         stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm,
         RECIPE: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
-        DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+        DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr):
+    # Grouped tile order: GROUP_M consecutive M tiles sweep all N tiles together, so the
+    # programs in flight share their A rows and (mostly one expert's) weight tiles in L2.
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(GRID_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
     if MASKED:  # M = capacity C; rows of expert e are [e*C, e*C + count)
         e = tl.program_id(2)
         local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         run = pid_m * BLOCK_M < tl.load(counts_ptr + e)
         rows = e * M + local
         row_mask = local < M
+        rows_ld = e * M + tl.minimum(local, M - 1)  # clamped: loads need no mask
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(row_expert_ptr + pid_m * BLOCK_M)
         run = e >= 0
         row_mask = rows < M
+        rows_ld = tl.minimum(rows, M - 1)
     if run:
-        rows64 = rows.to(tl.int64)
+        rows64 = rows_ld.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
+        offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
         e64 = e.to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        # Pointers built once, advanced by BLOCK_K per step (no per-element 64-bit math inside)
+        a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]
+        if RECIPE == 3:  # e2m1 codes: bytes [BLOCK_N, BLOCK_K // 2], low nibble first
+            offs_kh = tl.arange(0, BLOCK_K // 2)
+            b_ptrs = b_ptr + e64 * stride_be + offs_nl[:, None] * stride_bn + offs_kh[None, :]
+        else:
+            b_ptrs = b_ptr + e64 * stride_be + offs_nl[:, None] * stride_bn + offs_k[None, :]
+        if RECIPE >= 2:
+            offs_g = tl.arange(0, BLOCK_K // 32)
+            ws_ptrs = (bs_ptr + e64 * stride_bs_e + offs_nl[:, None] * stride_bs_n
+                       + offs_g[None, :] * stride_bs_k)
+        if RECIPE == 2:
+            as2_ptrs = as_ptr + rows64[:, None] * stride_as_m + offs_g[None, :] * stride_as_g
+        as_row = as_ptr + rows64 * stride_as_m
+        bs_row = bs_ptr + e64 * stride_bs_e + (offs_nl // 128) * stride_bs_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            a = tl.load(a_ptr + rows64[:, None] * stride_am + offs_k[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            if RECIPE == 3:  # e2m1 codes: bytes [BLOCK_N, BLOCK_K // 2], low nibble first
-                offs_kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                packed = tl.load(b_ptr + e64 * stride_be + offs_n[:, None] * stride_bn
-                                 + offs_kh[None, :],
-                                 mask=n_mask[:, None] & (offs_kh < K // 2)[None, :], other=0)
-                packed = packed.to(tl.int32)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
+            if RECIPE == 3:
+                packed = tl.load(b_ptrs).to(tl.int32)
                 w = tl.reshape(tl.join(_e2m1_to_fp32(packed & 15), _e2m1_to_fp32(packed >> 4)),
                                (BLOCK_N, BLOCK_K))
+            elif EVEN_K:
+                w = tl.load(b_ptrs)
             else:
-                w = tl.load(b_ptr + e64 * stride_be + offs_n[:, None] * stride_bn
-                            + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(b_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
             if RECIPE >= 2:  # e8m0 weight scales per 32 columns: dequantize to bf16 in-kernel
-                offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-                ws = _e8m0_to_fp32(tl.load(bs_ptr + e64 * stride_bs_e
-                                           + offs_n[:, None] * stride_bs_n
-                                           + offs_g[None, :] * stride_bs_k,
-                                           mask=n_mask[:, None] & (offs_g < K // 32)[None, :],
-                                           other=127))
+                ws = _e8m0_to_fp32(tl.load(ws_ptrs))
                 w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
                                * ws[:, :, None], (BLOCK_N, BLOCK_K))
             if RECIPE == 2:  # mxfp8 activations: e8m0 per 32 as well
-                offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-                a_s = _e8m0_to_fp32(tl.load(as_ptr + rows64[:, None] * stride_as_m
-                                            + offs_g[None, :] * stride_as_g,
-                                            mask=row_mask[:, None] & (offs_g < K // 32)[None, :],
-                                            other=127))
+                a_s2 = _e8m0_to_fp32(tl.load(as2_ptrs))
                 a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
-                               * a_s[:, :, None], (BLOCK_M, BLOCK_K))
-            if DOT_FP32:
-                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
-            elif RECIPE >= 2:
-                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+                               * a_s2[:, :, None], (BLOCK_M, BLOCK_K))
+            if RECIPE == 0 or RECIPE == 2:  # no per-block scale: accumulate in the MMA
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+                elif RECIPE == 2:
+                    acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc)
             else:
-                part = tl.dot(a, tl.trans(w))
-            if RECIPE == 1 or RECIPE == 3:  # per-row activation scale of this K block of 128
-                kb = k0 // 128
+                if DOT_FP32:
+                    part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+                elif RECIPE == 3:
+                    part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+                else:
+                    part = tl.dot(a, tl.trans(w))
+                kb = k0 // 128  # per-row activation scale of this K block of 128
                 if A_PACKED:
-                    word = tl.load(as_ptr + rows64 * stride_as_m + (kb // 4) * stride_as_g,
-                                   mask=row_mask, other=0)
+                    word = tl.load(as_row + (kb // 4) * stride_as_g)
                     a_s = _e8m0_to_fp32((word >> (8 * (kb % 4))) & 255)
                 else:
-                    a_s = tl.load(as_ptr + rows64 * stride_as_m + kb * stride_as_g,
-                                  mask=row_mask, other=0.0)
-                part = part * a_s[:, None]
-            if RECIPE == 1:  # 128 x 128 weight block scales
-                b_s = tl.load(bs_ptr + e64 * stride_bs_e + (offs_n // 128) * stride_bs_n
-                              + (k0 // 128) * stride_bs_k, mask=n_mask, other=0.0)
-                part = part * b_s[None, :]
-            acc += part
+                    a_s = tl.load(as_row + kb * stride_as_g)
+                if RECIPE == 1:  # 128 x 128 weight block scales, applied with a_s in fp32
+                    b_s = tl.load(bs_row + kb * stride_bs_k)
+                    acc += part * (a_s[:, None] * b_s[None, :])
+                else:
+                    acc += part * a_s[:, None]
+            a_ptrs += BLOCK_K
+            if RECIPE == 3:
+                b_ptrs += BLOCK_K // 2
+            else:
+                b_ptrs += BLOCK_K
+            if RECIPE >= 2:
+                ws_ptrs += (BLOCK_K // 32) * stride_bs_k
+            if RECIPE == 2:
+                as2_ptrs += (BLOCK_K // 32) * stride_as_g
         if PRE_ROUND:
             acc = round_bf16(acc)
-        tl.store(c_ptr + rows64[:, None] * stride_cm + offs_n[None, :],
-                 acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :])
 
 
 def _check_operands(x: QTensor, w: QWeight) -> None:
@@ -174,15 +213,16 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     s = s_2d if s_2d is not None else a_2d
     block_k = 64 if recipe == 0 else 128
     kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, DOT_FP32=INTERPRET,
-                  PRE_ROUND=INTERPRET, BLOCK_M=block_m, BLOCK_K=block_k)
+                  PRE_ROUND=INTERPRET, EVEN_K=k % block_k == 0, BLOCK_M=block_m,
+                  BLOCK_K=block_k, GROUP_M=8)
     if INTERPRET:
         kwargs.update(BLOCK_N=min(256, triton.next_power_of_2(n)), num_warps=4)
 
     def grid(meta):
-        return (grid_m, triton.cdiv(n, meta["BLOCK_N"]), num_e)
+        return (grid_m * triton.cdiv(n, meta["BLOCK_N"]), 1, num_e)
 
     _grouped_gemm_kernel[grid](
-        a_data, s, b_data, bs, out_2d, row_expert, counts, m, n, k,
+        a_data, s, b_data, bs, out_2d, row_expert, counts, m, n, k, grid_m,
         a_2d.stride(0), s.stride(0) if s_2d is not None else 0,
         s.stride(1) if s_2d is not None else 0,
         b_data.stride(0), b_data.stride(1), bs.stride(0) if w.scale is not None else 0,

@@ -1,15 +1,19 @@
 """ep_scatter: (token, k) pairs -> rows of the contiguous layout, token rows and scales copied.
 
-Two phases: (a) count pairs per local expert (atomics) and prefix-sum the aligned counts
-(torch.cumsum, no host sync); (b) each pair takes a row of its expert's group with an atomic
-cursor and copies its token's row and scale row there. Row order inside a group follows the
-atomics (not token order as in `epmoe.layout`); padding rows have row_expert -1 and unspecified
-data. The output is sized exactly (one host sync) or by `num_rows` (no sync, CUDA-graph safe).
+Two phases: (a) count pairs per local expert (per-chunk `tl.histogram`s, then one program sums
+them and writes counts, aligned offsets and the scatter cursors: two launches, no atomics, no
+torch ops); (b) one program per token takes a row of each of its K experts' groups with atomic
+cursors (K atomics issued together), then copies the token's row (whole row in registers, read
+once as 32-bit words, 16-byte vectors) and its scale row to its K rows; the same launch writes
+row_expert (from counts and offsets: a group's valid rows are its first counts[e] rows). Row
+order inside a group follows the atomics (not token order as in `epmoe.layout`); padding rows
+have row_expert -1 and unspecified data. The output is sized exactly (one host sync, the only
+one) or by `num_rows` (no sync, CUDA-graph safe).
 """
 
 from __future__ import annotations
 
-from epmoe.kernels._common import (INTERPRET, as_bits, check, check_tensor,
+from epmoe.kernels._common import (as_bits, check, check_tensor,
                                    empty_mn_major, is_mn_major, next_pow2)
 
 import torch  # noqa: E402
@@ -20,17 +24,64 @@ from epmoe.layout import ContiguousLayout, contiguous_rows_upper_bound  # noqa: 
 from epmoe.quant import QTensor  # noqa: E402
 
 _IDS_DTYPES = (torch.int32, torch.int64)
+_HIST_CHUNK = 8192  # (token, k) pairs per histogram program
+_HIST_BLOCK = 2048
 
 
 @triton.jit
-def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs,
-                  HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    pm = offs < num_pairs
-    e = tl.load(ids_ptr + offs, mask=pm, other=-1).to(tl.int32)
+def _local_ids(ids_ptr, map_ptr, offs, m, E, HAS_MAP: tl.constexpr):
+    """Local expert of pairs `offs` (-1: empty slot, not on this rank, or out of range)."""
+    e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
     if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=pm & (e >= 0), other=-1)
-    tl.atomic_add(counts_ptr + e, 1, mask=pm & (e >= 0))
+        e = tl.load(map_ptr + e, mask=m & (e >= 0), other=-1)
+    return tl.where(m & (e >= 0) & (e < E), e, -1)
+
+
+@triton.jit
+def _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment,
+                     BLOCK_E: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    em = offs_e < E
+    c = tl.where(em, h, 0)
+    aligned = (c + (alignment - 1)) // alignment * alignment
+    excl = tl.cumsum(aligned, 0) - aligned  # offsets[e] for e <= E (BLOCK_E > E)
+    tl.store(counts_ptr + offs_e, c, mask=em)
+    tl.store(cursor_ptr + offs_e, excl, mask=em)
+    tl.store(offsets_ptr + offs_e, excl, mask=offs_e <= E)
+
+
+@triton.jit
+def _hist_kernel(ids_ptr, map_ptr, part_ptr, counts_ptr, offsets_ptr, cursor_ptr,
+                 num_pairs, E, alignment, CHUNK,
+                 HAS_MAP: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """Histogram of local expert ids over pairs [pid*CHUNK, +CHUNK); bin BLOCK_E-1 (> E-1)
+    collects the invalid ones. FINAL (one program): write counts / offsets / cursor directly."""
+    pid = tl.program_id(0)
+    start = pid * CHUNK
+    end = tl.minimum(start + CHUNK, num_pairs)
+    h = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for i in range(start, end, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        e = _local_ids(ids_ptr, map_ptr, offs, offs < end, E, HAS_MAP)
+        h += tl.histogram(tl.where(e >= 0, e, BLOCK_E - 1), BLOCK_E)
+    if FINAL:
+        _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment, BLOCK_E)
+    else:
+        tl.store(part_ptr + pid * BLOCK_E + tl.arange(0, BLOCK_E), h)
+
+
+@triton.jit
+def _offsets_kernel(part_ptr, num_parts, counts_ptr, offsets_ptr, cursor_ptr, E, alignment,
+                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    h = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    offs_e = tl.arange(0, BLOCK_E)
+    for p0 in range(0, num_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        part = tl.load(part_ptr + offs_p[:, None] * BLOCK_E + offs_e[None, :],
+                       mask=(offs_p < num_parts)[:, None], other=0)
+        h += tl.sum(part, axis=0)
+    _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment, BLOCK_E)
 
 
 def _check_routing(topk_ids_NK, num_experts, alignment, expert_map):
@@ -47,86 +98,131 @@ def _check_routing(topk_ids_NK, num_experts, alignment, expert_map):
 
 
 def _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map):
-    """Phase (a): counts_E int32, offsets_E1 int32 (aligned prefix sum), both on device."""
+    """Phase (a): counts_E, offsets_E1 (aligned prefix sum), cursor_E (= offsets_E1[:-1]);
+    int32, on device, no host sync."""
     dev = topk_ids_NK.device
     num_pairs = topk_ids_NK.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    if num_pairs:
-        block = 1024
-        _count_kernel[(triton.cdiv(num_pairs, block),)](
-            topk_ids_NK, expert_map if expert_map is not None else counts, counts, num_pairs,
-            HAS_MAP=expert_map is not None, BLOCK=block)
-    aligned = (counts + (alignment - 1)) // alignment * alignment
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(aligned, 0)
-    return counts, offsets
+    e = num_experts
+    counts = torch.empty(e, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(e, dtype=torch.int32, device=dev)
+    block_e = max(32, next_pow2(e + 1))  # > E: the last bin takes the invalid pairs
+    has_map = expert_map is not None
+    emap = expert_map if has_map else counts
+    parts = max(1, triton.cdiv(num_pairs, _HIST_CHUNK))
+    block = min(_HIST_BLOCK, next_pow2(max(num_pairs, 1)))
+    if parts == 1:
+        _hist_kernel[(1,)](topk_ids_NK, emap, counts, counts, offsets, cursor, num_pairs, e,
+                           alignment, _HIST_CHUNK, HAS_MAP=has_map, FINAL=True, BLOCK=block,
+                           BLOCK_E=block_e, num_warps=4)
+    else:
+        part = torch.empty((parts, block_e), dtype=torch.int32, device=dev)
+        _hist_kernel[(parts,)](topk_ids_NK, emap, part, counts, offsets, cursor, num_pairs, e,
+                               alignment, _HIST_CHUNK, HAS_MAP=has_map, FINAL=False,
+                               BLOCK=block, BLOCK_E=block_e, num_warps=4)
+        _offsets_kernel[(1,)](part, parts, counts, offsets, cursor, e, alignment,
+                              BLOCK_P=min(16, next_pow2(parts)), BLOCK_E=block_e, num_warps=4)
+    return counts, offsets, cursor
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, map_ptr, cursor_ptr, inv_ptr, row_expert_ptr,
-                    x_ptr, out_ptr, s_ptr, s_out_ptr,
-                    num_pairs, K, D, G,
+def _scatter_kernel(ids_ptr, map_ptr, cursor_ptr, counts_ptr, offsets_ptr, inv_ptr,
+                    row_expert_ptr, x_ptr, out_ptr, s_ptr, s_out_ptr,
+                    K, E, D, G, num_rows,
                     stride_x, stride_out, s_stride_n, s_stride_g, so_stride_m, so_stride_g,
                     HAS_MAP: tl.constexpr, ASSIGN: tl.constexpr, COPY: tl.constexpr,
-                    HAS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    pm = offs_p < num_pairs
-    if ASSIGN:  # take a row of the expert's group; the cursor starts at the group's offset
-        e = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)
-        if HAS_MAP:
-            e = tl.load(map_ptr + e, mask=pm & (e >= 0), other=-1)
-        valid = pm & (e >= 0)
+                    HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program per token: its K pairs' rows (taken by atomics, or read from inv), then its
+    data row and scale row copied to each of them."""
+    tok = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    km = offs_k < K
+    pair = tok * K + offs_k
+    if ASSIGN:  # take a row of each expert's group; the cursor starts at the group's offset
+        e = _local_ids(ids_ptr, map_ptr, pair, km, E, HAS_MAP)
+        valid = e >= 0
         row = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
         row = tl.where(valid, row, -1)
-        tl.store(inv_ptr + offs_p, row, mask=pm)
-        tl.store(row_expert_ptr + row, e, mask=valid)
+        tl.store(inv_ptr + pair, row, mask=km)
+        # row_expert from counts / offsets (grid-stride over rows): rows [off_e, off_e + c_e)
+        # belong to expert e, the rest of the group and rows past offsets[E] are padding (-1)
+        offs_e = tl.arange(0, BLOCK_E)
+        ends = tl.load(offsets_ptr + 1 + offs_e, mask=offs_e < E, other=2147483647)
+        for r0 in range(tok * BLOCK_R, num_rows, tl.num_programs(0) * BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            re = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+            has = re < E
+            start = tl.load(offsets_ptr + re, mask=has, other=0)
+            cnt = tl.load(counts_ptr + re, mask=has, other=0)
+            tl.store(row_expert_ptr + r, tl.where(has & (r < start + cnt), re, -1),
+                     mask=r < num_rows)
     else:  # rows given by an existing layout
-        row = tl.load(inv_ptr + offs_p, mask=pm, other=-1)
-        valid = pm & (row >= 0)
+        row = tl.load(inv_ptr + pair, mask=km, other=-1)
     if COPY:
-        tok = (offs_p // K).to(tl.int64)
-        row64 = row.to(tl.int64)
-        for d0 in range(0, D, BLOCK_D):
+        x_row = x_ptr + tok.to(tl.int64) * stride_x
+        for d0 in range(0, D, BLOCK_D):  # one trip when the row fits BLOCK_D (the usual case)
             offs_d = d0 + tl.arange(0, BLOCK_D)
-            m = valid[:, None] & (offs_d < D)[None, :]
-            v = tl.load(x_ptr + tok[:, None] * stride_x + offs_d[None, :], mask=m)
-            tl.store(out_ptr + row64[:, None] * stride_out + offs_d[None, :], v, mask=m)
+            dm = offs_d < D
+            v = tl.load(x_row + offs_d, mask=dm)
+            for kk in tl.static_range(BLOCK_K):
+                r = tl.sum(tl.where(offs_k == kk, row, 0), axis=0)
+                tl.store(out_ptr + r.to(tl.int64) * stride_out + offs_d, v, mask=dm & (r >= 0))
         if HAS_SCALE:
+            s_row = s_ptr + tok.to(tl.int64) * s_stride_n
             for g0 in range(0, G, BLOCK_G):
                 offs_g = g0 + tl.arange(0, BLOCK_G)
-                m = valid[:, None] & (offs_g < G)[None, :]
-                s = tl.load(s_ptr + tok[:, None] * s_stride_n + offs_g[None, :] * s_stride_g,
-                            mask=m)
-                tl.store(s_out_ptr + row64[:, None] * so_stride_m + offs_g[None, :] * so_stride_g,
-                         s, mask=m)
+                gm = offs_g < G
+                s = tl.load(s_row + offs_g * s_stride_g, mask=gm)
+                for kk in tl.static_range(BLOCK_K):
+                    r = tl.sum(tl.where(offs_k == kk, row, 0), axis=0)
+                    tl.store(s_out_ptr + r.to(tl.int64) * so_stride_m + offs_g * so_stride_g, s,
+                             mask=gm & (r >= 0))
 
 
-def _launch_scatter(topk_ids_NK, expert_map, cursor, inv, row_expert, x, out, assign):
+def _as_words(a: torch.Tensor, b: torch.Tensor):
+    """Same bytes as the widest int words (<= 4 bytes) both [rows, D] views allow."""
+    a, b = as_bits(a), as_bits(b)
+    for dt in (torch.int32, torch.int16):
+        if dt.itemsize <= a.element_size():
+            break
+        try:
+            return a.view(dt), b.view(dt)
+        except RuntimeError:
+            continue
+    return a, b
+
+
+def _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_expert, x, out,
+                    assign, num_experts=0):
     n, k = inv.shape
-    num_pairs = n * k
-    if num_pairs == 0:
+    if n * k == 0:
+        if assign:
+            row_expert.fill_(-1)
         return
     copy = x is not None
-    data = as_bits(x.data) if copy else inv
-    odata = as_bits(out.data) if copy else inv
+    if copy:
+        data, odata = _as_words(x.data, out.data)
+    else:
+        data = odata = inv
     has_scale = copy and x.scale is not None
     s = as_bits(x.scale) if has_scale else inv
     so = as_bits(out.scale) if has_scale else inv
-    d = x.data.shape[1] if copy else 0
+    d = data.shape[1] if copy else 0
     g = x.scale.shape[1] if has_scale else 0
-    block_d = min(next_pow2(max(d, 1)), 4096 if INTERPRET else 2048 // data.element_size())
-    block_p = 64 if INTERPRET else 8
-    _scatter_kernel[(triton.cdiv(num_pairs, block_p),)](
-        topk_ids_NK if topk_ids_NK is not None else inv,
-        expert_map if expert_map is not None else inv, cursor if cursor is not None else inv,
-        inv, row_expert if row_expert is not None else inv, data, odata, s, so,
-        num_pairs, k, d, g, data.stride(0) if copy else 0, odata.stride(0) if copy else 0,
+    dummy = inv
+    _scatter_kernel[(n,)](
+        topk_ids_NK if assign else dummy, expert_map if expert_map is not None else dummy,
+        cursor if assign else dummy, counts if assign else dummy, offsets if assign else dummy,
+        inv, row_expert if assign else dummy, data, odata, s, so,
+        k, num_experts, d, g, row_expert.shape[0] if assign else 0,
+        data.stride(0) if copy else 0, odata.stride(0) if copy else 0,
         s.stride(0) if has_scale else 0, s.stride(1) if has_scale else 0,
         so.stride(0) if has_scale else 0, so.stride(1) if has_scale else 0,
         HAS_MAP=expert_map is not None, ASSIGN=assign, COPY=copy, HAS_SCALE=has_scale,
-        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_G=min(next_pow2(max(g, 1)), 128),
-        num_warps=4)
+        BLOCK_K=next_pow2(k), BLOCK_D=min(next_pow2(max(d, 1)), 4096),
+        BLOCK_G=min(next_pow2(max(g, 1)), 256), BLOCK_R=16,
+        BLOCK_E=next_pow2(max(num_experts, 1)), num_warps=4)
 
 
 def _check_x(x: QTensor, n: int, device) -> None:
@@ -160,20 +256,21 @@ def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x):
     n, k = topk_ids_NK.shape
     dev = topk_ids_NK.device
     topk_ids_NK = topk_ids_NK.contiguous()
-    counts, offsets = _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map)
+    counts, offsets, cursor = _count_and_offsets(topk_ids_NK, num_experts, alignment,
+                                                 expert_map)
+    inv = torch.empty((n, k), dtype=torch.int32, device=dev)
     if num_rows is None:
-        num_rows = int(offsets[-1])  # host sync: exact size
+        num_rows = int(offsets[-1])  # host sync: exact size (the only one)
     else:
         bound = contiguous_rows_upper_bound(n * k, num_experts, alignment)
         check(num_rows >= bound,
               f"num_rows ({num_rows}) is below the worst case for {n * k} pairs over "
               f"{num_experts} experts at alignment {alignment} ({bound}); pass "
               f"contiguous_rows_upper_bound(...) or None (exact, syncs the host)")
-    row_expert = torch.full((num_rows,), -1, dtype=torch.int32, device=dev)
-    inv = torch.empty((n, k), dtype=torch.int32, device=dev)
-    cursor = offsets[:-1].clone()
+    row_expert = torch.empty((num_rows,), dtype=torch.int32, device=dev)  # written in-kernel
     out = None if x is None else _empty_like_rows(x, num_rows)
-    _launch_scatter(topk_ids_NK, expert_map, cursor, inv, row_expert, x, out, assign=True)
+    _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_expert, x, out,
+                    assign=True, num_experts=num_experts)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv, counts_E=counts,
                               offsets_E1=offsets, alignment=alignment)
     return out, layout
@@ -209,7 +306,7 @@ def triton_permute_rows(x: QTensor, layout: ContiguousLayout) -> QTensor:
     _check_x(x, n, layout.inv_perm_NK.device)
     check_tensor("layout.inv_perm_NK", layout.inv_perm_NK, (torch.int32,), dim=2)
     out = _empty_like_rows(x, layout.num_rows)
-    _launch_scatter(None, None, None, layout.inv_perm_NK, None, x, out, assign=False)
+    _launch_scatter(None, None, None, None, None, layout.inv_perm_NK, None, x, out, assign=False)
     return out
 
 
