@@ -151,7 +151,8 @@ def test_cli_eplb_run_on_8_ranks_rebalances(tmp_path):
     s = json.loads(out.read_text())
     assert rc == 0, s["correctness"]
     e = s["eplb"]
-    print(json.dumps({k: v for k, v in e.items() if k != "events"}), e["events"])
+    print(json.dumps({k: v for k, v in e.items() if k not in ("events", "slot_load_LS")}),
+          e["events"])
     assert s["correctness"]["passed"] is True
     assert s["world"]["ep"] == 8 and len(s["world"]["ranks"]) == 8
     assert e["rebalances"] >= 1 and len(e["events"]) == e["rebalances"]
@@ -160,3 +161,9 @@ def test_cli_eplb_run_on_8_ranks_rebalances(tmp_path):
     assert e["balancedness_after"] >= 0.9, e
     assert [ev["step"] for ev in e["events"]] == [3, 6]
     assert all("balancedness_after" in ev for ev in e["events"])
+    # the recorder's per layer x slot load: every routed (token, k) pair of every rank and step
+    cfg_k, layers, slots = s["config"]["top_k"], s["config"]["layers"], 16 + 8
+    assert len(e["slot_load_LS"]) == layers and all(len(r) == slots for r in e["slot_load_LS"])
+    assert sum(map(sum, e["slot_load_LS"])) == 128 * 8 * cfg_k * layers * 8
+    phy = e["final_phy2log_LR"]
+    assert len(phy) == layers and all(sorted(set(r)) == list(range(16)) for r in phy)

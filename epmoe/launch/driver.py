@@ -64,7 +64,7 @@ class RayDriver:
         self.run, self.address, self.quiet = run, address, quiet
         self.num_cpus = num_cpus
         self.use_gpu = use_gpu
-        self.actors, self.pg, self.started_ray, self.connected = [], None, False, False
+        self.actors, self.pg, self.connected = [], None, False
 
     # ------------------------------------------------------------------ cluster
     def _connect(self):
@@ -91,7 +91,7 @@ class RayDriver:
             gpus = torch.cuda.device_count() if self.use_gpu is not False else 0
             cpus = self.num_cpus or max(self.run.world, os.cpu_count() or 1)
             ray.init(num_cpus=cpus, num_gpus=gpus, _temp_dir=RAY_TMPDIR, **kw)
-            self.started_ray = self.connected = True
+            self.connected = True
         return ray
 
     def _check_capacity(self, ray, per_rank: dict):

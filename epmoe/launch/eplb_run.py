@@ -29,6 +29,8 @@ def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:
     if events:
         events[-1]["balancedness_after"] = d.call_all("measure final window",
                                                       "window_balancedness")[0]
+    srcs = reports if run.form == "ep_dp" else reports[:1]
+    slot_load = sum(r["load_LS"] for r in srcs)  # [L, slots], all steps, all ranks
     first = events[0]["balancedness_before"] if events else None
     last_after = events[-1].get("balancedness_after") if events else None
     eplb = dict(
@@ -39,7 +41,10 @@ def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:
         slots_moved=sum(e["slots_moved"] for e in events),
         rebalance_ms_median=statistics.median([e["rebalance_ms"] for e in events])
         if events else None,
+        slot_load_LS=slot_load.tolist(), final_phy2log_LR=reports[0]["phy2log"],
         note="balancedness = mean/max (token,k) pairs per rank, per layer, averaged over "
              "layers; 'before' measured over the window before the first rebalance, 'after' "
-             "over the steps after the last one")
+             "over the steps after the last one; slot_load_LS: (token, k) pairs per layer x "
+             "physical slot over the whole run; final_phy2log_LR: each slot's logical expert "
+             "at the end")
     return reports, where, dict(eplb=eplb)
