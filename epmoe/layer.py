@@ -31,6 +31,7 @@ class MoELayer:
         self.group = group
         self.timer = timer or StageTimer(enabled=False)
         experts.timer = self.timer  # routed experts only: "shared" is timed as one stage
+        comm.timer = self.timer
         self.last_routing: Routing | None = None  # logical routing of the last call (for stats)
         self.last_physical_ids: torch.Tensor | None = None
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from epmoe.comm.base import Comm, ExpertBatch
 from epmoe.comm.wire import all_to_all_qtensor, all_to_all_rows, wire_quant
-from epmoe.quant import quantize_act
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class All2AllComm(Comm):
         dist.all_to_all_single(recv_splits, send_splits, group=self.group)
         ss, rs = send_splits.tolist(), recv_splits.tolist()
 
-        xq = quantize_act(x_TD, wire_quant(self.quant))
+        xq = self.quantize(x_TD, wire_quant(self.quant))
         send_x = xq.index_select(tok)
         recv_x = all_to_all_qtensor(send_x, ss, rs, self.group)
         recv_ids = all_to_all_rows(topk_ids_TK[tok].to(torch.int32), ss, rs, self.group)

@@ -13,7 +13,7 @@ import torch
 
 from epmoe.comm.base import Comm, ExpertBatch
 from epmoe.comm.wire import all_gather_rows, reduce_scatter_single, wire_quant
-from epmoe.quant import QTensor, quantize_act
+from epmoe.quant import QTensor
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class AllGatherComm(Comm):
         sizes = torch.tensor([t], dtype=torch.long, device=x_TD.device)
         all_sizes = all_gather_rows(sizes, self.world, self.group)
         tmax = int(all_sizes.max())
-        xq = quantize_act(x_TD, wire_quant(self.quant))
+        xq = self.quantize(x_TD, wire_quant(self.quant))
         ids, w = topk_ids_TK, topk_weights_TK.float()
         if tmax > t:  # pad to equal blocks: empty slots
             pad = tmax - t

@@ -20,7 +20,8 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import MaskedLayout
-from epmoe.quant import QTensor
+from epmoe.quant import QTensor, quantize_act
+from epmoe.timing import StageTimer
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ class Comm(ABC):
         self.rank, self.world = rank, world
         self.expert_map_E = expert_map_E.to(torch.int32)
         self.num_local_experts = int((self.expert_map_E >= 0).sum())
+        self.timer = StageTimer(enabled=False)  # the layer hands its own over
+
+    def quantize(self, x_TD: torch.Tensor, quant: QuantConfig | None = None) -> QTensor:
+        """The recipe's activation quantization, timed as stage "dispatch.quantize"."""
+        with self.timer.stage("dispatch.quantize"):
+            return quantize_act(x_TD, self.quant if quant is None else quant)
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device,

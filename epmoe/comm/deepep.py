@@ -139,7 +139,8 @@ class DeepEPHighThroughputComm(Comm):
         if self.wire.recipe == "bf16":
             return x_TD.to(torch.bfloat16).contiguous()
         # one Triton pass; fp32 scales [T, D/128] (powers of two for the ue8m0 formats)
-        q = per_token_group_quant(x_TD.contiguous(), 128, self.wire.scale_fmt)
+        with self.timer.stage("dispatch.quantize"):
+            q = per_token_group_quant(x_TD.contiguous(), 128, self.wire.scale_fmt)
         return q.data, q.scale
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from epmoe.comm.base import Comm, ExpertBatch
-from epmoe.quant import quantize_act
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class LocalComm(Comm):
     name = "local"
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
-        batch = ExpertBatch("tokens", quantize_act(x_TD, self.quant), self.to_local(topk_ids_TK),
+        batch = ExpertBatch("tokens", self.quantize(x_TD), self.to_local(topk_ids_TK),
                             topk_weights_TK)
         return batch, LocalHandle(x_TD.shape[0])
 

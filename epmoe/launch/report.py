@@ -92,7 +92,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dic
     step_ms = [max(r["step_ms"][s] for r in reports) for s in range(steps)]
     timed = step_ms[1:] if steps > 1 else step_ms  # step 0 warms up
     stages = {}
-    order = ["router", "dispatch", "experts", "experts.permute", "experts.gemm1",
+    order = ["router", "dispatch", "dispatch.quantize", "experts", "experts.permute", "experts.gemm1",
              "experts.act_quant", "experts.gemm2", "experts.gather", "combine", "shared",
              "all_reduce"]
     names = {k for r in reports for k in r["stages_ms"]}
