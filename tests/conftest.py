@@ -21,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA devices"))
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: OpenMP threads cost more in synchronization than they save (measured 40x
+    slower with 2 threads on a loaded 2-core machine). Spawned ranks set their own."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def seed():
     """A fresh seed per test run (printed on failure via the test id's repr)."""

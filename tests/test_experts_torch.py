@@ -46,16 +46,6 @@ ACTIVATIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: OpenMP threads cost more in synchronization than they save (and much more
-    on a loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(router="softmax_renorm", act="swiglu", **kw) -> MoEConfig:
     return MoEConfig("t", hidden=D, moe_intermediate=I, num_experts=E, top_k=K,
                      **{**ROUTERS[router], **ACTIVATIONS[act][0], **kw})

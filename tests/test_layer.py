@@ -18,15 +18,6 @@ RECIPES = [("bf16", "fp32"), ("fp8_block", "fp32"), ("mxfp8", "fp32"), ("w4a8_mx
            ("fp8_block", "ue8m0_fp32")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: OpenMP threads cost more in synchronization than they save."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _runtime(model, quant, seed, layers=1, tokens=32, overrides=()):
     run = RunConfig(model=model, quant=quant, experts="torch", tokens=tokens, layers=layers,
                     steps=1, seed=seed, model_overrides=tuple(overrides))
