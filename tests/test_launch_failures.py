@@ -119,12 +119,17 @@ class RayNodes:
         self.tag = tag or new_tag()
         self.temp_dir = f"/tmp/rt{self.tag[:8]}"  # short: Ray's socket paths are length-limited
         self.address = None
-        self.worker_port = 21000 + (int(self.tag[:4], 16) % 200) * 100
+        # Worker ports come from a fixed block below the kernel's ephemeral range, where the
+        # free ports of the other components come from, so the two can never overlap.
+        self.worker_port = 10000 + (int(self.tag[:4], 16) % 150) * 100
 
     def _node_ports(self) -> list[str]:
-        nm, om, al, ag, me, re = free_ports(6)
         lo = self.worker_port
         self.worker_port += 100
+        while True:  # belt and braces: re-pick if a component port fell into the worker block
+            nm, om, al, ag, me, re = ports = free_ports(6)
+            if not any(lo <= p <= lo + 99 for p in ports):
+                break
         return ["--node-manager-port", str(nm), "--object-manager-port", str(om),
                 "--dashboard-agent-listen-port", str(al), "--dashboard-agent-grpc-port", str(ag),
                 "--metrics-export-port", str(me), "--runtime-env-agent-port", str(re),
