@@ -1,0 +1,154 @@
+"""The integration run of an N-GPU node: the whole test suite, the benchmarks, and the EP runs
+through Ray at the machine's GPU count, summarized as JSON + Markdown.
+
+    python -m epmoe.bench.integration --out runs/integration          # everything
+    python -m epmoe.bench.integration --only launch --ep 2            # a subset
+
+Steps (each a subprocess with its own deadline; a failing step is recorded, the run goes on):
+  tests        pytest, the GPU tests unskipped by CUDA
+  kernels      python -m epmoe.bench.kernels
+  gpu_moe      python -m epmoe.bench.gpu_moe (DeepGEMM / DeepEP cases)
+  launch       python -m epmoe.launch --ep N with deepep-ht, deepep-ll, all2all (auto picks the
+               experts backend), and --eplb on Zipf routing
+On a machine without CUDA the GPU benchmarks are skipped with that reason and the launch runs
+use gloo: the script itself is exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+STEPS = ("tests", "kernels", "gpu_moe", "launch")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _run(name: str, cmd: list[str], timeout: float, log_dir: str) -> dict:
+    t0 = time.monotonic()
+    log = os.path.join(log_dir, f"{name}.log")
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return dict(step=name, cmd=" ".join(cmd), rc=rc, ok=rc == 0, seconds=time.monotonic() - t0,
+                log=log)
+
+
+def _launch_cases(ep: int, model: str, tokens: int, gpu: bool) -> list[tuple[str, list[str]]]:
+    common = ["--ep", str(ep), "--model", model, "--tokens", str(tokens), "--quiet"]
+    fp8 = ["--quant", "fp8_block"]
+    cases = [("all2all", [*common, "--backend", "all2all"])]
+    if gpu:
+        from epmoe.config import get_preset
+
+        # DeepEP's low-latency kernels take hidden >= 2048: a small real preset, one layer
+        ll = common if get_preset(model).hidden >= 2048 else \
+            [*common[:2], "--model", "qwen3-30b-a3b", "--layers", "1", *common[4:]]
+        cases += [("deepep-ht", [*common, *fp8, "--backend", "deepep-ht"]),
+                  ("deepep-ll", [*ll, *fp8, "--backend", "deepep-ll"])]
+    cases.append(("eplb-zipf", [*common, "--eplb", "--redundant-experts", str(ep),
+                                "--routing", "zipf:1.2", "--rebalance-every", "3",
+                                "--steps", "8"]))
+    return cases
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.integration", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/integration", help="folder for logs and summaries")
+    p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated: {','.join(STEPS)}")
+    p.add_argument("--ep", type=int, default=None, help="ranks (default: the GPU count, or 2)")
+    p.add_argument("--model", default="deepseek-v3-tiny",
+                   help="launch preset (the deepep-ll case switches to qwen3-30b-a3b, 1 layer, "
+                        "when the preset's hidden is below DeepEP LL's 2048)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank for the launches")
+    p.add_argument("--step-timeout", type=float, default=1800.0)
+    a = p.parse_args(argv)
+    only = [s for s in a.only.split(",") if s]
+    bad = [s for s in only if s not in STEPS]
+    if bad:
+        print(f"error: unknown step(s) {bad}; choose from {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    gpus = _cuda_count()
+    ep = a.ep or max(gpus, 2)
+    os.makedirs(a.out, exist_ok=True)
+    py = sys.executable
+    results = []
+    if "tests" in only:
+        results.append(_run("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                            a.step_timeout, a.out))
+    for bench in ("kernels", "gpu_moe"):
+        if bench in only:
+            if not gpus:
+                results.append(dict(step=bench, ok=None, skipped="needs CUDA"))
+                continue
+            js = os.path.join(a.out, f"{bench}.json")
+            r = _run(bench, [py, "-m", f"epmoe.bench.{bench}", "--json", js], a.step_timeout,
+                     a.out)
+            r["json"] = js
+            results.append(r)
+    if "launch" in only:
+        for name, args in _launch_cases(ep, a.model, a.tokens, gpus > 0):
+            js = os.path.join(a.out, f"launch_{name}.json")
+            r = _run(f"launch_{name}", [py, "-m", "epmoe.launch", *args, "--out", js],
+                     a.step_timeout, a.out)
+            if os.path.exists(js):
+                with open(js) as f:
+                    s = json.load(f)
+                r["summary"] = dict(
+                    backend=s["world"]["backend"], experts=s["world"]["experts"],
+                    passed=s["correctness"].get("passed"),
+                    max_rel_err=s["correctness"].get("max_rel_err"),
+                    step_ms=s["timing"]["step_ms_median"],
+                    balancedness=s["load"]["balancedness"],
+                    eplb=None if "eplb" not in s else {
+                        k: s["eplb"][k] for k in ("balancedness_before", "balancedness_after",
+                                                  "rebalances", "slots_moved")})
+            results.append(r)
+    summary = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   gpus=gpus, ep=ep, model=a.model, steps=results,
+                   passed=all(r.get("ok") is not False for r in results))
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(a.out, "summary.md"), "w") as f:
+        f.write(_markdown(summary))
+    print(_markdown(summary))
+    return 0 if summary["passed"] else 1
+
+
+def _markdown(s: dict) -> str:
+    lines = [f"# epmoe integration run, {s['date']}", "",
+             f"{s['gpus']} GPU(s), ep={s['ep']}, model {s['model']}: "
+             f"{'PASS' if s['passed'] else 'FAIL'}", "",
+             "| step | result | seconds | details |", "|---|---|---|---|"]
+    for r in s["steps"]:
+        res = "skipped" if r.get("ok") is None else ("ok" if r["ok"] else f"FAIL (rc {r['rc']})")
+        det = r.get("skipped") or r.get("json") or r.get("log", "")
+        if "summary" in r:
+            m = r["summary"]
+            err = m["max_rel_err"]
+            det = (f"{m['backend']}; correctness {m['passed']} "
+                   f"({'-' if err is None else f'{err:.2e}'}); step {m['step_ms']:.2f} ms; "
+                   f"balancedness {m['balancedness']:.3f}")
+            if m["eplb"]:
+                e = m["eplb"]
+                det += (f"; EPLB {e['balancedness_before']:.3f} -> {e['balancedness_after']:.3f}"
+                        f", {e['rebalances']} rebalances, {e['slots_moved']} slots moved")
+        secs = r.get("seconds")
+        lines.append(f"| {r['step']} | {res} | {'' if secs is None else f'{secs:.0f}'} | {det} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
