@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm import make_comm
+from epmoe.eplb.recorder import count_pairs_
 from epmoe.config import MoEConfig, QuantConfig, get_preset
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
@@ -119,10 +120,13 @@ class Runtime:
             self.recorder = LoadRecorder(run.num_layers, slots, run.eplb_window, self.device)
         self.experts_reason = getattr(self, "_experts_reason", "")
         self.step_ms: list[float] = []
-        self.last: list[dict] = []
+        self._last: list[dict] = []  # last step's per-layer tensors, still on the device
+        self._last_host: list[dict] | None = None
         # (token, k) pairs routed by this rank's tokens: per physical slot and per logical expert
-        self.load_LS = torch.zeros(run.num_layers, slots, dtype=torch.long)
-        self.load_LE = torch.zeros(run.num_layers, self.cfg.num_experts, dtype=torch.long)
+        # (kept on the device, counted without host syncs; moved to the host by report())
+        self.load_LS = torch.zeros(run.num_layers, slots, dtype=torch.long, device=self.device)
+        self.load_LE = torch.zeros(run.num_layers, self.cfg.num_experts, dtype=torch.long,
+                                   device=self.device)
 
     # ---------------------------------------------------------------- building
     def _replica_map(self, phy2log_R: list[int]) -> ReplicaMap | None:
@@ -174,25 +178,25 @@ class Runtime:
         return x.to(torch.bfloat16).to(self.device)
 
     def routing_for(self, step: int, l: int, x: torch.Tensor) -> Routing | None:
-        spec = self.run.routing
-        if spec == "router":
+        """Synthetic / replayed routing (None = the model's router). One global stream per step
+        over every rank's tokens (generated once for all layers), so replicas, the oracle and
+        EPLB see the same routing whatever the rank count; each rank takes its own rows."""
+        if self.run.routing == "router":
             return None
-        from epmoe.eplb.routing import make_routing
-
         cfg = self.cfg
-        n_src = self.world if self.run.form == "ep_dp" else 1
-        ids = make_routing(spec, self.run.num_layers, cfg.num_experts, cfg.top_k,
-                           self.run.tokens * n_src, step, self.run.seed)[l]
-        if self.run.form == "ep_dp":
-            ids = ids[self.rank * self.run.tokens:(self.rank + 1) * self.run.tokens]
+        if getattr(self, "_routing_step", None) != step:
+            from epmoe.eplb.routing import make_routing
+
+            n = self.run.tokens * (self.world if self.run.form == "ep_dp" else 1)
+            self._routing_ids = make_routing(self.run.routing, self.run.num_layers,
+                                             cfg.num_experts, cfg.top_k, n, step, self.run.seed)
+            self._routing_step = step
+        ids = self._routing_ids[l]
         g = torch.Generator().manual_seed(self.run.seed + step * 17 + l)
-        w = torch.softmax(torch.randn(ids.shape[0] * n_src, cfg.top_k, generator=g), -1)
-        if self.run.form == "ep_dp":
-            w = w[self.rank * self.run.tokens:(self.rank + 1) * self.run.tokens]
-        else:
-            w = w[:ids.shape[0]]
-        return Routing(ids.to(torch.int32).to(self.device),
-                       (w * cfg.routed_scaling_factor).to(self.device))
+        w = torch.softmax(torch.randn(ids.shape[0], cfg.top_k, generator=g), -1)
+        own = slice(self.token_offset, self.token_offset + self.run.tokens)
+        return Routing(ids[own].to(torch.int32).to(self.device),
+                       (w[own] * cfg.routed_scaling_factor).to(self.device))
 
     @property
     def token_offset(self) -> int:
@@ -214,30 +218,36 @@ class Runtime:
             out = layer.forward(x, r, token_offset=self.token_offset)
             if self.recorder is not None:
                 self.recorder.record(l, layer.last_physical_ids)
-            ids = layer.last_physical_ids.reshape(-1).long().cpu()
-            self.load_LS[l] += torch.bincount(ids[ids >= 0], minlength=self.load_LS.shape[1])
-            lg = layer.last_routing.topk_ids_TK.reshape(-1).long().cpu()
-            self.load_LE[l] += torch.bincount(lg[lg >= 0], minlength=self.load_LE.shape[1])
-            if self.run.check:
-                keep.append(dict(x=x.cpu(), out=out.cpu(),
-                                 ids=None if r is None else r.topk_ids_TK.cpu(),
-                                 w=None if r is None else r.topk_weights_TK.cpu(),
-                                 phys=layer.last_physical_ids.cpu()))
+            count_pairs_(self.load_LS[l], layer.last_physical_ids)
+            count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
+            if self.run.check:  # device tensors; report() moves them to the host
+                keep.append(dict(x=x, out=out, ids=None if r is None else r.topk_ids_TK,
+                                 w=None if r is None else r.topk_weights_TK,
+                                 phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
         self.step_ms.append(ms)
-        self.last = keep
+        self._last = keep
+        self._last_host = None
         return ms
 
     # ---------------------------------------------------------------- reporting
+    @property
+    def last(self) -> list[dict]:
+        """The last step's x / out / routing per layer, on the host (moved once, on demand)."""
+        if self._last_host is None:
+            self._last_host = [{k: None if v is None else v.cpu() for k, v in rec.items()}
+                               for rec in self._last]
+        return self._last_host
+
     def report(self) -> dict:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
-                    stages_ms=stages, last=self.last, load_LS=self.load_LS.clone(),
-                    load_LE=self.load_LE.clone(), phy2log=[list(p) for p in self.phy2log],
+                    stages_ms=stages, last=self.last, load_LS=self.load_LS.cpu().clone(),
+                    load_LE=self.load_LE.cpu().clone(), phy2log=[list(p) for p in self.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,
                     experts_reason=self.experts_reason)
 

@@ -189,9 +189,9 @@ class DeepEPLowLatencyHandle:
 
 
 class DeepEPLowLatencyComm(Comm):
-    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's --tokens,
-    else its --tokens); dispatch and combine make no host sync and allocate nothing that
-    varies with routing, so the pair can be captured in a CUDA graph."""
+    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's --tokens);
+    dispatch and combine make no host sync and allocate nothing that varies with routing, so
+    the pair can be captured in a CUDA graph."""
 
     name = "deepep-ll"
     needs_run = True

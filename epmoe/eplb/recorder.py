@@ -9,6 +9,13 @@ import torch
 import torch.distributed as dist
 
 
+def count_pairs_(counts_S: torch.Tensor, ids: torch.Tensor) -> None:
+    """counts_S[e] += number of (token, k) slots routed to e (-1 = empty), in place, on the
+    counts' device without a host sync (no bincount / boolean indexing)."""
+    ids = ids.reshape(-1).long().to(counts_S.device)
+    counts_S.index_add_(0, ids.clamp(min=0), (ids >= 0).long())
+
+
 class LoadRecorder:
     def __init__(self, num_layers: int, num_slots: int, window: int, device="cpu"):
         if window < 1:
@@ -25,9 +32,7 @@ class LoadRecorder:
 
     def record(self, layer: int, physical_ids: torch.Tensor) -> None:
         """Count a layer's routed (token, k) pairs; no host sync."""
-        ids = physical_ids.reshape(-1).long()
-        ones = (ids >= 0).long()
-        self._cur[layer].index_add_(0, ids.clamp(min=0), ones)
+        count_pairs_(self._cur[layer], physical_ids)
 
     def clear(self) -> None:
         self._steps.clear()
