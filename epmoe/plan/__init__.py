@@ -1,0 +1,1 @@
+"""Planning: topology, hardware profiles, the cost model and the per-layer planner."""
