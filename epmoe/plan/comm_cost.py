@@ -80,7 +80,7 @@ def quantize_us(c: CommCase, n_tokens: float) -> float:
     nbytes = quantize_bytes(n_tokens, c.cfg.hidden, c.quant)
     if nbytes == 0:
         return 0.0
-    return c.prof.kernel("triton", "quantize").time_us(nbytes)
+    return c.prof.kernel("comm", "quantize").time_us(nbytes)
 
 
 def _mean(x) -> float:

@@ -263,7 +263,7 @@ def _shared_us(cand, cfg, quant, prof, plan, n) -> float:
     us += prof.kernel(cand.experts, "permute").time_us(tr.permute_bytes(n, n, d, quant))
     us += prof.kernel(cand.experts, "gather").time_us(tr.gather_bytes(n, n, d))
     q = tr.quantize_bytes(n, d, quant)
-    return us + (prof.kernel("triton", "quantize").time_us(q) if q else 0.0)
+    return us + (prof.kernel("comm", "quantize").time_us(q) if q else 0.0)
 
 
 def _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> Memory:

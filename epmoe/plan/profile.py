@@ -5,8 +5,9 @@ A `HardwareProfile` holds, for one GPU kind (or the CPU):
   host-sync costs (`Figure`s);
 - `gemm`: grouped-GEMM throughput curves, TFLOPS vs rows per expert, per experts backend,
   recipe, layout and (N, K) (`GemmCurve`);
-- `kernels`: the bandwidth kernels (permute, gather, act_quant, quantize) as alpha-beta fits
-  per experts backend (`AlphaBeta`: t = alpha + bytes / beta);
+- `kernels`: the bandwidth kernels (permute, gather, act_quant) as alpha-beta fits per
+  experts backend, and the comm side's activation quantizer under "comm" (`AlphaBeta`:
+  t = alpha + bytes / beta);
 - `comm`: per comm backend, per link class, dispatch and combine fits (`LinkFit`: alpha, beta
   on a reference link, optional per-SM rate and SM count, count-exchange cost);
 - `collectives`: all_reduce / all_gather / reduce_scatter / all_to_all per link class
@@ -33,9 +34,9 @@ from typing import Literal, Mapping
 Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
 SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
 SCHEMA = 1
-DEVICE_FIGURES = ("sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
+DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
                   "peak_tflops_fp32", "launch_us", "sync_us")
-KERNELS = ("permute", "gather", "act_quant", "quantize")
+KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -146,7 +147,11 @@ class GemmCurve:
 
 @dataclass(frozen=True)
 class HardwareProfile:
+    """gpu: the GPU kind (topology.LINK_SPECS key: h200, b200, cpu, ...); device["sm_arch"]:
+    compute capability x 10 (90 Hopper, 100 Blackwell; 0 for the CPU)."""
+
     name: str
+    gpu: str
     description: str
     device: Mapping[str, Figure]
     gemm: tuple[GemmCurve, ...] = ()
@@ -179,7 +184,8 @@ class HardwareProfile:
                        f"(has {have}); calibrate on a machine that runs it")
 
     def kernel(self, experts: str, name: str) -> AlphaBeta:
-        table = self.kernels.get(experts) or self.kernels.get("triton") or {}
+        """experts: an experts backend, or "comm" for the dispatch-side quantizer."""
+        table = self.kernels.get(experts, {})
         if name not in table:
             raise KeyError(f"profile {self.name!r} has no {name!r} kernel fit for {experts!r}")
         return table[name]
@@ -248,7 +254,7 @@ def from_dict(d: Mapping) -> HardwareProfile:
                          f"with python -m epmoe.bench.calibrate")
     try:
         return HardwareProfile(
-            name=d["name"], description=d["description"],
+            name=d["name"], gpu=d["gpu"], description=d["description"],
             device={k: Figure(float(v["value"]), _prov(v["prov"]))
                     for k, v in d["device"].items()},
             gemm=tuple(GemmCurve(c["backend"], c["recipe"], c["layout"], int(c["n"]),

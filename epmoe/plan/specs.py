@@ -33,14 +33,14 @@ HBM_SPEC = {"h200": 4800.0}
 
 # GPU data sheets (dense tensor TFLOPS = half the sparsity figure; memory in GB of 1e9).
 SHEETS = {
-    "h100": dict(desc="H100 SXM5 80GB", sms=132, hbm=3350.0, gb=80.0, fp8=1979.0, bf16=989.0,
+    "h100": dict(arch=90, desc="H100 SXM5 80GB", sms=132, hbm=3350.0, gb=80.0, fp8=1979.0, bf16=989.0,
                  fp32=67.0, src="NVIDIA H100 SXM5 data sheet"),
-    "h800": dict(desc="H800 SXM5 80GB (NVLink 400 GB/s)", sms=132, hbm=3350.0, gb=80.0,
+    "h800": dict(arch=90, desc="H800 SXM5 80GB (NVLink 400 GB/s)", sms=132, hbm=3350.0, gb=80.0,
                  fp8=1979.0, bf16=989.0, fp32=67.0, src="NVIDIA H800 SXM5 (H100 compute, "
                                                         "NVLink 400 GB/s)"),
-    "b200": dict(desc="HGX B200 180GB", sms=148, hbm=8000.0, gb=180.0, fp8=4500.0,
+    "b200": dict(arch=100, desc="HGX B200 180GB", sms=148, hbm=8000.0, gb=180.0, fp8=4500.0,
                  bf16=2250.0, fp32=75.0, src="NVIDIA HGX B200 data sheet (per GPU)"),
-    "gb200": dict(desc="GB200 NVL72 (per Blackwell GPU)", sms=148, hbm=8000.0, gb=186.0,
+    "gb200": dict(arch=100, desc="GB200 NVL72 (per Blackwell GPU)", sms=148, hbm=8000.0, gb=186.0,
                   fp8=5000.0, bf16=2500.0, fp32=80.0, src="NVIDIA GB200 NVL72 data sheet / 72"),
 }
 
@@ -68,12 +68,12 @@ def _h200_kernels() -> dict:
             f"of epmoe/plan/traffic.py")
     triton = {"permute": AlphaBeta(*perm, P("measured", note)),
               "gather": AlphaBeta(*gath, P("measured", note)),
-              "act_quant": AlphaBeta(*aq, P("measured", note)),
-              "quantize": AlphaBeta(5.0, aq[1], P("estimate", "the per-128 token quantizer "
-                                                  "at act_quant's measured bytes/s; one launch"))}
+              "act_quant": AlphaBeta(*aq, P("measured", note))}
     torch_note = P("estimate", "torch reference index ops: a few launches, half the measured "
                                "HBM copy bandwidth")
-    return {"triton": triton, "deepgemm": dict(triton),
+    comm = {"quantize": AlphaBeta(5.0, aq[1], P("estimate", "the per-128 token quantizer at "
+                                                "act_quant's measured bytes/s; one launch"))}
+    return {"triton": triton, "deepgemm": dict(triton), "comm": comm,
             "torch": {k: AlphaBeta(15.0, 2147.0, torch_note) for k in triton}}
 
 
@@ -176,6 +176,7 @@ def _h200_comm() -> tuple[dict, dict]:
 
 def _device_h200() -> dict:
     return {
+        "sm_arch": Figure(90, P("measured", f"{DEV}: compute capability 9.0")),
         "sms": Figure(132, P("measured", DEV)),
         "hbm_GBps": Figure(4294.0, P("measured", f"{DEV}: HBM copy, read+write bytes / time")),
         "hbm_GiB": Figure(139.8, P("measured", DEV)),
@@ -196,7 +197,7 @@ def _all2all_extra(comm, coll, kernels, gemm) -> dict:
     from epmoe.plan.routing import RoutingSpec, routing_stats
     from epmoe.plan.topology import Topology
 
-    prof = HardwareProfile("tmp", "tmp", _device_h200(), gemm, kernels, comm, coll)
+    prof = HardwareProfile("tmp", "h200", "tmp", _device_h200(), gemm, kernels, comm, coll)
     cfg = get_preset("deepseek-v3").replace(n_group=1, topk_group=1)
     topo = Topology.parse("1x2")
     case = CommCase(cfg, BF16, topo, prof, routing_stats(cfg, RoutingSpec(), 2, 2), 4096, 4096)
@@ -212,7 +213,7 @@ def h200() -> HardwareProfile:
     kernels, gemm = _h200_kernels(), _h200_gemm()
     comm, coll = _h200_comm()
     comm["all2all"] = _all2all_extra(comm, coll, kernels, gemm)
-    return HardwareProfile("h200", "H200 SXM 141GB: measured on the lent machines where "
+    return HardwareProfile("h200", "h200", "H200 SXM 141GB: measured on the lent machines where "
                                    "possible, spec/estimate elsewhere", _device_h200(), gemm,
                            kernels, comm, coll)
 
@@ -224,6 +225,7 @@ def derive(base: HardwareProfile, name: str) -> HardwareProfile:
     eff = base.fig("hbm_GBps") / HBM_SPEC[base.name]
     hbm = s["hbm"] * eff
     dev = {
+        "sm_arch": Figure(s["arch"], P("spec", s["src"])),
         "sms": Figure(s["sms"], P("spec", s["src"])),
         "hbm_GBps": Figure(hbm, P("derived", f"{src} HBM {s['hbm']:g} GB/s x the copy "
                                              f"efficiency measured on {base.name} ({eff:.3f})")),
@@ -255,7 +257,7 @@ def derive(base: HardwareProfile, name: str) -> HardwareProfile:
                 for l, t in lt.items()} for b, lt in base.comm.items()}
     coll = {c: {l: _inherit_fit(f, base.name) for l, f in t.items()}
             for c, t in base.collectives.items()}
-    return HardwareProfile(name, f"{s['desc']}: derived from spec and the {base.name} "
+    return HardwareProfile(name, name, f"{s['desc']}: derived from spec and the {base.name} "
                                  f"measurements (no measurement on this GPU)", dev, tuple(gemm),
                            kernels, comm, coll)
 
