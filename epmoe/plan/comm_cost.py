@@ -121,6 +121,7 @@ def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: 
         worst = max(worst, us)
         link_bytes[cls] = sent * row_bytes
         notes[f"{direction}.{cls}_GBps"] = bw
+        notes[f"{direction}.{cls}_bytes"] = max(sent, recv) * row_bytes
     return worst, link_bytes, notes
 
 
