@@ -268,7 +268,9 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     gpu = "cpu" if kind == "cpu" else next(
         (g for g in ("gb200", "b200", "h800", "h200", "h100") if g in gpu_name.lower()), "h200")
     base = _base(args.base, gpu)
-    clock = Clock(argv, args.budget_s, f"{platform.node() or 'host'} ({gpu_name})")
+    load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
+        if kind == "cpu" else ""
+    clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
     device = measure_device(dev, clock, base)
     from epmoe.config import QuantConfig, get_preset
 

@@ -227,7 +227,7 @@ def _walk_provenance(d):
             yield d["source"]
         for v in d.values():
             yield from _walk_provenance(v)
-    elif isinstance(d, list):
+    elif isinstance(d, (list, tuple)):
         for v in d:
             yield from _walk_provenance(v)
 

@@ -17,9 +17,20 @@ def _series(rows):
         if r["kind"] != "pick":
             continue
         key = f"{r['gpu']} T={r['tokens']} {r['routing']}" + (
-            f" +{r['redundant']}r" if r["redundant"] else "")
+            f" +{r['redundant_per_rank']}/rank" if r["redundant_per_rank"] else "")
         out.setdefault(key, []).append(r)
     return {k: sorted(v, key=lambda r: r["ep"]) for k, v in out.items()}
+
+
+def _finish(fig, ax, path: Path, title: str, ylabel: str, fontsize: int) -> Path:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("EP size (ranks)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} {ylabel} (model, not measured)".strip())
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=fontsize)
+    fig.savefig(path, dpi=80)
+    return path
 
 
 def plot(rows: list[dict], out_dir, title: str = "") -> list[Path]:
@@ -38,29 +49,14 @@ def plot(rows: list[dict], out_dir, title: str = "") -> list[Path]:
         for key, rs in series.items():
             ax.plot([r["ep"] for r in rs], [r[field] * scale for r in rs], marker="o",
                     label=key)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("EP size (ranks)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{title} {ylabel} (model, not measured)".strip())
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=100)
+        paths.append(_finish(fig, ax, out / f"{name}.png", title, ylabel, 7))
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, rs in series.items():
         eps = [r["ep"] for r in rs]
         ax.plot(eps, [r["nvlink_MB"] for r in rs], marker="o", label=f"{key} nvlink")
         ax.plot(eps, [r["rdma_MB"] for r in rs], marker="x", ls="--", label=f"{key} rdma")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("EP size (ranks)")
-    ax.set_ylabel("MB sent per rank per layer")
-    ax.set_title(f"{title} bytes per link class (model)".strip())
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    paths.append(out / "link_bytes.png")
-    fig.savefig(paths[-1], dpi=100)
+    paths.append(_finish(fig, ax, out / "link_bytes.png", title,
+                         "MB sent per rank per layer", 6))
     plt.close(fig)
     return paths

@@ -144,7 +144,8 @@ def run(sweep: Sweep) -> list[dict]:
                         ranked = rank_layer(work, topo, prof, candidates(ep), cfg.num_moe_layers,
                                             sweep.scope, stats=stats)
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
-                                     routing=spec.label(), redundant=rpr * ep)
+                                     routing=spec.label(), redundant=rpr * ep,
+                                     redundant_per_rank=rpr)
                         if ranked.preds:
                             rows.append(_row(point, "pick", ranked.preds[0], cfg))
                         for c in sweep.candidates:
