@@ -12,6 +12,7 @@ from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.synthetic import synthetic_profile
 from epmoe.plan.topology import Link, Topology
+from epmoe.runtime import RunConfig
 
 CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
                 num_moe_layers=2)
@@ -63,6 +64,12 @@ def test_mixed_stack_charges_the_layout_transition():
     assert forms == ["ep_dp", "tp", "ep_dp"]
     trans = [e.choice(256).transition_us for e in p.layers]
     assert trans[0] == 0 and trans[1] > 0 and trans[2] == 0  # all-gather into tp only
+    assert [e.choice(256).stages_us["relayout"] for e in p.layers] == trans
+    # the runtime runs it as a mixed stack: one LayerSpec per layer, tokens per rank
+    run = RunConfig(model="deepseek-v3-tiny", world=4, tokens=p.run_tokens(256),
+                    stack=p.stack(256), layers=3)
+    run.validate()
+    assert run.forms == ("ep_dp", "tp", "ep_dp") and run.layer_tokens(1) == 4 * 256
     one = p.layers[1].choice(256)
     assert one.predicted_us == pytest.approx(one.transition_us + sum(
         one.stages_us[s] for s in ("router", "dispatch", "experts", "combine", "shared",

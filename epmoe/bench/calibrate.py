@@ -165,11 +165,9 @@ def _make_experts(name, cfg, quant, e_local, dev):
 
 
 def _apply(experts, xq, ids, w):
-    """The experts' token entry point under either contract (run(TokenBatch) or apply)."""
-    try:
-        from epmoe.comm.base import TokenBatch  # the new comm contract
-    except ImportError:
-        return experts.apply(xq, ids, w)
+    """The experts' one entry point on a TokenBatch (what all2all / DeepEP HT hand over)."""
+    from epmoe.comm.base import TokenBatch
+
     return experts.run(TokenBatch(xq, ids, w))
 
 

@@ -32,20 +32,11 @@ TIMEOUT_S = 240.0
 
 # ------------------------------------------------------------------------------ on each rank
 def _make_comm(name, cfg, quant, expert_map, group, rank, world, tokens, device):
-    """The runtime's comm class under either constructor contract -> (comm, closer)."""
-    from epmoe.comm import backend_class
+    """The runtime's comm class with its own context -> (comm, context to close)."""
+    from epmoe.comm import CommContext, make_comm
 
-    cls = backend_class(name)
-    try:
-        from epmoe.comm.context import CommContext
-    except ImportError:
-        from epmoe.comm import make_comm
-
-        return make_comm(name, cfg, quant, expert_map, group=group, rank=rank, world=world,
-                         device=device), None
-    ctx = CommContext(group=group, rank=rank, world=world, device=device,
-                      max_tokens_per_rank=tokens)
-    return cls(cfg, quant, expert_map, ctx), ctx
+    ctx = CommContext(group, rank, world, device, max_tokens_per_rank=tokens)
+    return make_comm(name, cfg, quant, expert_map, ctx), ctx
 
 
 def _once(fn, dev) -> tuple[float, object]:
@@ -110,6 +101,7 @@ def _backends(rank, world, dev, cfg_name, quick, reps):
     import torch
     import torch.distributed as dist
 
+    from epmoe.comm import TokenBatch
     from epmoe.config import QuantConfig, get_preset
 
     cfg = get_preset(cfg_name)
@@ -137,9 +129,8 @@ def _backends(rank, world, dev, cfg_name, quick, reps):
             w = torch.full((t, cfg.top_k), 1.0 / cfg.top_k, device=dev)
             x = torch.randn(t, cfg.hidden, generator=g).to(torch.bfloat16).to(dev)
             d_us, (batch, _) = _timed(lambda: comm.dispatch(x, ids, w), dev, reps)
-            kind = getattr(batch, "form", type(batch).__name__)
             y = torch.zeros((*batch.x.data.shape[:-1], cfg.hidden), device=dev,
-                            dtype=torch.float32 if kind in ("tokens", "TokenBatch")
+                            dtype=torch.float32 if isinstance(batch, TokenBatch)
                             else torch.bfloat16)
             c_us = []
             for i in range(reps + 1):  # a fresh handle per combine
@@ -150,8 +141,7 @@ def _backends(rank, world, dev, cfg_name, quick, reps):
             res["dispatch"].append((t, _max(d_us, dev)))
             res["combine"].append((t, _max(statistics.median(c_us), dev)))
         out[name] = res
-        if ctx is not None:
-            ctx.close()
+        ctx.close()
     return out, notes
 
 

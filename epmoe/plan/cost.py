@@ -5,9 +5,11 @@ memory per rank, for one (form, comm backend, experts kernel), token count and r
                          Workload(cfg, quant, tokens=128), Topology.parse("2x8"), profile)
     pred.stages_us["experts.gemm1"], pred.total_us, pred.link_bytes["rdma"]
 
-Stage names are the runtime's StageTimer names (layer.py, experts/*, comm/*); a parent stage
-("dispatch", "experts") includes its children ("dispatch.quantize", "experts.*"), and
-`total_us` sums the top-level stages, as a step does. Token semantics: `tokens` is one
+Stage names are the runtime's StageTimer names (runtime.py, layer.py, experts/*, comm/*); a
+parent stage ("dispatch", "experts") includes its children ("dispatch.quantize", "experts.*"),
+and `total_us` sums the top-level stages, as a step does. "relayout" (the token-layout change
+entering a layer whose form differs from the previous one's) depends on the previous layer:
+0 here, set by the planner (planner.transition_us). Token semantics: `tokens` is one
 rank's batch (the data-parallel batch); the global batch is tokens x ranks, which the
 replicated forms (tp, ep) process on every rank.
 
@@ -32,8 +34,8 @@ from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, r
 from epmoe.plan.topology import Topology
 
 EXPERTS = ("torch", "triton", "deepgemm")
-TOP_STAGES = ("router", "dispatch", "experts", "combine", "shared", "all_reduce")
-STAGES = ("router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
+TOP_STAGES = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
+STAGES = ("relayout", "router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
           "experts.gemm1", "experts.act_quant", "experts.gemm2", "experts.gather", "combine",
           "shared", "all_reduce")
 COMM_STAGES = ("dispatch", "combine", "all_reduce")

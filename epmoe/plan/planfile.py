@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.config import QuantConfig
-from epmoe.parallel import LayerPlan
+from epmoe.parallel import LayerPlan, LayerSpec
 
 PLAN_SCHEMA = 1
 
@@ -25,8 +25,9 @@ class Choice:
 
     predicted_us   the layer's predicted time (sum of top-level stages), plus transition_us
     stages_us      predicted time per runtime stage (StageTimer names)
-    transition_us  the token-layout change entering this layer (all-gather when the previous
-                   layer was ep_dp and this one replicates tokens; 0 otherwise)
+    transition_us  the runtime's "relayout" entering this layer (all-gather when the previous
+                   layer was ep_dp and this one replicates tokens; 0 otherwise), also in
+                   stages_us["relayout"]
     runner_up      label of the next-best candidate and its predicted_us (None if alone)
     why            one line: the pick, the runner-up and the stage that separates them
     """
@@ -44,6 +45,11 @@ class Choice:
     @property
     def label(self) -> str:
         return f"{self.form}/{self.backend}/{self.experts}"
+
+    @property
+    def spec(self) -> LayerSpec:
+        """The runtime's per-layer request (RunConfig.stack entry)."""
+        return LayerSpec(self.form, self.backend, self.experts)
 
     def layer_plan(self, rank: int, world: int, num_slots: int | None = None) -> LayerPlan:
         return LayerPlan(self.form, rank, world, self.backend if world > 1 else "local",
@@ -99,6 +105,16 @@ class Plan:
         """The runtime's per-layer plans for a step of `tokens` per rank."""
         return [e.choice(tokens).layer_plan(rank, self.world, self.num_slots)
                 for e in self.layers]
+
+    def stack(self, tokens: int) -> tuple[LayerSpec, ...]:
+        """RunConfig.stack for a step of `tokens` per rank (one LayerSpec per layer)."""
+        return tuple(e.choice(tokens).spec for e in self.layers)
+
+    def run_tokens(self, tokens: int) -> int:
+        """RunConfig.tokens for `tokens` per rank: per rank when any layer is ep_dp (each rank
+        holds its own rows), else the global batch every rank holds (tokens x ranks)."""
+        forms = {e.choice(tokens).form for e in self.layers}
+        return tokens if "ep_dp" in forms or self.world == 1 else tokens * self.world
 
     def step_us(self, tokens: int) -> float:
         return sum(e.choice(tokens).predicted_us for e in self.layers)

@@ -176,8 +176,9 @@ def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) 
             f"{gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us")
 
 
-def _transition_us(prev: str | None, form: str, case: CommCase) -> float:
-    """ep_dp -> tp/ep: all-gather each rank's tokens (bf16); replicated -> ep_dp: a slice."""
+def transition_us(prev: str | None, form: str, case: CommCase) -> float:
+    """The runtime's "relayout" stage entering a `form` layer after a `prev` one: ep_dp ->
+    tp/ep all-gathers every rank's bf16 rows; replicated -> ep_dp takes a slice (free)."""
     if prev == "ep_dp" and form != "ep_dp":
         return collective_us(case, "all_gather", case.tokens * case.cfg.hidden * 2.0)[0]
     return 0.0
@@ -245,16 +246,17 @@ def _best_path(per_layer, topo, prof) -> list[Choice]:
         nxt = {}
         for p in ranked.preds:
             nxt[p.candidate] = min(
-                ((cost + _transition_us(prev.form, p.candidate.form, case) + p.total_us,
+                ((cost + transition_us(prev.form, p.candidate.form, case) + p.total_us,
                   path + [p]) for prev, (cost, path) in best.items()), key=lambda x: x[0])
         best = nxt
     _, path = min(best.values(), key=lambda x: x[0])
     out, prev = [], None
     for (_, ranked), p in zip(per_layer, path):
-        tr = _transition_us(prev, p.candidate.form, case)
+        tr = transition_us(prev, p.candidate.form, case)
         r = _runner_up(ranked, p)
         out.append(Choice(p.candidate.form, p.candidate.backend, p.candidate.experts,
-                          p.total_us + tr, dict(p.stages_us), explain(p, r, ranked.rejected),
+                          p.total_us + tr, {**p.stages_us, "relayout": tr},
+                          explain(p, r, ranked.rejected),
                           None if r is None else r.candidate.label,
                           None if r is None else r.total_us, tr))
         prev = p.candidate.form

@@ -33,11 +33,11 @@ HBM_SPEC = {"h200": 4800.0}
 
 # GPU data sheets (dense tensor TFLOPS = half the sparsity figure; memory in GB of 1e9).
 SHEETS = {
-    "h100": dict(arch=90, desc="H100 SXM5 80GB", sms=132, hbm=3350.0, gb=80.0, fp8=1979.0, bf16=989.0,
-                 fp32=67.0, src="NVIDIA H100 SXM5 data sheet"),
-    "h800": dict(arch=90, desc="H800 SXM5 80GB (NVLink 400 GB/s)", sms=132, hbm=3350.0, gb=80.0,
-                 fp8=1979.0, bf16=989.0, fp32=67.0, src="NVIDIA H800 SXM5 (H100 compute, "
-                                                        "NVLink 400 GB/s)"),
+    "h100": dict(arch=90, desc="H100 SXM5 80GB", sms=132, hbm=3350.0, gb=80.0, fp8=1979.0,
+                 bf16=989.0, fp32=67.0, src="NVIDIA H100 SXM5 data sheet"),
+    "h800": dict(arch=90, desc="H800 SXM5 80GB (NVLink 400 GB/s)", sms=132, hbm=3350.0,
+                 gb=80.0, fp8=1979.0, bf16=989.0, fp32=67.0,
+                 src="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s)"),
     "b200": dict(arch=100, desc="HGX B200 180GB", sms=148, hbm=8000.0, gb=180.0, fp8=4500.0,
                  bf16=2250.0, fp32=75.0, src="NVIDIA HGX B200 data sheet (per GPU)"),
     "gb200": dict(arch=100, desc="GB200 NVL72 (per Blackwell GPU)", sms=148, hbm=8000.0, gb=186.0,
