@@ -19,8 +19,9 @@ def test_every_row_is_predicted_and_printed(capsys):
     res = validate()
     assert len(res) == len(PUBLISHED)
     assert all(r.predicted > 0 and r.kernel_us > 0 for r in res)
-    # internode HT rows are RDMA-bound on the bytes of (token, node) pairs
-    assert {r.link for r in res if r.row.ep > 8} == {"rdma"}
+    # intranode rows are NVLink-bound; internode LL rows RDMA-bound
+    assert {r.link for r in res if r.row.ep == 8} == {"nvlink"}
+    assert {r.link for r in res if r.row.ep > 8 and r.row.mode == "ll"} == {"rdma"}
     assert all(len(line) <= 80 for line in table(res).splitlines())
     assert main(["validate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

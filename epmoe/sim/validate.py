@@ -66,7 +66,7 @@ class Result:
     row: Row
     predicted: float
     kernel_us: float
-    link: str
+    link: str  # the bottleneck link class in the model
 
     @property
     def error(self) -> float:
@@ -97,15 +97,16 @@ def predict(row: Row, prof=None) -> Result:
     backend = "deepep-ht" if row.mode == "ht" else "deepep-ll"
     cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(backend, case)
     t = cost.kernel_us
+    d = row.direction
+    link = max(("nvlink", "rdma"), key=lambda c: cost.notes.get(f"{d}.{c}_bytes", 0.0) /
+               cost.notes.get(f"{d}.{c}_GBps", 1.0))  # the class that takes longest
     if row.mode == "ll":
-        return Result(row, t, t, "rdma" if row.ep > 8 else "nvlink")
+        return Result(row, t, t, link)
     row_bytes = HIDDEN + HIDDEN / 128 * 4 if row.direction == "dispatch" else 2.0 * HIDDEN
     if row.ep <= 8:  # received rows, own ones included
         units = case.topo.world * case.tokens * stats.hit_rank[0]
-        link = "nvlink"
     else:  # (token, node) pairs, own node included
         units = case.tokens * stats.nodes_per_token
-        link = "rdma"
     return Result(row, units * row_bytes / (t * 1e3), t, link)
 
 
@@ -116,7 +117,7 @@ def validate(prof=None) -> list[Result]:
 def table(results: list[Result]) -> str:
     lines = ["DeepEP published (H800) vs this model (the spec-derived h800 profile)",
              f"source: {SOURCE}",
-             f"{'case':<22}{'published':>12}{'model':>12}{'error':>9}  {'link':<7}"
+             f"{'case':<22}{'published':>12}{'model':>12}{'error':>9}  {'limit':<7}"
              f"{'kernel us':>10}", "-" * 74]
     for r in results:
         lines.append(f"{r.row.name:<22}{r.row.published:>8.0f} {r.row.unit:<4}"
