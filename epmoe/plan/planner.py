@@ -172,8 +172,10 @@ def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) 
         return f"the only feasible candidate{extra}"
     gap = max(TOP_STAGES, key=lambda k: abs(runner.stages_us[k] - best.stages_us[k]))
     pct = 100 * (runner.total_us / best.total_us - 1)
-    return (f"beats {runner.candidate.label} {runner.total_us / 1e3:.3f} ms by {pct:.0f}%: "
-            f"{gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us")
+    head = f"beats {runner.candidate.label} {runner.total_us / 1e3:.3f} ms by {pct:.0f}%"
+    if abs(runner.stages_us[gap] - best.stages_us[gap]) < 0.005 * best.total_us:
+        return f"{head}: a tie (no stage differs by 0.5%)"
+    return f"{head}: {gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us"
 
 
 def transition_us(prev: str | None, form: str, case: CommCase) -> float:
