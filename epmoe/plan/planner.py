@@ -174,7 +174,7 @@ def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) 
     pct = 100 * (runner.total_us / best.total_us - 1)
     head = f"beats {runner.candidate.label} {runner.total_us / 1e3:.3f} ms by {pct:.0f}%"
     if abs(runner.stages_us[gap] - best.stages_us[gap]) < 0.005 * best.total_us:
-        return f"{head}: a tie (no stage differs by 0.5%)"
+        return f"{head}: a tie (stages within 0.5%)"
     return f"{head}: {gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us"
 
 
