@@ -123,6 +123,11 @@ def test_plan_file_round_trip_and_layer_plans(tmp_path):
     assert (lps[0].form, lps[0].backend, lps[0].experts, lps[0].rank, lps[0].world) == \
         (c.form, c.backend, c.experts, 3, 4)
     assert q.layers[0].choice(1) == q.layers[0].choice(16)
+    ms = q.stages_ms(256)
+    assert ms["experts"] == pytest.approx(sum(e.choice(256).stages_us["experts"]
+                                              for e in q.layers) / 1e3)
+    top = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
+    assert sum(ms[k] for k in top) == pytest.approx(q.step_us(256) / 1e3)
     assert q.layers[0].choice(10**6) == c  # beyond the largest bucket: the largest
     path.write_text('{"schema": 1, "layers": []}')
     with pytest.raises(ValueError, match="malformed"):

@@ -116,6 +116,15 @@ class Plan:
         forms = {e.choice(tokens).form for e in self.layers}
         return tokens if "ep_dp" in forms or self.world == 1 else tokens * self.world
 
+    def stages_ms(self, tokens: int) -> dict[str, float]:
+        """Predicted ms per step in each runtime stage, summed over layers: what the launch
+        report's `stages_ms` measures (per-call median x calls per step)."""
+        out: dict[str, float] = {}
+        for e in self.layers:
+            for k, v in e.choice(tokens).stages_us.items():
+                out[k] = out.get(k, 0.0) + v / 1e3
+        return out
+
     def step_us(self, tokens: int) -> float:
         return sum(e.choice(tokens).predicted_us for e in self.layers)
 
