@@ -154,6 +154,9 @@ def _rank_main(rank, world, port, kind, cfg_name, quick, path):
     os.environ.update(SAFETY_ENV)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if kind == "cuda":
+        from epmoe.env import use_single_node_nvshmem
+
+        use_single_node_nvshmem()  # as the Runtime does, before DeepEP LL starts NVSHMEM
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
     else:
