@@ -128,13 +128,16 @@ def _backends(rank, world, dev, cfg_name, quick, reps):
             ids = ids.to(torch.int32).to(dev)
             w = torch.full((t, cfg.top_k), 1.0 / cfg.top_k, device=dev)
             x = torch.randn(t, cfg.hidden, generator=g).to(torch.bfloat16).to(dev)
-            d_us, (batch, _) = _timed(lambda: comm.dispatch(x, ids, w), dev, reps)
+            # fresh routing tensors per call: no backend may reuse a cached layout (a step's
+            # routing is new every step)
+            d_us, (batch, _) = _timed(lambda: comm.dispatch(x, ids.clone(), w.clone()), dev,
+                                      reps)
             y = torch.zeros((*batch.x.data.shape[:-1], cfg.hidden), device=dev,
                             dtype=torch.float32 if isinstance(batch, TokenBatch)
                             else torch.bfloat16)
             c_us = []
             for i in range(reps + 1):  # a fresh handle per combine
-                _, handle = comm.dispatch(x, ids, w)
+                _, handle = comm.dispatch(x, ids.clone(), w.clone())
                 us, _ = _once(lambda: comm.combine(y, handle), dev)
                 if i:
                     c_us.append(us)
