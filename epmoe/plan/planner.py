@@ -99,7 +99,8 @@ def _experts_rule(experts: str, cfg: MoEConfig, quant: QuantConfig, inter: int,
     if experts == "torch":
         return None
     if arch == 0:
-        return f"{experts} experts need a CUDA GPU (Triton's CPU interpreter is for tests)"
+        return f"{experts} experts need a CUDA GPU" + (
+            " (Triton's CPU interpreter is for tests)" if experts == "triton" else "")
     try:
         quant.check_shapes(cfg, inter)
     except ValueError as exc:
@@ -151,7 +152,11 @@ def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num
             if stats is None and c.form != "tp":
                 stats = routing_stats(work.cfg, work.routing, topo.world, topo.gpus_per_node,
                                       work.slots)
-            p = predict_layer(c, work, topo, prof, stats)
+            try:
+                p = predict_layer(c, work, topo, prof, stats)
+            except KeyError as exc:  # the profile lacks a fit this candidate needs
+                rejected.append((c.label, str(exc).strip('"')))
+                continue
             m = p.memory
             need = m.weights * num_layers + m.workspace + m.buffers
             if need > budget:
