@@ -1,5 +1,6 @@
 """Every GPU comm backend x experts backend x recipe at ep=2 against the float64 oracle, and the
-DeepEP low-latency path captured in a CUDA graph. Needs 2 GPUs (skipped otherwise).
+DeepEP low-latency path captured in a CUDA graph (2 GPUs, skipped otherwise); each experts
+backend x recipe on one GPU against the oracle, and `auto` choosing DeepGEMM where it runs.
 
 One pair of rank processes runs every case (NVSHMEM initializes once per process); a case whose
 backend cannot run here (deep_ep / deep_gemm not built) is skipped with the backend's reason.
@@ -10,11 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.config import QuantConfig
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.experts.base import ExpertWeights
+from epmoe.experts.select import make_experts
 from epmoe.launch.report import check_correctness
+from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.runtime import RunConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+pytestmark = [pytest.mark.gpu]
 
 BACKENDS = ("deepep-ht", "deepep-ll", "all2all", "allgather")
 EXPERTS = ("deepgemm", "triton")
@@ -107,6 +112,7 @@ def _case(gpu_results, key):
     return [rec for _, rec in per_rank]
 
 
+@pytest.mark.multigpu
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,7 +127,45 @@ def test_backend_matches_oracle(gpu_results, backend, experts, recipe):
     assert res["passed"], res
 
 
+@pytest.mark.multigpu
 def test_deepep_ll_cuda_graph_replays(gpu_results):
     reports = _case(gpu_results, ("deepep-ll", "triton", "fp8_block"))
     for rec in reports:
         assert rec["graph_err"] <= 1e-2, rec["graph_err"]
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU: the experts backends alone (routing given), against the float64 oracle.
+
+ONE_GPU_CFG = MoEConfig("one-gpu", hidden=512, moe_intermediate=256, num_experts=8, top_k=4)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("experts", ("auto", *EXPERTS))
+def test_one_gpu_experts_match_oracle(experts, recipe, seed):
+    cfg, quant, dev = ONE_GPU_CFG, QuantConfig(recipe), torch.device("cuda")
+    e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 200
+    w13 = torch.randn(e, 2 * i, d, device=dev) / d ** 0.5
+    w2 = torch.randn(e, d, i, device=dev) / i ** 0.5
+    weights = ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
+                            torch.arange(e, device=dev))
+    try:
+        ex, reason = make_experts(experts, weights, cfg, quant, dev)
+    except ValueError as exc:  # deepgemm not built / not this arch: the backend says why
+        pytest.skip(str(exc))
+    if experts == "auto":  # auto takes DeepGEMM wherever DeepGEMM can run this recipe
+        from epmoe.experts.deepgemm_experts import DeepGemmExperts
+
+        why = DeepGemmExperts.supports(cfg, quant, dev)
+        assert reason.startswith("deepgemm: chosen" if why is None else "deepgemm: "), reason
+    x_f = torch.randn(n, d, device=dev)
+    ids = torch.rand(n, e, device=dev).topk(cfg.top_k, dim=1).indices.to(torch.int32)
+    ids[torch.rand(n, cfg.top_k, device=dev) < 0.15] = -1  # slots of other ranks
+    w = torch.rand(n, cfg.top_k, device=dev)
+    y = ex.apply(quantize_act(x_f, quant), ids, w)
+    oracle = (None, None, dequantize_weight(weights.w13).double().cpu(),
+              dequantize_weight(weights.w2).double().cpu(), None)
+    ref = reference_moe(x_f.cpu(), oracle, cfg, quant, ids.cpu().long(), w.cpu())
+    err = max_rel_err(y.float().cpu(), ref)
+    print(f"{experts=} ({reason}) {recipe=}: max rel err {err:.2e}")
+    assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
