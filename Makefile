@@ -26,7 +26,7 @@ test: venv
 GPU_SITE ?= .gpu/site
 GPU_DEPS_ARGS ?=
 gpu-deps:
-	bash tools/build_gpu_deps.sh --target $(GPU_SITE) --check $(GPU_DEPS_ARGS)
+	bash tools/build_gpu_deps.sh --target $(GPU_SITE) --check --strip $(GPU_DEPS_ARGS)
 
 clean:
 	rm -rf $(VENV)
