@@ -20,7 +20,7 @@ from epmoe.comm.base import Batch, LayoutBatch, MaskedBatch, TokenBatch
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import (ContiguousLayout, gather_masked_reduce, make_contiguous_layout,
                           permute_qtensor, unpermute_reduce)
-from epmoe.quant import QTensor, QWeight
+from epmoe.quant import QTensor, QWeight, quantize_act
 from epmoe.timing import StageTimer
 
 
@@ -128,6 +128,10 @@ class Experts(ABC):
             yield self
         finally:
             self.slot = prev
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        """Token rows -> this backend's activation format (the recipe's quantization)."""
+        return quantize_act(x_TD, self.quant)
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row of x [N, D] through the one expert these weights hold (the shared MLP) ->

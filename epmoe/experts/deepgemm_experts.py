@@ -29,7 +29,7 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
-from epmoe.experts.workspace import ExpertsWorkspace, permute_worst_case
+from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor, QWeight, _act_scale_fp32, _mn_major, _pack_exponents, pack_ue8m0
 
@@ -240,6 +240,10 @@ class DeepGemmExperts(Experts):
         y = self.run_contiguous(xp, layout)
         with self._stage("gather"):
             return triton_unpermute_reduce(y, layout, topk_weights_NK)
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        """SM90: fp32 scales straight into DeepGEMM's MN-major TMA layout (no relayout)."""
+        return fused_quantize(x_TD, self.quant, mn_major=not self.sm100)
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row through expert 0 (the shared MLP): x [N, D] -> [N, D] bf16."""

@@ -13,7 +13,7 @@ import torch
 
 from epmoe.config import RECIPES, MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
-from epmoe.experts.workspace import ExpertsWorkspace, permute_worst_case
+from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
@@ -100,6 +100,9 @@ class TritonExperts(Experts):
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant)
         a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)
         return triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm)
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        return fused_quantize(x_TD, self.quant)
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row through expert 0 (the shared MLP): the masked GEMM with E = 1, C = N."""

@@ -68,4 +68,16 @@ def permute_worst_case(x, topk_ids_NK: torch.Tensor, num_experts: int, alignment
     return triton_permute(x, topk_ids_NK, num_experts, alignment=alignment, num_rows=rows)
 
 
-__all__ = ["ExpertsWorkspace", "permute_worst_case"]
+def fused_quantize(x_TD: torch.Tensor, quant, mn_major: bool = False):
+    """The recipe's activation quantization of token rows in one Triton pass (bf16: a cast)."""
+    from epmoe.quant import QTensor
+
+    if quant.recipe == "bf16":
+        return QTensor(x_TD.to(torch.bfloat16), None, "bf16", 0, quant.scale_fmt)
+    from epmoe.kernels.act_quant import per_token_group_quant
+
+    return per_token_group_quant(x_TD.contiguous(), quant.act_group, quant.scale_fmt,
+                                 mn_major=mn_major, recipe=quant.recipe)
+
+
+__all__ = ["ExpertsWorkspace", "fused_quantize", "permute_worst_case"]
