@@ -169,3 +169,40 @@ def test_one_gpu_experts_match_oracle(experts, recipe, seed):
     err = max_rel_err(y.float().cpu(), ref)
     print(f"{experts=} ({reason}) {recipe=}: max rel err {err:.2e}")
     assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+def test_one_gpu_hot_path_makes_no_host_sync(experts):
+    """After a warm-up call, apply (routed) and quantize_input + run_dense (shared) run with
+    torch's sync debug mode set to error: any device->host sync raises."""
+    cfg, quant, dev = ONE_GPU_CFG, QuantConfig("fp8_block"), torch.device("cuda")
+    e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 256
+
+    def weights(num):
+        w13 = torch.randn(num, 2 * i, d, device=dev) / d ** 0.5
+        w2 = torch.randn(num, d, i, device=dev) / i ** 0.5
+        return ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
+                             torch.arange(num, device=dev))
+
+    try:
+        ex, _ = make_experts(experts, weights(e), cfg, quant, dev)
+        sh, _ = make_experts(experts, weights(1), cfg.replace(num_experts=1, top_k=1), quant,
+                             dev)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    x = torch.randn(n, d, device=dev).to(torch.bfloat16)
+    ids = torch.rand(n, e, device=dev).topk(cfg.top_k, dim=1).indices.to(torch.int32)
+    w = torch.rand(n, cfg.top_k, device=dev)
+
+    def hot():
+        return ex.apply(ex.quantize_input(x), ids, w), sh.run_dense(sh.quantize_input(x))
+
+    hot()
+    allocs = (ex.ws.allocations, sh.ws.allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hot()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (ex.ws.allocations, sh.ws.allocations) == allocs
