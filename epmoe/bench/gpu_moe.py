@@ -363,7 +363,7 @@ def main(argv=None) -> None:
     if torch.cuda.device_count() < 2:
         rows: list = []
         dev = torch.device("cuda", 0)
-        for case, fn in (("a", bench_gemm), ("t", bench_triton), ("s", bench_layer_step)):
+        for case, fn in (("s", bench_layer_step), ("a", bench_gemm), ("t", bench_triton)):
             if case in only or (case == "a" and "b" in only):
                 fn(rows, dev)
         if args.json:
