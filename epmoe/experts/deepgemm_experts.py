@@ -107,6 +107,9 @@ class DeepGemmExperts(Experts):
 
     name = "deepgemm"
     timer = None
+    # contiguous GEMMs in DeepGEMM's psum layout (see gemm_contiguous); False: the row-expert
+    # layout (every padding tile of a worst-case-sized layout is still loaded)
+    use_psum = True
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig):
         super().__init__(weights, cfg, quant)
@@ -180,16 +183,31 @@ class DeepGemmExperts(Experts):
         return self.ws.take(name, shape, torch.bfloat16, self.slot)
 
     def gemm_contiguous(self, x: QTensor, w, row_expert_M: torch.Tensor, n: int,
-                        name: str = "y") -> torch.Tensor:
+                        name: str = "y", psum_E: torch.Tensor | None = None) -> torch.Tensor:
         """rows x [M, K] @ w[row_expert].T -> [M, n] bf16 (padding rows: any value), written
-        into the workspace buffer `name`."""
+        into the workspace buffer `name`. psum_E: int32 [E] end row of each expert's group
+        (groups start at the aligned end of the previous one): DeepGEMM's psum layout, whose
+        scheduler stops after the last group, so the padding of a worst-case-sized layout
+        costs nothing (with row_expert alone its producer still loads every padding tile)."""
         out = self._out(name, (x.data.shape[0], n))
+        layout, kw = row_expert_M, {}
+        if psum_E is not None:
+            layout, kw = psum_E, dict(use_psum_layout=True)
         if x.recipe == "bf16":
-            self._dg.m_grouped_bf16_gemm_nt_contiguous(x.data, w, out, row_expert_M)
+            self._dg.m_grouped_bf16_gemm_nt_contiguous(x.data, w, out, layout, **kw)
         else:
             self._dg.m_grouped_fp8_fp4_gemm_nt_contiguous(self._act_operand(x), w, out,
-                                                          row_expert_M, **self._recipe_kw())
+                                                          layout, **self._recipe_kw(), **kw)
         return out
+
+    def psum(self, layout: ContiguousLayout) -> torch.Tensor | None:
+        """The layout as DeepGEMM's psum layout (int32 [E], on the device: no sync), or None
+        when its groups are aligned coarser than DeepGEMM's M block (then they would not start
+        where the psum layout puts them)."""
+        if not self.use_psum or layout.alignment != self.alignment:
+            return None
+        ws = self.ws.take("psum", (layout.num_experts,), torch.int32, self.slot)
+        return torch.add(layout.offsets_E1[:-1], layout.counts_E, out=ws)
 
     def gemm_masked(self, x: QTensor, w, counts_E: torch.Tensor, n: int,
                     expected_m: int, name: str = "y") -> torch.Tensor:
@@ -260,11 +278,12 @@ class DeepGemmExperts(Experts):
                              f"DeepGEMM's M block ({self.alignment}); build it with make_layout")
         i, d = self.weights.intermediate, self.weights.hidden
         with self._stage("gemm1"):
-            h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i, name="h")
+            psum = self.psum(layout)
+            h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i, "h", psum)
         with self._stage("act_quant"):
             a = self._act_quant(h)
         with self._stage("gemm2"):
-            return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, name="y")
+            return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    expected_m: int | None = None) -> torch.Tensor:
