@@ -140,10 +140,13 @@ def test_deepep_ll_cuda_graph_replays(gpu_results):
 ONE_GPU_CFG = MoEConfig("one-gpu", hidden=512, moe_intermediate=256, num_experts=8, top_k=4)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
+                                        ("fp8_block", "ue8m0_packed")])
 @pytest.mark.parametrize("experts", ("auto", *EXPERTS))
-def test_one_gpu_experts_match_oracle(experts, recipe, seed):
-    cfg, quant, dev = ONE_GPU_CFG, QuantConfig(recipe), torch.device("cuda")
+def test_one_gpu_experts_match_oracle(experts, recipe, fmt, seed):
+    """auto must pick a backend that runs the recipe and scale format (packed UE8M0 is not
+    DeepGEMM's on SM90: Triton then)."""
+    cfg, quant, dev = ONE_GPU_CFG, QuantConfig(recipe, fmt), torch.device("cuda")
     e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 200
     w13 = torch.randn(e, 2 * i, d, device=dev) / d ** 0.5
     w2 = torch.randn(e, d, i, device=dev) / i ** 0.5
@@ -167,7 +170,7 @@ def test_one_gpu_experts_match_oracle(experts, recipe, seed):
               dequantize_weight(weights.w2).double().cpu(), None)
     ref = reference_moe(x_f.cpu(), oracle, cfg, quant, ids.cpu().long(), w.cpu())
     err = max_rel_err(y.float().cpu(), ref)
-    print(f"{experts=} ({reason}) {recipe=}: max rel err {err:.2e}")
+    print(f"{experts=} ({reason}) {recipe=} {fmt=}: max rel err {err:.2e}")
     assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
 
 
