@@ -136,12 +136,16 @@ class Experts(ABC):
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row of x [N, D] through the one expert these weights hold (the shared MLP) ->
         [N, D] bf16, unweighted. Backends override it with plain GEMMs (no permute, no gather)."""
-        if self.weights.num_experts != 1:
-            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
-                             f"{self.weights.num_experts}")
+        self.check_one_expert()
         n = x.data.shape[0]
         ids = torch.zeros(n, 1, dtype=torch.int32, device=x.data.device)
         return self.apply(x, ids, None).to(torch.bfloat16)
+
+    def check_one_expert(self) -> None:
+        """run_dense's precondition: these weights hold exactly one expert."""
+        if self.weights.num_experts != 1:
+            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
+                             f"{self.weights.num_experts}")
 
     def resolve_alignment(self, alignment: int | None) -> int:
         """The row alignment to use: this backend's GEMM alignment or a multiple of it. A finer

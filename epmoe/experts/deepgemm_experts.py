@@ -265,9 +265,7 @@ class DeepGemmExperts(Experts):
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row through expert 0 (the shared MLP): x [N, D] -> [N, D] bf16."""
-        if self.weights.num_experts != 1:
-            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
-                             f"{self.weights.num_experts}")
+        self.check_one_expert()
         i, d = self.weights.intermediate, self.weights.hidden
         h = self.gemm_dense(x, self.w13, 2 * i, name="h")
         return self.gemm_dense(self._act_quant(h), self.w2, d, name="y")

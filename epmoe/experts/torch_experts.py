@@ -40,9 +40,7 @@ class TorchExperts(Experts):
         return y
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
-        if self.weights.num_experts != 1:
-            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
-                             f"{self.weights.num_experts}")
+        self.check_one_expert()
         return self._mlp(dequantize_act(x), 0)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -106,9 +106,7 @@ class TritonExperts(Experts):
 
     def run_dense(self, x: QTensor) -> torch.Tensor:
         """Every row through expert 0 (the shared MLP): the masked GEMM with E = 1, C = N."""
-        if self.weights.num_experts != 1:
-            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
-                             f"{self.weights.num_experts}")
+        self.check_one_expert()
         n, d = x.data.shape
         counts = self.ws.take("dense_count", (1,), torch.int32, self.slot)
         counts.fill_(n)
