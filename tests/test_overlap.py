@@ -50,6 +50,7 @@ def _two_rank_case(rank, world, group, run):
     return _outputs(rt, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_micro_batches_over_all2all_two_ranks(seed):
     """Both halves' collectives are issued in the same order on every rank."""
