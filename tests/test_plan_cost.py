@@ -169,6 +169,21 @@ def test_aligned_rows_are_a_poisson_expectation():
     assert _aligned(lam, a) == pytest.approx(direct, rel=1e-8)  # tail cut at 1e-9
 
 
+def test_shared_mlp_overlaps_on_cuda_only():
+    cfg = CFG.replace(num_shared_experts=2)
+    c = Candidate("ep_dp", "deepep-ht", "triton")
+    for arch, overlap in ((90, True), (0, False)):
+        prof = synthetic_profile(sm_arch=arch, tflops={"triton": 1.0})
+        p = predict_layer(c, Workload(cfg, BF16, 256), topo(), prof)
+        s = p.stages_us
+        assert p.overlap_shared is overlap and s["shared"] > 0
+        routed = s["dispatch"] + s["experts"] + s["combine"]
+        body = max(routed, s["shared"]) if overlap else routed + s["shared"]
+        assert p.total_us == pytest.approx(s["router"] + body + s["all_reduce"])
+        # two dense GEMMs at 1 TFLOPS (the bandwidth kernels are ~free here)
+        assert s["shared"] == pytest.approx(2 * 256 * (2 * 256 * 256 + 256 * 256) / 1e6, rel=1e-5)
+
+
 def test_finite_max_and_memory():
     assert finite_max(100.0, 100.0, 1) == 100.0
     assert finite_max(100.0, 100.0, 8) > finite_max(100.0, 100.0, 2) > 100.0

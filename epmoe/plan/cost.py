@@ -79,7 +79,8 @@ class Candidate:
 class Workload:
     """tokens: one rank's batch. max_tokens: LL buffer capacity per rank (default tokens).
     reuse_layout: DeepEP HT reuses a cached layout (no count exchange), as its benchmarks do.
-    comm_sms: SMs given to SM-driven comm (None: each backend's default)."""
+    comm_sms: SMs given to SM-driven comm (None: each backend's default).
+    overlap_shared: the shared MLP runs on a side stream (None: yes on CUDA profiles)."""
 
     cfg: MoEConfig
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -89,6 +90,7 @@ class Workload:
     max_tokens: int | None = None
     reuse_layout: bool = False
     comm_sms: int | None = None
+    overlap_shared: bool | None = None  # None: on CUDA profiles, as the runtime's default
 
     def __post_init__(self):
         if not isinstance(self.tokens, int) or self.tokens < 1:
@@ -118,9 +120,17 @@ class LayerPrediction:
     memory: Memory
     notes: dict
 
+    overlap_shared: bool = False
+
     @property
     def total_us(self) -> float:
-        return sum(self.stages_us.get(s, 0.0) for s in TOP_STAGES)
+        """The layer's time: the top-level stages in sequence, except that an overlapped
+        shared MLP (a side stream on CUDA, layer.py) hides behind dispatch -> combine (SM
+        contention between the two is not modelled)."""
+        s = self.stages_us
+        routed = s["dispatch"] + s["experts"] + s["combine"]
+        body = max(routed, s["shared"]) if self.overlap_shared else routed + s["shared"]
+        return s["relayout"] + s["router"] + body + s["all_reduce"]
 
     @property
     def comm_us(self) -> float:
@@ -168,7 +178,10 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
         notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
                      imbalance=stats.imbalance)
     mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
-    return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes)
+    overlap = work.overlap_shared if work.overlap_shared is not None else \
+        prof.fig("sm_arch") > 0
+    return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes,
+                           overlap)
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
@@ -251,19 +264,19 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
 
 
 def _shared_us(cand, cfg, quant, prof, plan, n) -> float:
-    """The shared experts: one dense MLP through the same experts kernel (plus its own
-    activation quantization). Split like tp when it tiles, else rank 0 runs it whole."""
+    """The shared experts: the backend's dense path (run_dense: quantize, GEMM1, act+quant,
+    GEMM2 over every row, no permute / gather). Split like tp when it tiles, else rank 0
+    runs it whole."""
     if not cfg.num_shared_experts:
         return 0.0
     _, sl = plan.shared_slice(cfg, quant)
     width = sl[1] if sl is not None else cfg.shared_intermediate
     d = cfg.hidden
-    rows = _aligned(n, ALIGN[cand.experts])
-    us = _gemm_us(prof, cand.experts, quant, "contiguous", rows, 1, 2 * width, d)
-    us += _gemm_us(prof, cand.experts, quant, "contiguous", rows, 1, d, width)
-    us += prof.kernel(cand.experts, "act_quant").time_us(tr.act_quant_bytes(rows, width, quant))
-    us += prof.kernel(cand.experts, "permute").time_us(tr.permute_bytes(n, n, d, quant))
-    us += prof.kernel(cand.experts, "gather").time_us(tr.gather_bytes(n, n, d))
+    us = _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, 2 * width, d)
+    us += _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, d, width)
+    us += prof.kernel(cand.experts, "act_quant").time_us(tr.act_quant_bytes(n, width, quant))
+    if cand.experts == "torch":
+        us = max(us, launch_us(prof, sum(TORCH_OPS.values())))
     q = tr.quantize_bytes(n, d, quant)
     return us + (prof.kernel("comm", "quantize").time_us(q) if q else 0.0)
 
