@@ -98,8 +98,20 @@ def test_feasibility_reuses_the_runtime_rules():
     assert feasible(ht, dsv3, fp8, two, h200, scope="model") is None
     assert feasible(ht, dsv3, fp8, Topology.parse("1x8"), h200, available=ANY) is None
     ll = Candidate("ep_dp", "deepep-ll", "deepgemm")
-    assert "LL takes hidden" in feasible(ll, dsv3.replace(hidden=7296), fp8,
-                                         Topology.parse("1x8"), h200, scope="model")
+    wide = dsv3.replace(hidden=7296)
+    # the backends' own pure rules, not a mirror of them
+    from epmoe.comm.deepep import ll_shape_unsupported, shape_unsupported
+    from epmoe.experts.deepgemm_experts import arch_unsupported
+
+    assert feasible(ll, wide, fp8, Topology.parse("1x8"), h200, scope="model") == \
+        ll_shape_unsupported(wide) and "low-latency kernels take hidden" in \
+        ll_shape_unsupported(wide)
+    assert feasible(ht, dsv3, fp8, Topology.parse("1x16"), h200, available=ANY) == \
+        shape_unsupported(dsv3, fp8, 16)
+    b200 = load_profile("b200")
+    dg = Candidate("ep_dp", "all2all", "deepgemm")
+    assert feasible(dg, dsv3, fp8, Topology.parse("1x8", gpu="b200"), b200, available=ANY) \
+        == arch_unsupported(dsv3, fp8, 100) and "UE8M0" in arch_unsupported(dsv3, fp8, 100)
     tp = Candidate("tp", "local", "deepgemm")
     assert "divisible by tp" in feasible(tp, dsv3, fp8, Topology.parse("1x3"), h200)
     cpu = load_profile("cpu")

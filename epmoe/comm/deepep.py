@@ -34,11 +34,31 @@ LL_MAX_TOPK = 11
 HT_RANKS = (2, 4, 8)  # intranode configs DeepEP ships
 
 
-
 def _deep_ep():
     import deep_ep  # noqa: PLC0415  (lazy: optional, CUDA-only dependency)
 
     return deep_ep
+
+
+def shape_unsupported(cfg: MoEConfig, quant: QuantConfig, world: int | None) -> str | None:
+    """The pure rules of epmoe's DeepEP (no device, no import; the planner calls them too):
+    ranks (intranode configs; world None skips the rule), the recipes it carries, hidden."""
+    if world is not None and world not in HT_RANKS:
+        return f"DeepEP intranode runs at ep in {HT_RANKS} (one node), got ep={world}"
+    if quant.recipe not in ("bf16", "fp8_block"):
+        return f"DeepEP carries bf16 or fp8 1x128 tokens; recipe {quant.recipe} is not one"
+    if cfg.hidden % 128:
+        return f"hidden ({cfg.hidden}) must be a multiple of 128 for DeepEP"
+    return None
+
+
+def ll_shape_unsupported(cfg: MoEConfig) -> str | None:
+    """The low-latency kernels' extra pure rules: compiled hidden sizes, top-k."""
+    if cfg.hidden not in LL_HIDDEN:
+        return f"DeepEP low-latency kernels take hidden in {LL_HIDDEN}, got {cfg.hidden}"
+    if cfg.top_k > LL_MAX_TOPK:
+        return f"DeepEP low-latency kernels take top_k <= {LL_MAX_TOPK}, got {cfg.top_k}"
+    return None
 
 
 def _common_unsupported(cfg: MoEConfig, quant: QuantConfig, device, world: int) -> str | None:
@@ -48,13 +68,7 @@ def _common_unsupported(cfg: MoEConfig, quant: QuantConfig, device, world: int) 
         _deep_ep()
     except (ImportError, OSError, RuntimeError) as exc:
         return f"deep_ep unavailable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-    if world not in HT_RANKS:
-        return f"DeepEP intranode runs at ep in {HT_RANKS} (one node), got ep={world}"
-    if quant.recipe not in ("bf16", "fp8_block"):
-        return f"DeepEP carries bf16 or fp8 1x128 tokens; recipe {quant.recipe} is not one"
-    if cfg.hidden % 128:
-        return f"hidden ({cfg.hidden}) must be a multiple of 128 for DeepEP"
-    return None
+    return shape_unsupported(cfg, quant, world)
 
 
 class DeepEPBuffer:
@@ -219,14 +233,7 @@ class DeepEPLowLatencyComm(Comm):
 
     @classmethod
     def supports(cls, cfg, quant, device, world) -> str | None:
-        why = _common_unsupported(cfg, quant, device, world)
-        if why:
-            return why
-        if cfg.hidden not in LL_HIDDEN:
-            return f"DeepEP low-latency kernels take hidden in {LL_HIDDEN}, got {cfg.hidden}"
-        if cfg.top_k > LL_MAX_TOPK:
-            return f"DeepEP low-latency kernels take top_k <= {LL_MAX_TOPK}, got {cfg.top_k}"
-        return None
+        return _common_unsupported(cfg, quant, device, world) or ll_shape_unsupported(cfg)
 
     @property
     def capacity(self) -> int:

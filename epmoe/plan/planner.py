@@ -33,12 +33,6 @@ SCOPES = ("runtime", "model")
 MEMORY_FRACTION = 0.9  # of HBM a plan may fill by default (the rest: allocator, other layers)
 
 
-def _deepep_rules():
-    from epmoe.comm.deepep import HT_RANKS, LL_HIDDEN, LL_MAX_TOPK  # pure constants
-
-    return HT_RANKS, LL_HIDDEN, LL_MAX_TOPK
-
-
 def _registered() -> frozenset:
     from epmoe.comm import BACKENDS as REGISTERED
 
@@ -49,9 +43,20 @@ def feasible(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology
              prof: HardwareProfile, num_slots: int | None = None, scope: str = "runtime",
              available: frozenset | None = None) -> str | None:
     """None if `cand` can run (scope runtime) or be modelled (scope model), else why not."""
+    return rule_violation(cand, cfg, quant, topo, int(prof.fig("sm_arch")), num_slots, scope,
+                          available) or profile_gap(cand, cfg, quant, topo, prof)
+
+
+def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology,
+                   sm_arch: int, num_slots: int | None = None, scope: str = "runtime",
+                   available: frozenset | None = None) -> str | None:
+    """The runtime's own rules, without a profile: LayerPlan's shapes, the registered comm
+    backends, DeepEP's (epmoe.comm.deepep.shape_unsupported / ll_shape_unsupported) and
+    DeepGEMM's (epmoe.experts.deepgemm_experts.arch_unsupported) pure rules. sm_arch:
+    compute capability x 10, 0 for CPU ranks."""
     if scope not in SCOPES:
         raise ValueError(f"scope ({scope!r}) must be one of {SCOPES}")
-    world, b, gpu = topo.world, cand.backend, prof.fig("sm_arch") > 0
+    world, b = topo.world, cand.backend
     if world == 1 and (cand.form != "ep_dp" or b != "local"):
         return "one rank: every form is ep_dp/local"
     if world > 1 and cand.form == "ep_dp" and b == "local":
@@ -63,25 +68,33 @@ def feasible(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology
     if scope == "runtime" and b not in (available or _registered()):
         return f"backend {b} is not registered in epmoe.comm"
     if b in HT + LL + ("symm-ht", "symm-ll"):
-        if not gpu:
+        from epmoe.comm.deepep import ll_shape_unsupported, shape_unsupported
+
+        if not sm_arch:
             return f"{b} needs CUDA GPUs"
-        if quant.recipe not in ("bf16", "fp8_block"):
-            return f"{b} carries bf16 or fp8 1x128 tokens, not {quant.recipe}"
-        if cfg.hidden % 128:
-            return f"{b} needs hidden ({cfg.hidden}) to be a multiple of 128"
-        ht_ranks, ll_hidden, ll_topk = _deepep_rules()
+        why = shape_unsupported(cfg, quant, None)
+        if why:
+            return why
         if b.startswith("symm") and topo.num_nodes > 1:
             return f"{b} stores into peers over NVLink: one node only"
-        if b.startswith("deepep") and scope == "runtime" and (
-                topo.num_nodes > 1 or world not in ht_ranks):
-            return f"epmoe's DeepEP runs intranode at ep in {ht_ranks}, not {topo.describe()}"
-        if b in LL and (cfg.hidden not in ll_hidden or cfg.top_k > ll_topk):
-            return f"DeepEP LL takes hidden in {ll_hidden} and top_k <= {ll_topk}"
+        if b.startswith("deepep") and scope == "runtime":
+            why = shape_unsupported(cfg, quant, world)
+            if why or topo.num_nodes > 1:
+                return why or f"epmoe's DeepEP runs intranode, not on {topo.describe()}"
+        if b in LL:
+            why = ll_shape_unsupported(cfg)
+            if why:
+                return why
     inter = cfg.moe_intermediate // world if cand.form == "tp" else cfg.moe_intermediate
-    why = _experts_rule(cand.experts, cfg, quant, inter, int(prof.fig("sm_arch")))
-    if why:
-        return why
-    try:  # the profile must know this candidate
+    return _experts_rule(cand.experts, cfg, quant, inter, sm_arch)
+
+
+def profile_gap(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology,
+                prof: HardwareProfile) -> str | None:
+    """Why the profile cannot predict `cand` (a GEMM curve or comm fit it lacks), or None."""
+    b = cand.backend
+    inter = cfg.moe_intermediate // topo.world if cand.form == "tp" else cfg.moe_intermediate
+    try:
         prof.curve(cand.experts, "bf16" if cand.experts == "torch" else quant.recipe,
                    "contiguous", 2 * inter, cfg.hidden)
         if b in HT + LL or b.startswith("symm"):
@@ -94,28 +107,20 @@ def feasible(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology
 
 def _experts_rule(experts: str, cfg: MoEConfig, quant: QuantConfig, inter: int,
                   arch: int) -> str | None:
-    """Mirrors the pure part of experts/{triton,deepgemm}_experts.py `supports` (those
-    methods also probe the device, so the planner cannot call them without one)."""
+    """Triton's and DeepGEMM's pure rules (their `supports` also probe the device)."""
     if experts == "torch":
         return None
     if arch == 0:
         return f"{experts} experts need a CUDA GPU" + (
             " (Triton's CPU interpreter is for tests)" if experts == "triton" else "")
+    if experts == "deepgemm":
+        from epmoe.experts.deepgemm_experts import arch_unsupported
+
+        return arch_unsupported(cfg, quant, arch, inter)
     try:
         quant.check_shapes(cfg, inter)
     except ValueError as exc:
         return str(exc)
-    if experts == "deepgemm":
-        if arch < 90:
-            return f"DeepGEMM needs SM90 or newer, profile is SM{arch}"
-        if quant.recipe in ("mxfp8", "w4a8_mxfp4") and arch < 100:
-            return f"recipe {quant.recipe} needs DeepGEMM's SM100 kernels"
-        if quant.recipe == "fp8_block" and arch >= 100 and quant.scale_fmt == "fp32":
-            return "SM100 DeepGEMM reads UE8M0 scales: use scale_fmt ue8m0_fp32/ue8m0_packed"
-        if quant.recipe == "fp8_block" and arch < 100 and quant.scale_fmt == "ue8m0_packed":
-            return "packed UE8M0 scales are SM100-only"
-        if cfg.hidden % 128 or inter % 128:
-            return f"DeepGEMM needs hidden ({cfg.hidden}) and intermediate ({inter}) % 128 == 0"
     return None
 
 
