@@ -346,6 +346,7 @@ class Runtime:
                     load_LE=self.load_LE.cpu().clone(), phy2log=[list(p) for p in self.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,
                     layer_backends=[list(b) for b in self.layer_backends],
+                    layer_experts=[layer.experts.name for layer in self.layers],
                     forms=list(self.run.forms), experts_reason=self.experts_reason)
 
     # ---------------------------------------------------------------- EPLB

@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="write the JSON summary here")
     r.add_argument("--json", action="store_true", help="print the JSON summary to stdout")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    from epmoe.launch.planning import add_args
+
+    add_args(p)  # --plan, --topology, --profile
     return p
 
 
@@ -111,8 +114,15 @@ def build_run(a: argparse.Namespace):
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.plan == "sweep":
+        from epmoe.launch.sweep import main as sweep
+
+        return sweep(a)
+    from epmoe.launch.planning import prepare
+
     try:
-        run = build_run(a)
+        launch = prepare(a, build_run)  # build_run, or the planner's run with --plan
+        run = launch.run
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +131,8 @@ def main(argv=None) -> int:
 
     use_gpu = {"auto": None, "cpu": False, "cuda": True}[a.device]
     try:
-        with driver_for(run, a.address, quiet=a.quiet, use_gpu=use_gpu) as d:
+        with driver_for(run, a.address, quiet=a.quiet, use_gpu=use_gpu,
+                        on_where=launch.at_where) as d:
             if a.eplb:
                 from epmoe.launch.eplb_run import execute_eplb
 
@@ -129,6 +140,7 @@ def main(argv=None) -> int:
             else:
                 reports, where = d.execute()
                 extra = None
+            run = d.run  # as built: at_where may re-plan for the cluster's topology
     except ClusterTooSmall as e:  # impossible shape for this cluster, found before any worker
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -136,6 +148,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     summary = summarize(run, reports, where, extra)
+    launch.attach(summary, run, reports)  # predicted vs measured (and the plan)
     if not a.json:
         render(summary)
     text = json.dumps(summary, indent=2)

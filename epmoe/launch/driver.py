@@ -61,8 +61,9 @@ class RayDriver:
     """world ranks as Ray actors (one GPU each on CUDA machines, fractional CPUs otherwise)."""
 
     def __init__(self, run: RunConfig, address: str | None = None, use_gpu: bool | None = None,
-                 quiet: bool = False, num_cpus: int | None = None):
+                 quiet: bool = False, num_cpus: int | None = None, on_where=None):
         self.run, self.address, self.quiet = run, address, quiet
+        self.on_where = on_where  # where -> the RunConfig to build (planning.PlannedLaunch)
         self.num_cpus = num_cpus
         self.use_gpu = use_gpu
         self.actors, self.pg, self.connected = [], None, False
@@ -178,6 +179,8 @@ class RayDriver:
                             placement_group=self.pg, placement_group_bundle_index=r))
             self.actors.append(actor_cls.options(**opts).remote(r, self.run.world, self.env))
         where = self._all("start", "where")
+        if self.on_where is not None:
+            self.run = self.on_where(where)
         addr, port = ray.get(self.actors[0].free_port.remote(), timeout=self.run.timeout_s)
         self._all("init_process_group", "init_group", addr, port, self.run.timeout_s)
         self._all("build", "build", self.run)
@@ -224,9 +227,11 @@ def run_steps(d, on_step=None) -> tuple[list[dict], list[dict]]:
 
 @contextmanager
 def driver_for(run: RunConfig, address: str | None = None, quiet: bool = False,
-               use_gpu: bool | None = None, num_cpus: int | None = None):
+               use_gpu: bool | None = None, num_cpus: int | None = None, on_where=None):
+    """on_where(where) -> RunConfig: called with the ranks' places before they build (Ray)."""
     d = (InProcessDriver(run, quiet) if run.world == 1 and address is None
-         else RayDriver(run, address, use_gpu=use_gpu, quiet=quiet, num_cpus=num_cpus))
+         else RayDriver(run, address, use_gpu=use_gpu, quiet=quiet, num_cpus=num_cpus,
+                        on_where=on_where))
     try:
         yield d
     finally:

@@ -175,11 +175,11 @@ def render(summary: dict, console=None) -> None:
                               f"tokens/s)")
     head.add_row("balancedness", f"{ld['balancedness']:.3f} (mean/max tokens per rank)")
     console.print(head)
-    st = Table(title="stages (ms per step, median over ranks)")
-    for name in t["stages_ms"]:
-        st.add_column(name, justify="right")
-    st.add_row(*[f"{v:.3f}" for v in t["stages_ms"].values()])
-    console.print(st)
+    from epmoe.launch.plan_report import render_plan, render_stages
+
+    if "plan" in summary:
+        render_plan(summary["plan"], console)
+    render_stages(t, console)  # measured, predicted, ratio
     rk = Table(title="ranks")
     for col in ("rank", "node", "host", "tokens routed here"):
         rk.add_column(col, justify="right")

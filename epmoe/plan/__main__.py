@@ -75,14 +75,15 @@ def build(args) -> Plan:
                       memory_GiB=args.memory_gib, model=args.model)
 
 
-def render(plan: Plan) -> str:
-    """80-column table: runs of equal layers collapsed, one reason line per run."""
+def render(plan: Plan, buckets=None) -> str:
+    """80-column table: runs of equal layers collapsed, one reason line per run (buckets:
+    the token counts to show, default every bucket of the plan)."""
     t = Topology.from_dict(plan.topology)
     lines = [f"plan: {plan.model} {plan.quant.recipe} on {t.describe()}"[:80],
              f"profile {plan.profile}, scope {plan.scope}; tokens per rank"[:80],
              f"{'layers':<8}{'tokens':>7}  {'form':<6}{'backend':<10}{'experts':<9}"
              f"{'layer ms':>9}{'stack ms':>10}", "-" * 80]
-    for tokens in plan.buckets:
+    for tokens in plan.buckets if buckets is None else buckets:
         runs = []
         for e in plan.layers:
             c = e.choice(tokens)

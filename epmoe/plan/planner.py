@@ -232,8 +232,11 @@ def plan_stack(cfg: MoEConfig, quant: QuantConfig, topo: Topology, prof: Hardwar
             if key not in cache:
                 work = Workload(cfg, quant, tokens, spec, slots)
                 if key not in stats_cache:
-                    stats_cache[key] = routing_stats(cfg, spec, topo.world, topo.gpus_per_node,
-                                                     slots)
+                    try:
+                        stats_cache[key] = routing_stats(cfg, spec, topo.world,
+                                                         topo.gpus_per_node, slots)
+                    except ValueError:  # slots do not split over the ranks: tp layers only
+                        stats_cache[key] = None
                 cache[key] = (work, rank_layer(work, topo, prof, cands, layers, scope,
                                                available, budget, stats_cache[key]))
             per_layer.append(cache[key])

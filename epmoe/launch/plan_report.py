@@ -1,0 +1,183 @@
+"""Predicted vs measured in every launch report: the cost model (epmoe.plan) predicts what
+ran (each layer's resolved form, comm backend and experts kernel, the run's tokens, routing and
+final replica placement, on the launch's topology and profile), per runtime stage.
+
+JSON (added to the summary's `timing`):
+    predicted_ms        {stage: ms per step}, summed over layers like `stages_ms`
+    ratio               {stage: predicted / measured} (None where nothing was measured)
+    predicted_step_ms   the layers' predicted times (+ relayouts); step_ratio = that / measured
+    noise_floor_ms      0.05: stages measured below it are listed in below_noise_floor (shown,
+                        but their ratio says little)
+    prediction          profile, topology, routing, tokens per rank, the layers' candidates,
+                        notes; `error` (and predicted_ms None) when the model cannot predict
+and, with --plan, `plan`: the mode, the bucket, per layer the choice and its one-line reason,
+and the plan file itself (`plan.plan`, usable as `--plan FILE`).
+"""
+
+from __future__ import annotations
+
+from epmoe.plan import Candidate, Plan, SlotMap, Workload, predict_layer, routing_stats
+from epmoe.plan.comm_cost import CommCase
+from epmoe.plan.cost import STAGES
+from epmoe.plan.planner import transition_us
+from epmoe.plan.routing import RoutingSpec
+
+NOISE_FLOOR_MS = 0.05
+RATIO = "predicted / measured (1 = exact; > 1: the model is pessimistic)"
+
+
+def layer_candidates(run, report: dict) -> list[Candidate]:
+    """What each layer ran on this rank: the run's form, the resolved backend and experts."""
+    backends = [b for b, _ in report.get("layer_backends", [])]
+    experts = report.get("layer_experts") or [None] * run.num_layers
+    out = []
+    for l in range(run.num_layers):
+        spec = run.layer_spec(l)
+        e = experts[l] or (spec.experts if spec.experts != "auto" else
+                           _chosen(report.get("experts_reason", "")))
+        b = backends[l] if l < len(backends) else spec.backend
+        out.append(Candidate(spec.form, b if run.world > 1 else "local", e))
+    return out
+
+
+def _chosen(reason: str) -> str:
+    """The experts backend named "X: chosen" in make_experts' reason line."""
+    for part in reason.split(";"):
+        name, _, verdict = part.strip().partition(":")
+        if verdict.strip() == "chosen":
+            return name.strip()
+    raise ValueError(f"cannot tell the experts backend from {reason!r}")
+
+
+def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
+    """The run's routing for the model: uniform / zipf as given; the model's router (random
+    synthetic gate) as uniform; replayed routings (drift, trace) by the measured load."""
+    if run.routing == "router":
+        return RoutingSpec(), "router (synthetic gate) as uniform"
+    try:
+        spec = RoutingSpec.parse(run.routing)
+        return spec, spec.label()
+    except ValueError:
+        from epmoe.launch.report import layer_sources
+
+        load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
+        return RoutingSpec.from_load(load.tolist()), f"{run.routing} by its measured load"
+
+
+def predict_run(run, reports: list[dict], planning) -> dict:
+    """-> dict(predicted_ms, predicted_step_ms, prediction)."""
+    topo, prof, cfg, quant = planning.topology, planning.profile, run.cfg, run.quant
+    world = run.world
+    own = run.own_tokens or world == 1
+    tokens = run.tokens if own else max(run.tokens // world, 1)
+    info = dict(profile=prof.name, topology=topo.describe(), tokens_per_rank=tokens,
+                notes=list(planning.notes), ratio=RATIO)
+    if not own and run.tokens % world:
+        info["notes"].append(f"{run.tokens} replicated tokens over {world} ranks modelled as "
+                             f"{tokens} per rank")
+    try:
+        cands = layer_candidates(run, reports[0])
+        info["layers"] = [c.label for c in cands]
+        case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
+        per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
+        e = cfg.num_experts
+        for l, c in enumerate(cands):
+            spec, label = _routing(run, reports, l)
+            how.add(label)
+            p2l = reports[0].get("phy2log")
+            slots = SlotMap.from_placement(p2l, l) if p2l and list(p2l[l]) != list(range(e)) \
+                else None
+            key = (spec, slots)
+            if key not in stats and c.form != "tp":
+                stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
+            pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo, prof,
+                                 stats.get(key))
+            relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
+            for k, v in {**pred.stages_us, "relayout": relayout}.items():
+                per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
+            step_us += pred.total_us + relayout
+            prev = c.form
+        info["routing"] = "; ".join(sorted(how))
+    except (KeyError, ValueError) as exc:
+        info["error"] = str(exc).strip('"')
+        return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
+    return dict(predicted_ms={k: per_stage[k] for k in STAGES if k in per_stage},
+                predicted_step_ms=step_us / 1e3, prediction=info)
+
+
+def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:
+    """({stage: predicted / measured or None}, stages measured below the noise floor)."""
+    names = list(measured) + [k for k, v in (predicted or {}).items()
+                              if k not in measured and v > 0]
+    ratio = {}
+    for k in names:
+        m, p = measured.get(k), (predicted or {}).get(k)
+        ratio[k] = p / m if p is not None and m else None
+    low = [k for k in names if (measured.get(k) or 0.0) < NOISE_FLOOR_MS]
+    return ratio, low
+
+
+def attach(summary: dict, run, reports: list[dict], planning) -> None:
+    """Add the predictions (and the plan, with --plan) to a launch summary."""
+    t = summary["timing"]
+    pred = predict_run(run, reports, planning)
+    ratio, low = compare(t["stages_ms"], pred["predicted_ms"])
+    step = pred["predicted_step_ms"]
+    t.update(pred, ratio=ratio if pred["predicted_ms"] is not None else None,
+             step_ratio=step / t["step_ms_median"] if step and t["step_ms_median"] else None,
+             noise_floor_ms=NOISE_FLOOR_MS, below_noise_floor=low)
+    if planning.plan is not None:
+        summary["plan"] = plan_summary(planning)
+
+
+def plan_summary(planning) -> dict:
+    plan, bucket = planning.plan, planning.bucket
+    layers = []
+    for e in plan.layers:
+        c = e.choice(planning.tokens)
+        layers.append(dict(layer=e.layer, choice=c.label, predicted_ms=c.predicted_us / 1e3,
+                           why=c.why, runner_up=c.runner_up,
+                           runner_up_ms=None if c.runner_up_us is None
+                           else c.runner_up_us / 1e3))
+    return dict(mode=planning.mode, tokens_per_rank=planning.tokens, bucket=bucket,
+                profile=planning.profile.name, topology=planning.topology.describe(),
+                notes=list(planning.notes), layers=layers, plan=plan.to_dict())
+
+
+# ---------------------------------------------------------------------------------- rendering
+def render_plan(p: dict, console) -> None:
+    """The plan the run followed: per run of equal layers, the choice and its reason."""
+    from epmoe.plan.__main__ import render
+
+    console.print(f"plan: --plan {p['mode']}, {p['tokens_per_rank']} tokens/rank -> bucket "
+                  f"{p['bucket']}", markup=False)
+    console.print(render(Plan.from_dict(p["plan"]), buckets=[p["bucket"]]), markup=False,
+                  soft_wrap=True)
+
+
+def render_stages(t: dict, console) -> None:
+    """Stages: measured ms per step next to the prediction and their ratio (80 columns)."""
+    from rich.table import Table
+
+    pred = t.get("predicted_ms")
+    title = "stages (ms per step, median over ranks)"
+    st = Table(title=title + ("; predicted by epmoe.plan" if pred is not None else ""))
+    for col in ("stage", "measured", "predicted", "pred/meas", ""):
+        st.add_column(col, justify="left" if col in ("stage", "") else "right")
+    ratio, low = t.get("ratio") or {}, set(t.get("below_noise_floor", ()))
+    names = list(t["stages_ms"]) + [k for k in ratio if k not in t["stages_ms"]]
+    for k in names:
+        m, p, r = t["stages_ms"].get(k), (pred or {}).get(k), ratio.get(k)
+        st.add_row(k, "-" if m is None else f"{m:.3f}", "-" if p is None else f"{p:.3f}",
+                   "-" if r is None else f"{r:.2f}", "< 50 us: noise" if k in low else "")
+    step = t.get("predicted_step_ms")
+    if step is not None:
+        st.add_row("step", f"{t['step_ms_median']:.3f}", f"{step:.3f}",
+                   f"{t['step_ratio']:.2f}" if t.get("step_ratio") else "-", "")
+    console.print(st)
+    info = t.get("prediction") or {}
+    if info.get("error"):
+        console.print(f"no prediction: {info['error']}", markup=False)
+    elif info:
+        console.print(f"predicted with profile {info['profile']} on {info['topology']}, "
+                      f"routing {info.get('routing', '?')}", markup=False)

@@ -1,0 +1,272 @@
+"""`python -m epmoe.launch --plan ...`: the planner in a launch, predicted vs measured in the
+report, plan files (validated before any worker), the sweep. In-process runs at one rank;
+Ray runs (ep 2 and 4) share one local cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from epmoe.config import QuantConfig
+from epmoe.launch.cli import main, parser
+from epmoe.launch.planning import PlannedLaunch, prepare, profile_for_device
+from epmoe.plan import Choice, LayerEntry, Plan, Topology
+from epmoe.plan.cost import STAGES
+
+TINY = ["--model", "deepseek-v3-tiny"]
+
+
+def run_cli(tmp_path, *flags: str, name="summary.json") -> tuple[int, dict]:
+    out = tmp_path / name
+    rc = main([*flags, "--quiet", "--out", str(out)])
+    return rc, json.loads(out.read_text()) if out.exists() else {}
+
+
+def assert_predictions(s: dict, plan_numbers: bool = True) -> None:
+    """The report's predicted column: consistent with the measured one and the plan."""
+    t = s["timing"]
+    pred, meas, ratio = t["predicted_ms"], t["stages_ms"], t["ratio"]
+    assert pred is not None, t["prediction"]
+    assert set(pred) <= set(STAGES) and pred["experts"] > 0
+    assert set(meas) <= set(ratio)
+    for k, r in ratio.items():
+        if k in meas and meas[k] > 0:
+            assert r == pytest.approx(pred.get(k, 0.0) / meas[k]), k
+    assert t["noise_floor_ms"] == 0.05
+    assert sorted(t["below_noise_floor"]) == sorted(
+        k for k in ratio if meas.get(k, 0.0) < 0.05)
+    assert t["step_ratio"] == pytest.approx(t["predicted_step_ms"] / t["step_ms_median"])
+    # the prediction of what ran: as many layers as the run, named like the report's forms
+    labels = t["prediction"]["layers"]
+    assert [x.split("/")[0] for x in labels] == [w["form"] for w in s["world"]["layers"]]
+    assert [x.split("/")[1] for x in labels] == [w["backend"] for w in s["world"]["layers"]]
+    if "plan" in s:
+        p = s["plan"]
+        assert [x["choice"] for x in p["layers"]] == labels
+    if "plan" in s and plan_numbers:  # the plan's own numbers: same model, same candidates
+        assert t["predicted_step_ms"] == pytest.approx(
+            sum(x["predicted_ms"] for x in p["layers"]), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------- one rank
+
+
+@pytest.mark.timeout(120)
+def test_every_launch_reports_predicted_vs_measured(tmp_path, capsys):
+    rc, s = run_cli(tmp_path, *TINY, "--tokens", "8", "--steps", "2", "--layers", "1")
+    assert rc == 0 and s["correctness"]["passed"] is True
+    assert "plan" not in s  # no --plan: the flags decided, the model still predicts
+    assert_predictions(s)
+    assert s["timing"]["prediction"]["profile"] == "cpu"
+    assert s["timing"]["prediction"]["topology"].startswith("1x1 cpu")
+    out = capsys.readouterr().out
+    assert "pred/meas" in out and "predicted" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.timeout(120)
+def test_plan_auto_one_rank_explains(tmp_path, capsys):
+    rc, s = run_cli(tmp_path, *TINY, "--plan", "auto", "--tokens", "8", "--steps", "2",
+                    "--layers", "2")
+    assert rc == 0 and s["correctness"]["passed"] is True
+    p = s["plan"]
+    assert (p["mode"], p["tokens_per_rank"], p["bucket"]) == ("auto", 8, 8)
+    assert [x["choice"] for x in p["layers"]] == ["ep_dp/local/torch"] * 2
+    assert all(x["why"].startswith("the only feasible candidate") for x in p["layers"])
+    assert Plan.from_dict(p["plan"]).stack(8)[0].form == "ep_dp"  # usable as --plan FILE
+    assert_predictions(s)
+    assert "the only feasible candidate" in capsys.readouterr().out
+
+
+def _args(*flags):
+    return parser().parse_args([*TINY, *flags])
+
+
+def test_at_where_replans_for_the_cluster_topology():
+    """Before the start the planner assumes one node; the ranks' node ids change that."""
+    from epmoe.launch.cli import build_run
+
+    launch = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
+                           "--profile", "h200"), build_run)
+    assert isinstance(launch, PlannedLaunch) and launch.planning.topology.num_nodes == 1
+    same = launch.at_where([dict(node_id="a", device="cpu")] * 2)
+    assert same is launch.run and launch.planning.topology.num_nodes == 1
+    run = launch.at_where([dict(node_id="a", device="cpu"), dict(node_id="b", device="cpu")])
+    topo = launch.planning.topology
+    assert (topo.num_nodes, topo.gpus_per_node, topo.node_of_rank) == (2, 1, (0, 1))
+    assert any("re-planned for 2x1" in n for n in launch.planning.notes)
+    assert launch.planning.plan.topology["num_nodes"] == 2
+    assert run.stack == launch.planning.plan.stack(8)
+    # given: the topology is kept whatever the ranks say
+    given = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
+                          "--topology", "2x1", "--profile", "h200"), build_run)
+    assert given.planning.topology.num_nodes == 2
+    given.at_where([dict(node_id="a", device="cpu")] * 2)
+    assert given.planning.topology.num_nodes == 2
+
+
+def test_profile_by_device():
+    assert profile_for_device("cpu") == ("cpu", None)
+    assert profile_for_device("cuda (NVIDIA H200, visible 0)") == ("h200", None)
+    assert profile_for_device("NVIDIA GB200") == ("gb200", None)
+    assert profile_for_device("NVIDIA B200") == ("b200", None)
+    name, warn = profile_for_device("NVIDIA RTX 6000 Ada Generation", 89)
+    assert name == "h100" and "nearest spec profile 'h100'" in warn and "--profile" in warn
+    assert profile_for_device("NVIDIA Future GPU", 120)[0] == "b200"
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def _plan_file(path, stack, world: int, model="deepseek-v3-tiny", recipe="bf16",
+               num_slots=16, tokens=8):
+    layers = tuple(LayerEntry(l, ((tokens, Choice(f, b, e, 1.0, {}, "hand-written")),))
+                   for l, (f, b, e) in enumerate(stack))
+    plan = Plan(model, QuantConfig(recipe), Topology.parse(f"1x{world}", "cpu").to_dict(),
+                "cpu", num_slots, (tokens,), layers)
+    plan.save(path)
+    return str(path)
+
+
+MIXED = (("ep_dp", "all2all", "torch"), ("tp", "local", "torch"), ("ep", "local", "torch"),
+         ("ep_dp", "allgather", "torch"))
+
+
+@pytest.mark.parametrize("case,flags,match", [
+    ("not json", [], r"is not JSON"),
+    ("schema", [], r"plan schema 7 is not 1; write the plan again"),
+    ("form", [], r"layer 1, bucket 8: form \('dp'\) must be one of"),
+    ("ranks", [], r"layer 0, bucket 8: ep_dp/all2all/torch cannot run here: experts \(16\) "
+                  r"must be divisible by ep \(3\)"),
+    ("cuda", [], r"ep_dp/deepep-ll/torch cannot run here: deepep-ll needs CUDA GPUs"),
+    ("model", ["--model", "mixtral-tiny"], r"--model mixtral-tiny disagrees with the plan "
+                                            r"file .* \(deepseek-v3-tiny\): drop --model"),
+    ("world", ["--ep", "4"], r"--ep 4 disagrees with the plan file .* \(2\)"),
+    ("layers", ["--layers", "2"], r"--layers 2 disagrees with the plan file .* \(4\)"),
+    ("slots", ["--eplb", "--redundant-experts", "2"],
+     r"has 16 expert slots but the run has 18"),
+    ("no-dp", ["--no-dp"], r"--plan .* decides the forms: drop --no-dp"),
+    ("missing", [], r"does not exist; write one with python -m epmoe.plan"),
+])
+def test_bad_plan_file_exits_2_before_any_worker(tmp_path, capsys, case, flags, match):
+    path = tmp_path / "plan.json"
+    world, stack = 2, MIXED
+    if case == "ranks":
+        world, stack = 3, (("ep_dp", "all2all", "torch"),) * 4
+    if case == "cuda":
+        stack = (("ep_dp", "deepep-ll", "torch"),) * 4
+    _plan_file(path, stack, world)
+    d = json.loads(path.read_text())
+    if case == "form":
+        d["layers"][1]["choices"][0]["form"] = "dp"
+    if case == "schema":
+        d["schema"] = 7
+    path.write_text(json.dumps(d) if case != "not json" else "{oops")
+    if case == "missing":
+        path = tmp_path / "absent.json"
+    rc = main([*flags, "--plan", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(match, err), err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--plan", "auto", "--tp", "2"], r"--tp 2 asks every layer to run tp, but --plan auto "
+                                      r"decides the forms: give the rank count with --ep 2"),
+    (["--plan", "ep_dp", "--ep", "2", "--no-dp"], r"drop --no-dp \(or use --plan ep\)"),
+    (["--plan", "auto", "--ep", "2", "--topology", "1x4"],
+     r"--topology 1x4 holds 4 ranks but the run has 2"),
+    (["--plan", "tp", "--ep", "3"], r"no candidate is feasible .*divisible by tp"),
+    (["--plan", "auto", "--profile", "nope"], r"profile 'nope' is neither a shipped profile"),
+    (["--plan", "sweep", "--tp", "2"], r"--plan sweep tries every form itself"),
+])
+def test_plan_flag_conflicts_exit_2(capsys, flags, match):
+    rc = main([*TINY, "--layers", "1", *flags, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.search(match, err), err
+
+
+# ---------------------------------------------------------------------------------- Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_plan_auto_ep2_explains_each_layer(ray_cluster, tmp_path, capsys):
+    rc, s = run_cli(tmp_path, *TINY, "--plan", "auto", "--ep", "2", "--tokens", "8",
+                    "--steps", "2", "--layers", "2")
+    assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+    p = s["plan"]
+    assert p["topology"].startswith("1x2 cpu") and len(p["layers"]) == 2
+    for x in p["layers"]:  # "beats <runner-up> <ms> by N%: ..." or "a tie"
+        assert x["runner_up"] and x["runner_up"] != x["choice"], x
+        assert x["why"].startswith(f"beats {x['runner_up']} {x['runner_up_ms']:.3f} ms"), x
+    assert_predictions(s)
+    out = capsys.readouterr().out
+    assert "plan: --plan auto, 8 tokens/rank -> bucket 8" in out
+    assert p["layers"][0]["why"][:60] in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ray_mixed_plan_file_passes_the_oracle(ray_cluster, tmp_path, world):
+    path = _plan_file(tmp_path / "mixed.json", MIXED, world)
+    rc, s = run_cli(tmp_path, "--plan", path, "--tokens", "8", "--steps", "1")
+    c = s["correctness"]
+    assert rc == 0 and c["passed"] is True, c
+    assert len(c["per_layer"]) == 4 and max(c["per_layer"]) <= c["tolerance"]
+    assert c["tokens_checked"] == 8 * world  # every rank's rows at every layer
+    w = s["world"]
+    assert w["form"] == "mixed" and len(w["ranks"]) == world
+    assert [(x["form"], x["backend"]) for x in w["layers"]] == [(f, b) for f, b, _ in MIXED]
+    assert s["plan"]["mode"] == "file" and s["plan"]["layers"][1]["why"] == "hand-written"
+    assert "relayout" in s["timing"]["stages_ms"] and s["timing"]["predicted_ms"]["relayout"] > 0
+    assert_predictions(s, plan_numbers=False)  # a hand-written file has no predictions
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_sweep_ep2(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc = main([*TINY, "--plan", "sweep", "--ep", "2", "--tokens", "8", "--steps", "2",
+               "--layers", "1", "--no-check", "--out", str(out), "--sweep-budget-s", "300"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    s = json.loads(out.read_text())["sweep"]
+    labels = [r["candidate"] for r in s["rows"]]
+    assert sorted(labels) == sorted(["tp/local/torch", "ep/local/torch",
+                                     "ep_dp/all2all/torch", "ep_dp/allgather/torch"])
+    ok = [r for r in s["rows"] if r["status"] == "ok"]
+    assert len(ok) == 4
+    for r in ok:
+        assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
+    best = min(ok, key=lambda r: r["measured_ms"])
+    assert (s["fastest"], s["fastest_ms"]) == (best["candidate"], best["measured_ms"])
+    au = s["auto"]
+    assert au["vs_best"] == pytest.approx(au["measured_ms"] / best["measured_ms"] - 1)
+    assert au["within_5pct"] == (au["vs_best"] <= 0.05)
+    if not au["launched"]:
+        assert au["label"] in labels
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any(line.startswith("planner (auto): ") for line in lines)
