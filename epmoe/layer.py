@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.base import Comm
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
 from epmoe.parallel import LayerPlan
@@ -62,21 +62,18 @@ class MoELayer:
         with t.stage("dispatch"):
             batch, handle = self.comm.dispatch(x_in, ids, w)
         with t.stage("experts"):
-            y = self._run_experts(batch)
+            y = self.experts.run(batch)
         with t.stage("combine"):
-            out = self.comm.combine(y, handle)
+            out = self.comm.combine(y, handle)  # bf16 [T, D], reduced in fp32 and cast once
         if self.weights.shared is not None and self.shared_experts is not None:
             with t.stage("shared"):
-                out = out + self._shared(x_TD)
+                out = out.float() + self._shared(x_TD).float()
         if self.plan.needs_all_reduce:
+            # replicated forms: each rank holds a partial sum; summed in fp32
             with t.stage("all_reduce"):
+                out = out.float()
                 dist.all_reduce(out, group=self.group)
         return out.to(x_TD.dtype)
-
-    def _run_experts(self, batch: ExpertBatch) -> torch.Tensor:
-        if batch.form == "tokens":
-            return self.experts.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
-        return self.experts.run_masked(batch.x, batch.counts_E)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         n = x_TD.shape[0]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from epmoe.comm import make_comm
+from epmoe.comm import CommContext, make_comm
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.config import MoEConfig, QuantConfig, get_preset
 from epmoe.experts.base import Experts
@@ -107,6 +107,14 @@ class Runtime:
         self.backend, self.backend_reason = resolve_backend(
             backend or run.backend, run, self.device)
         self.plan = run.plan(rank, self.backend)
+        if self.device.type == "cuda":
+            from epmoe.env import use_single_node_nvshmem
+
+            use_single_node_nvshmem()  # before any NVSHMEM (DeepEP LL, symmetric arena) starts
+        # shared by every layer's comm: the group, the worst case that sizes preallocated
+        # buffers, and the buffers themselves (freed collectively by close())
+        self.comm_ctx = CommContext(group, rank, self.world, self.device,
+                                    max_tokens_per_rank=run.tokens)
         # placement: slot s of layer l holds logical expert phy2log[l][s]; initially s mod E
         slots = self.plan.slots(self.cfg)
         self.phy2log = [[s % self.cfg.num_experts for s in range(slots)]
@@ -164,8 +172,7 @@ class Runtime:
         experts = self._make_experts(w.experts)
         shared = self._make_experts(w.shared) if w.shared is not None else None
         comm = make_comm(self.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
-                         group=self.group, rank=self.rank, world=self.world, run=run,
-                         device=self.device)
+                         self.comm_ctx)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
                         replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
 
@@ -314,6 +321,10 @@ class Runtime:
         load = self.recorder.window_load(self.group if grouped else None,
                                          reduce=self.run.form == "ep_dp").cpu()
         return float(balancedness_per_layer(load, self.world).mean())
+
+    def close(self) -> None:
+        """Free the comm buffers (collective: every rank calls it)."""
+        self.comm_ctx.close()
 
     def call(self, method: str, *args, **kwargs):
         """The one entry the driver uses (Ray actors forward to it)."""

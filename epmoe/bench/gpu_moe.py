@@ -147,14 +147,16 @@ def _two_gpu(rank, world, port, only, out_path):
     import deep_ep
 
     from epmoe.comm.all2all import All2AllComm
+    from epmoe.comm.context import CommContext
     from epmoe.comm.deepep import DeepEPHighThroughputComm, DeepEPLowLatencyComm
 
     emap = _expert_map(rank, world, DSV3.num_experts, dev)
     t, k, d = 4096, DSV3.top_k, DSV3.hidden
     ids, w = _routing(t, DSV3.num_experts, k, dev, seed=rank)
     x = torch.randn(t, d, device=dev).to(torch.bfloat16)
+    ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=128)
     if "c" in only or "e" in only:
-        ht = DeepEPHighThroughputComm(DSV3, BF16, emap, group, rank, world, num_sms=48)
+        ht = DeepEPHighThroughputComm(DSV3, BF16, emap, ctx, num_sms=48)
     if "c" in only:
         buf = ht.buffer
 
@@ -177,7 +179,7 @@ def _two_gpu(rank, world, port, only, out_path):
         y = batch.x.data  # bf16 rows [N, D]
         t_d = _bench(ours_dispatch)
         t_c = _bench(lambda: ht.combine(y, h))
-        a2a = All2AllComm(DSV3, BF16, emap, group, rank, world)
+        a2a = All2AllComm(DSV3, BF16, emap, ctx)
         b2, h2 = a2a.dispatch(x, ids, w)
         t_a_d = _bench(lambda: a2a.dispatch(x, ids, w), iters=10)
         t_a_c = _bench(lambda: a2a.combine(b2.x.data, h2), iters=10)
@@ -191,13 +193,13 @@ def _two_gpu(rank, world, port, only, out_path):
               f"{gbs(t_a_d):.0f} GB/s", gbs=gbs(t_a_d))
         say(log, "(c) all2all (NCCL) combine bf16", shape, t_a_c, "deepep-ht", t_c,
               f"{gbs(t_a_c):.0f} GB/s", gbs=gbs(t_a_c))
-        qx = DeepEPHighThroughputComm(DSV3, FP8, emap, group, rank, world)
+        qx = DeepEPHighThroughputComm(DSV3, FP8, emap, ctx)
         t_f = _bench(lambda: (setattr(qx, "_cache", None), qx.dispatch(x, ids, w)))
         say(log, "(c) deepep-ht dispatch fp8", shape, t_f, "deepep-ht bf16", t_d,
               "(anchor 149 us raw)")
     t_ll = 128
     if "d" in only or "e" in only:
-        ll = DeepEPLowLatencyComm(DSV3, FP8, emap, group, rank, world, max_tokens=t_ll)
+        ll = DeepEPLowLatencyComm(DSV3, FP8, emap, ctx)
         xs, ids_s, w_s = x[:t_ll].contiguous(), ids[:t_ll].contiguous(), w[:t_ll].contiguous()
     if "d" in only:
         buf = ll.buffer
@@ -216,13 +218,11 @@ def _two_gpu(rank, world, port, only, out_path):
     if "e" in only:
         ex = _experts(DSV3.num_experts // world, dev)
         for name, comm, xx, ii, ww in (("HT", ht, x, ids, w), ("LL", ll, xs, ids_s, w_s)):
-            q = DeepEPHighThroughputComm(DSV3, FP8, emap, group, rank, world) \
+            q = DeepEPHighThroughputComm(DSV3, FP8, emap, ctx) \
                 if name == "HT" else comm
 
             def run_experts(batch):
-                if batch.form == "tokens":
-                    return ex.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
-                return ex.run_masked(batch.x, batch.counts_E)
+                return ex.run(batch)
 
             def step():
                 if name == "HT":
@@ -251,6 +251,7 @@ def _two_gpu(rank, world, port, only, out_path):
                     deep_ep=getattr(deep_ep, "__file__", "?"))
         with open(out_path, "w") as f:
             json.dump(dict(info=info, cases=log), f, indent=1)
+    ctx.close()
     dist.destroy_process_group()
 
 

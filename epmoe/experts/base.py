@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe.comm.base import Batch, LayoutBatch, MaskedBatch, TokenBatch
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import (ContiguousLayout, gather_masked_reduce, make_contiguous_layout,
                           permute_qtensor, unpermute_reduce)
@@ -93,6 +94,26 @@ class Experts(ABC):
     @abstractmethod
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x [E, C, D], counts [E] -> y [E, C, D] bf16 (rows past a count: any value)."""
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The one entry point: what a comm's dispatch returned -> what its combine takes.
+
+        TokenBatch  -> [N, D] per received token, the weighted sum over its local experts
+        LayoutBatch -> [M, D] bf16 per row of the contiguous layout, unweighted
+        MaskedBatch -> [E, C, D] bf16 per masked row, unweighted
+        """
+        if isinstance(batch, TokenBatch):
+            return self.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
+        if isinstance(batch, LayoutBatch):
+            if batch.layout.num_experts != self.weights.num_experts:
+                raise ValueError(f"layout has {batch.layout.num_experts} experts, these experts "
+                                 f"hold {self.weights.num_experts}")
+            self.resolve_alignment(batch.layout.alignment)
+            return self.run_contiguous(batch.x, batch.layout)
+        if isinstance(batch, MaskedBatch):
+            return self.run_masked(batch.x, batch.counts_E)
+        raise TypeError(f"experts take a TokenBatch, LayoutBatch or MaskedBatch, got "
+                        f"{type(batch).__name__}")
 
     def resolve_alignment(self, alignment: int | None) -> int:
         """The row alignment to use: this backend's GEMM alignment or a multiple of it. A finer
