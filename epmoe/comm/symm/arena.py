@@ -48,8 +48,8 @@ def phase_name(code: int) -> str:
     op, what = divmod(int(code), 2)
     if not 0 <= op < NUM_OPS:
         return f"phase code {code}"
-    return f"{OP_NAMES[op]} " + ("send: waiting for the peer to release its receive buffer"
-                                 if what == 0 else "recv: waiting for the peer's data")
+    return OP_NAMES[op] + (" send, waiting for the peer to release its receive buffer"
+                           if what == 0 else " receive, waiting for the peer's data")
 
 
 class SymmTimeoutError(RuntimeError):
@@ -129,8 +129,8 @@ class RankArena:
         if err is not None:
             phase, peer, seen, want = err
             raise SymmTimeoutError(
-                f"symm comm: rank {self.rank} timed out in {phase_name(phase)} from peer "
-                f"{peer} (flag {seen}, expected >= {want}); the peer never reached this call "
+                f"symm comm: rank {self.rank} timed out on peer {peer} in {phase_name(phase)} "
+                f"(flag {seen}, expected >= {want}); the peer never reached this call "
                 f"(it failed, hung, or called a different sequence of dispatch/combine): fix "
                 f"the peer, or raise SymmOptions.timeout_s if it is only slow")
 

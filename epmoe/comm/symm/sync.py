@@ -16,9 +16,15 @@ from epmoe.kernels._common import INTERPRET
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.comm.symm.arena import CTRL_ERR  # noqa: E402
+from epmoe.comm.symm import arena as _a  # noqa: E402
 
 USE_TIMER = not INTERPRET  # %globaltimer on GPU; poll counts under the interpreter
+# control-block word indices as constexprs (jit code reads only constexpr globals)
+C_SEQ = tl.constexpr(_a.CTRL_SEQ)
+C_DONE_SEND = tl.constexpr(_a.CTRL_DONE_SEND)
+C_DONE_RECV = tl.constexpr(_a.CTRL_DONE_RECV)
+C_ERR = tl.constexpr(_a.CTRL_ERR)
+C_READY = tl.constexpr(_a.CTRL_READY)
 
 
 @triton.jit
@@ -59,7 +65,7 @@ def _now(USE_TIMER: tl.constexpr):
 def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexpr):
     """Spin until *flag >= target (acquire, sys scope). -> 1 if reached, 0 after a timeout
     (recorded once in the arena's error record) or when an earlier timeout was recorded."""
-    err = ctrl_ptr(arena_ptr, CTRL_ERR)
+    err = ctrl_ptr(arena_ptr, C_ERR)
     v = ld_acquire(flag)
     ok = (v >= target).to(tl.int32)
     if ok == 0:
@@ -108,5 +114,11 @@ def arrive_last(arena_ptr, done_word, num_ctas):
     return last
 
 
-__all__ = ["ctrl_ptr", "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all",
+@triton.jit
+def no_error(arena_ptr):
+    """1 while no timeout has been recorded in this arena."""
+    return (tl.load(ctrl_ptr(arena_ptr, C_ERR), volatile=True) == 0).to(tl.int32)
+
+
+__all__ = ["no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr", "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all",
            "arrive_last", "USE_TIMER"]

@@ -1,0 +1,1 @@
+"""symm: our symmetric-memory comm layer (docstring filled below)."""
