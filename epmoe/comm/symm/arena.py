@@ -158,6 +158,62 @@ class LoopbackWorld:
         return RankArena(self.storage[r], self._deltas[r], r, self.layout)
 
 
+class ArenaResource:
+    """A rank's arena as a `CommContext` resource: the view the kernels use, the host-side
+    order check (each op alternates send and receive on every rank: the device epochs count
+    on it), and `close()` (collective for NVSHMEM arenas)."""
+
+    def __init__(self, view: RankArena, closer=None):
+        self.view = view
+        self._closer = closer
+        self._sent = [False] * NUM_OPS
+
+    def begin(self, op: int) -> None:
+        if self._sent[op]:
+            raise RuntimeError(f"{OP_NAMES[op]}: send called twice without the receive in "
+                               f"between on rank {self.view.rank}; every send must be followed "
+                               f"by its receive (dispatch_recv / combine_recv) before the next")
+        self._sent[op] = True
+
+    def end(self, op: int) -> None:
+        if not self._sent[op]:
+            raise RuntimeError(f"{OP_NAMES[op]}: receive called without a send on rank "
+                               f"{self.view.rank}; call the send half first")
+        self._sent[op] = False
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+
+
+def acquire_arena(ctx, key: str, layout: ArenaLayout) -> ArenaResource:
+    """The context's arena `key` (made on first use: NVSHMEM, initialized once per process);
+    every layer of a run needs the same layout."""
+    res = ctx.resource(key, lambda: _nvshmem_arena(ctx, layout))
+    if res.view.layout != layout:
+        have = res.view.layout.nbytes
+        raise ValueError(f"arena {key!r} of this rank was built for another shape ({have} "
+                         f"bytes, this layer needs {layout.nbytes}); every layer of a run must "
+                         f"share hidden, top-k, experts per rank, recipe and max tokens")
+    return res
+
+
+def _nvshmem_arena(ctx, layout: ArenaLayout) -> ArenaResource:
+    if ctx.device.type != "cuda":
+        raise ValueError(f"symm arenas live in NVSHMEM on CUDA devices; device {ctx.device} is "
+                         f"not one (on CPU only the loopback world runs them: "
+                         f"epmoe.comm.symm.loopback)")
+    if ctx.has("deepep-ll"):
+        raise RuntimeError("DeepEP low-latency already initialized NVSHMEM in this process; "
+                           "symm-* cannot initialize it a second time: run symm-* and "
+                           "deepep-ll in separate processes (separate runs)")
+    ctx.resource("symm-nvshmem", lambda: NvshmemSession(ctx.group, ctx.rank, ctx.world,
+                                                        ctx.device))
+    arena = NvshmemArena(layout, ctx.rank, ctx.device, ctx.group)
+    return ArenaResource(arena.view, arena.close)
+
+
 class NvshmemArena:
     """This rank's arena on the NVSHMEM symmetric heap (nvshmem4py), for real ranks of one node.
 
@@ -230,5 +286,5 @@ class NvshmemSession:
             self.alive = False
 
 
-__all__ = ["ArenaLayout", "RankArena", "LoopbackWorld", "NvshmemArena", "NvshmemSession",
+__all__ = ["ArenaResource", "acquire_arena", "ArenaLayout", "RankArena", "LoopbackWorld", "NvshmemArena", "NvshmemSession",
            "SymmTimeoutError", "HT_DISPATCH", "HT_COMBINE", "LL_DISPATCH", "LL_COMBINE"]

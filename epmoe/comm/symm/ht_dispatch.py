@@ -316,7 +316,7 @@ def max_rows(shape: HTShape, alignment: int) -> int:
 
 
 def _block_tokens(words: int) -> int:
-    return 16 if INTERPRET else max(1, min(8, 8192 // next_pow2(words)))
+    return 64 if INTERPRET else max(1, min(8, 8192 // next_pow2(words)))
 
 
 def _consts(arena: RankArena, shape: HTShape) -> dict:
@@ -363,7 +363,7 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     info = torch.empty(3 + 2 * e_l + w * e_l, dtype=torch.int32, device=dev)
     _dispatch_recv_kernel[(grid(opts, dev),)](
         arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
-        arena.rank, opts.spin_limit, WP=next_pow2(w), M_MAX=m, BR=256 if INTERPRET else 512,
+        arena.rank, opts.spin_limit, WP=next_pow2(w), M_MAX=m, BR=1024 if INTERPRET else 512,
         **_consts(arena, shape))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
     x = QTensor(xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)

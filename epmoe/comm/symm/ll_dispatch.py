@@ -1,0 +1,211 @@
+"""symm-ll dispatch: decode-sized batches straight into the peers' masked layout, fp8
+quantization fused into the send (the combine is in `ll_combine.py`). Regions of the LL arena
+(`LLShape.layout`), C = W * TMAX rows per local expert (every token of every rank on one expert):
+
+  ll_slots  [E_L] int32          rows filled per local expert (peers take a row with a system-
+                                 scope atomic_add; reset by this rank's combine_send)
+  ll_data   [E_L][C][D]          fp8 or bf16 rows: the MaskedBatch x is a view of this region
+  ll_scale  [E_L][G][C] fp32     scales per 128 columns, C unit stride (DeepGEMM's TMA layout)
+  ll_meta   [E_L][C] int32       (source rank * TMAX + token) * K + k of each row
+  ll_comb   [2][TMAX][K][D] bf16 the experts' rows back, per (token, k), buffer = epoch % 2
+
+The masked region is single-buffered (the batch is a view of it, and a host-chosen parity would
+freeze in a CUDA graph): a sender waits until every peer's combine_send of the previous call
+has released it (ack), which in a dispatch -> experts -> combine sequence never spins.
+Rows of one expert arrive in atomic order (not token order); row contents are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epmoe.kernels._common import INTERPRET, next_pow2, round_bf16, round_e4m3
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.comm.symm.arena import LL_DISPATCH, ArenaLayout, RankArena  # noqa: E402
+from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
+from epmoe.comm.symm.sync import (C_DONE_SEND, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
+                                  arrive_last, ctrl_ptr, no_error, peer_ptr, signal, wait_all)
+from epmoe.config import QuantConfig  # noqa: E402
+from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
+
+OP_D = tl.constexpr(LL_DISPATCH)
+GROUP = 128
+
+
+@dataclass(frozen=True)
+class LLShape:
+    """What sizes the LL arena: the run's worst case and the activation format."""
+
+    world: int
+    max_tokens: int
+    hidden: int
+    top_k: int
+    num_local_experts: int
+    fp8: bool
+
+    @property
+    def capacity(self) -> int:
+        return self.world * max(1, self.max_tokens)
+
+    @property
+    def num_groups(self) -> int:
+        return self.hidden // GROUP if self.fp8 else 0
+
+    def layout(self) -> ArenaLayout:
+        e_l, c, d = self.num_local_experts, self.capacity, self.hidden
+        return ArenaLayout.build(self.world, [
+            ("ll_slots", e_l * 4),
+            ("ll_data", e_l * c * d * (1 if self.fp8 else 2)),
+            ("ll_scale", e_l * self.num_groups * c * 4),
+            ("ll_meta", e_l * c * 4),
+            ("ll_comb", 2 * max(1, self.max_tokens) * self.top_k * d * 2)])
+
+
+@triton.jit
+def _quantize_rows(x, BT: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
+                   POW2: tl.constexpr, PRE_ROUND: tl.constexpr):
+    """fp32 [BT, BD] -> (fp8 codes as fp32 [BT, BD], scales [BT, BG]): epmoe.quant's rule per
+    128 columns (amax >= 1e-10, scale = amax / 448, or its power-of-two ceiling)."""
+    xg = tl.reshape(x, (BT, BG, 128))
+    amax = tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-10)
+    s = tl.math.div_rn(amax, 448.0)
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e8 << 23).to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(xg, s[:, :, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if PRE_ROUND:
+        q = round_e4m3(q)
+    return tl.reshape(q, (BT, BD)), s
+
+
+@triton.jit
+def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, ids_ptr, T, me, limit,
+                          SLOTS: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                          META: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+                          K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr, C: tl.constexpr,
+                          D: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
+                          FP8: tl.constexpr, POW2: tl.constexpr, PRE_ROUND: tl.constexpr,
+                          BT: tl.constexpr, USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
+    ok = wait_all(arena_ptr, C_READY + 4 * W + OP_D * W, e - 1, 2 * OP_D, limit, W, USE_TIMER)
+    if ok != 0:
+        cols = tl.arange(0, BD)
+        cm = cols < D
+        kk = tl.arange(0, KP)
+        gg = tl.arange(0, BG)
+        for t0 in range(pid * BT, T, G * BT):
+            t = t0 + tl.arange(0, BT)
+            tm = t < T
+            t64 = t.to(tl.int64)
+            x = tl.load(x_ptr + t64[:, None] * D + cols[None, :], mask=tm[:, None] & cm[None, :],
+                        other=0.0).to(tl.float32)
+            if FP8:
+                q, s = _quantize_rows(x, BT, BD, BG, POW2, PRE_ROUND)
+                payload = q.to(tl.float8e4nv)
+            else:
+                if PRE_ROUND:
+                    x = round_bf16(x)
+                payload = x.to(tl.bfloat16)
+            ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :],
+                          mask=tm[:, None] & (kk < K)[None, :], other=-1).to(tl.int32)
+            valid = ids >= 0
+            d = tl.where(valid, ids // E_L, 0)
+            le = ids - d * E_L
+            delta = tl.load(delta_ptr + d)
+            slots = (arena_ptr + delta + SLOTS).to(tl.pointer_type(tl.int32)) + le
+            slot = tl.atomic_add(slots, 1, mask=valid, sem="relaxed", scope="sys")
+            valid = valid & (slot < C)
+            row = le * C + slot
+            meta = (arena_ptr + delta + META).to(tl.pointer_type(tl.int32)) + row
+            tl.store(meta, (me * TMAX + t[:, None]) * K + kk[None, :], mask=valid)
+            for k in tl.static_range(K):
+                sel = kk[None, :] == k
+                v_k = tl.sum(tl.where(sel & valid, 1, 0), axis=1) > 0
+                row_k = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
+                base_k = arena_ptr + tl.sum(tl.where(sel, delta, 0), axis=1)
+                if FP8:
+                    dst = (base_k + DATA).to(tl.pointer_type(tl.float8e4nv)) + row_k * D
+                    tl.store(dst[:, None] + cols[None, :], payload,
+                             mask=v_k[:, None] & cm[None, :])
+                    le_k = tl.sum(tl.where(sel, le, 0), axis=1)
+                    slot_k = tl.sum(tl.where(sel, slot, 0), axis=1)
+                    sdst = (base_k + SCALE).to(tl.pointer_type(tl.float32))[:, None] \
+                        + ((le_k * NG)[:, None] + gg[None, :]).to(tl.int64) * C + slot_k[:, None]
+                    tl.store(sdst, s, mask=v_k[:, None] & (gg < NG)[None, :])
+                else:
+                    dst = (base_k + DATA).to(tl.pointer_type(tl.bfloat16)) + row_k * D
+                    tl.store(dst[:, None] + cols[None, :], payload,
+                             mask=v_k[:, None] & cm[None, :])
+    if arrive_last(arena_ptr, C_DONE_SEND + OP_D, G) != 0:
+        if no_error(arena_ptr) != 0:
+            for d in tl.static_range(W):
+                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), C_READY + OP_D * W + me), e)
+
+
+@triton.jit
+def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: tl.constexpr,
+                          E_L: tl.constexpr, EP: tl.constexpr, C: tl.constexpr,
+                          USE_TIMER: tl.constexpr):
+    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
+    ok = wait_all(arena_ptr, C_READY + OP_D * W, e, 2 * OP_D + 1, limit, W, USE_TIMER)
+    ee = tl.arange(0, EP)
+    cnt = tl.load((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + ee, mask=ee < E_L,
+                  other=0)
+    tl.store(counts_ptr + ee, tl.where(ok != 0, tl.minimum(cnt, C), 0), mask=ee < E_L)
+    tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP_D), e)
+
+
+# --------------------------------------------------------------------------------------------
+def _block_tokens(d: int) -> int:
+    return 64 if INTERPRET else max(1, min(4, 8192 // next_pow2(d)))
+
+
+def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: torch.Tensor,
+                  topk_ids_TK: torch.Tensor, opts: SymmOptions) -> None:
+    """Quantize (fp8_block: per 128 columns) and write every (token, k) row into the masked
+    layout of the rank holding expert k."""
+    t, d = x_TD.shape
+    if t > shape.max_tokens:
+        raise ValueError(f"tokens per rank ({t}) exceed the low-latency arena's "
+                         f"max_tokens_per_rank ({shape.max_tokens}); size the CommContext for "
+                         f"the run's worst case or use symm-ht")
+    lay = arena.layout
+    bd = next_pow2(d)
+    _dispatch_send_kernel[(grid(opts, x_TD.device),)](
+        arena.base, arena.peer_delta_W, x_TD.contiguous(), topk_ids_TK.contiguous(), t,
+        arena.rank, opts.spin_limit, SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
+        SCALE=lay.offset("ll_scale"), META=lay.offset("ll_meta"),
+        TMAX=max(1, shape.max_tokens), W=shape.world, K=shape.top_k,
+        KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d, BD=bd,
+        NG=shape.num_groups, BG=max(1, bd // GROUP), FP8=shape.fp8,
+        POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
+        BT=_block_tokens(d), USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8)
+
+
+def dispatch_recv(arena: RankArena, shape: LLShape, quant: QuantConfig,
+                  opts: SymmOptions) -> tuple[QTensor, torch.Tensor]:
+    """Wait for every rank -> (x [E_L, C, D], a view of the arena valid until this rank's next
+    combine_send; counts_E int32 [E_L])."""
+    e_l, c, d = shape.num_local_experts, shape.capacity, shape.hidden
+    counts = torch.empty(e_l, dtype=torch.int32, device=arena.base.device)
+    _dispatch_recv_kernel[(1,)](arena.base, counts, opts.spin_limit,
+                                SLOTS=arena.layout.offset("ll_slots"), W=shape.world, E_L=e_l,
+                                EP=next_pow2(e_l), C=c, USE_TIMER=USE_TIMER)
+    fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
+    if not shape.fp8:
+        data = arena.words("ll_data", torch.bfloat16).view(e_l, c, d)
+        return QTensor(data, None, "bf16", 0, fmt), counts
+    data = arena.words("ll_data", torch.uint8).view(FP8_DTYPE).view(e_l, c, d)
+    scale = arena.words("ll_scale", torch.float32).view(e_l, shape.num_groups, c).transpose(1, 2)
+    return QTensor(data, scale, quant.recipe, GROUP, fmt), counts
+
+
+__all__ = ["LLShape", "dispatch_send", "dispatch_recv"]
