@@ -13,6 +13,8 @@ Legend: T own tokens, N received tokens, K top-k, D hidden, E physical experts, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -135,16 +137,34 @@ def a2a_combine(world, outs, ys, num_tokens):
     return res
 
 
-def run_round(comms, world, quant, xs, ids, ws, gen):
-    outs = loopback_dispatch(comms, xs, ids, ws)
-    check_received(comms, outs, world, quant, xs, ids, ws)
+def to_cpu(obj):
+    """Tensors of (nested) dataclasses, tuples and lists, on the CPU (GPU runs are checked by
+    the same code)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(o) for o in obj)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: to_cpu(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
+def on(device, *per_rank):
+    return [[t.to(device) for t in ts] for ts in per_rank]
+
+
+def run_round(comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False):
+    outs = loopback_dispatch(comms, *on(device, xs, ids, ws), streams=streams)
+    host = to_cpu(outs)
+    check_received(comms, host, world, quant, xs, ids, ws)
     ys = [torch.randn(o[0].num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
-          for o in outs]
-    res = loopback_combine(comms, ys, [o[1] for o in outs])
-    want = a2a_combine(world, outs, ys, [x.shape[0] for x in xs])
+          for o in host]
+    res = loopback_combine(comms, *on(device, ys), [o[1] for o in outs], streams=streams)
+    want = a2a_combine(world, host, ys, [x.shape[0] for x in xs])
     for r in range(world):
         assert res[r].dtype == torch.bfloat16 and res[r].shape == xs[r].shape
-        assert torch.equal(res[r], want[r]), f"rank {r}: combine differs from all2all's sum"
+        assert torch.equal(res[r].cpu(), want[r]), f"rank {r}: combine differs from all2all's"
 
 
 CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds); the interpreter costs ~1 s

@@ -235,7 +235,7 @@ class NvshmemArena:
         base = self.tensor.data_ptr()
         deltas = []
         for d in range(layout.world):
-            peer = self.tensor if d == rank else nvshmem.get_peer_tensor(self.tensor, d)
+            peer = nvshmem.get_peer_tensor(self.tensor, d)  # d == rank: a view of itself
             if peer is None:
                 raise RuntimeError(f"rank {d} is not reachable by load/store from rank {rank} "
                                    f"(nvshmem_ptr is null: not the same node / no NVLink P2P); "

@@ -24,6 +24,7 @@ from epmoe.comm.symm.options import SymmOptions
 from epmoe.comm.symm.route import route
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
+from epmoe.kernels.act_quant import per_token_group_quant
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor
 
@@ -119,10 +120,19 @@ class SymmHighThroughputComm(Comm):
         why = RowFormat.of(quant, cfg.hidden).check()
         return why or cuda_unsupported(device)
 
+    def _quantize(self, x_TD: torch.Tensor) -> QTensor:
+        """The wire recipe in one Triton pass (no host tensor: CUDA-graph capturable)."""
+        w = self.wire
+        with self.timer.stage("dispatch.quantize"):
+            if w.recipe == "bf16":
+                return QTensor(x_TD.to(torch.bfloat16), None, "bf16", 0, w.scale_fmt)
+            return per_token_group_quant(x_TD.contiguous(), w.act_group, w.scale_fmt,
+                                         recipe=w.recipe)
+
     # -------------------------------------------------------------- dispatch
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmHTPending:
         self.arena.begin(HT_DISPATCH)
-        xq = self.quantize(x_TD, self.wire)
+        xq = self._quantize(x_TD)
         rt = route(topk_ids_TK, self.num_experts, self.world)
         ht_dispatch.dispatch_send(self.arena.view, self.shape, xq, topk_ids_TK, topk_weights_TK,
                                   rt, self.options)

@@ -105,7 +105,8 @@ def _consts(arena: RankArena, shape: HTShape) -> dict:
     bd = next_pow2(d)
     return dict(COMB=arena.layout.offset("ht_comb"), TMAX=max(1, shape.max_tokens),
                 W=shape.world, D=d, BD=bd, BT=64 if INTERPRET else max(1, 8192 // bd),
-                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8)
+                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8,
+                enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
 
 def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTReceived,

@@ -108,7 +108,8 @@ def _consts(arena: RankArena, shape: LLShape) -> dict:
     return dict(COMB=arena.layout.offset("ll_comb"), TMAX=max(1, shape.max_tokens),
                 W=shape.world, K=shape.top_k, D=shape.hidden, BD=bd,
                 BT=64 if INTERPRET else max(1, min(4, 8192 // bd)), USE_TIMER=USE_TIMER,
-                num_warps=1 if INTERPRET else 8)
+                num_warps=1 if INTERPRET else 8,
+                enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
 
 def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E: torch.Tensor,
