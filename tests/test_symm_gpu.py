@@ -90,24 +90,16 @@ def _expected(x, ids, w, quant, world, per_rank):
     return out.to(torch.bfloat16)
 
 
-def test_ll_cuda_graph_1000_replays_match_eager(seed):
-    """dispatch -> experts -> combine of 2 loopback ranks captured once, replayed 1,000 times
-    with fresh routing copied into the static inputs; each replay is bit-compared with an eager
-    run on the same inputs (the device epochs advance in both)."""
-    world, quant = 2, QuantConfig("fp8_block")
-    e_l = CFG.num_experts // world
-    gen = torch.Generator().manual_seed(seed)
-    lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
-                               options=OPTS)
-    static = on("cuda", *case_inputs("full", world, gen))
-
+def _graph_round(comms, static, e_l):
+    """-> (eager step, graph, the graph's outputs): dispatch -> _scaled_identity -> combine of
+    every loopback rank, captured once after a warm-up (check_errors syncs the host, so the
+    captured round uses the halves directly)."""
     def step():
         outs = loopback_dispatch(comms, *static)
         ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
         return loopback_combine(comms, ys, [h for _, h in outs])
 
-    # check_errors (a host sync) is not capturable: capture the uninstrumented halves
-    eager = step()
+    step()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
@@ -121,11 +113,29 @@ def test_ll_cuda_graph_1000_replays_match_eager(seed):
             for c, y, (_, h) in zip(comms, ys, outs):
                 c.combine_send(y, h)
             graph_out = [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
+    torch.cuda.current_stream().wait_stream(s)
+    return step, g, graph_out
+
+
+def _refill(static, world, gen):
+    """Fresh routing (and tokens) copied into the captured inputs."""
+    for dst, src in zip(static, on("cuda", *case_inputs("full", world, gen))):
+        for d, s_ in zip(dst, src):
+            d.copy_(s_)
+
+
+def test_ll_cuda_graph_1000_replays_match_eager(seed):
+    """symm-ll of 2 loopback ranks captured once, replayed 1,000 times with fresh routing; each
+    replay is bit-compared with an eager round on the same inputs (the device epochs advance
+    in both) and every 250th also with the reference sum."""
+    world, quant = 2, QuantConfig("fp8_block")
+    gen = torch.Generator().manual_seed(seed)
+    _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
+                              options=OPTS)
+    static = on("cuda", *case_inputs("full", world, gen))
+    step, g, graph_out = _graph_round(comms, static, CFG.num_experts // world)
     for i in range(1000):
-        fresh = case_inputs("full", world, gen)
-        for dst, src in zip(static, on("cuda", *fresh)):
-            for d, s_ in zip(dst, src):
-                d.copy_(s_)
+        _refill(static, world, gen)
         g.replay()
         got = [o.clone() for o in graph_out]
         eager = step()
@@ -138,41 +148,21 @@ def test_ll_cuda_graph_1000_replays_match_eager(seed):
         c.check_errors()
 
 
-def test_ht_cuda_graph_replays_match_eager(seed):
+def test_ht_cuda_graph_replays_match_reference(seed):
     world, quant = 2, QuantConfig("bf16")
-    e_l = CFG.num_experts // world
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
                               options=OPTS)
     static = on("cuda", *case_inputs("full", world, gen))
-
-    def step():
-        outs = loopback_dispatch(comms, *static)
-        ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
-        return loopback_combine(comms, ys, [h for _, h in outs])
-
-    step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        step()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            outs = [c.dispatch_send(x, i, w) for c, x, i, w in zip(comms, *static)]
-            outs = [c.dispatch_recv(p) for c, p in zip(comms, outs)]
-            ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
-            for c, y, (_, h) in zip(comms, ys, outs):
-                c.combine_send(y, h)
-            graph_out = [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
+    _, g, graph_out = _graph_round(comms, static, CFG.num_experts // world)
     for i in range(200):
-        for dst, src in zip(static, on("cuda", *case_inputs("full", world, gen))):
-            for d, s_ in zip(dst, src):
-                d.copy_(s_)
+        _refill(static, world, gen)
         g.replay()
         for r in range(world):
             want = _expected(static[0][r], static[1][r], static[2][r], quant, world, True)
             assert torch.equal(graph_out[r], want), f"replay {i}, rank {r}"
+    for c in comms:
+        c.check_errors()
 
 
 def _real_ranks(rank, world, group, cls_name, recipe, seed):

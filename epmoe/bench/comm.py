@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
+    p.add_argument("--only", choices=("ht", "ll"), help="one mode only")
+    p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipes")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.comm needs CUDA (the CPU loopback world is for tests: tests/test_symm_*)")
@@ -203,10 +205,12 @@ def main(argv=None) -> int:
         notes.append("real-rank runs of every backend are the 2-GPU issue's bench; this run "
                      "measured the loopback world")
     rows: list[Row] = []
-    for recipe in ("bf16", "fp8_block"):
+    for recipe in a.recipes.split(","):
         q = QuantConfig(recipe)
-        rows += bench_loopback("ht", q, a.world, ht, a.num_sms, a.iters)
-        rows += bench_loopback("ll", q, a.world, ll, a.num_sms, a.iters)
+        if a.only != "ll":
+            rows += bench_loopback("ht", q, a.world, ht, a.num_sms, a.iters)
+        if a.only != "ht":
+            rows += bench_loopback("ll", q, a.world, ll, a.num_sms, a.iters)
         print(_fmt([r for r in rows if r.recipe == recipe]), flush=True)
     for n in notes:
         print("note:", n)

@@ -264,7 +264,11 @@ class NvshmemSession:
         import torch.distributed as dist  # noqa: PLC0415
 
         import nvshmem.core as nvshmem  # noqa: PLC0415
-        from cuda.core.experimental import Device  # noqa: PLC0415
+
+        try:  # cuda-core >= 0.4 / 1.x
+            from cuda.core import Device  # noqa: PLC0415
+        except ImportError:
+            from cuda.core.experimental import Device  # noqa: PLC0415
 
         self._nvshmem = nvshmem
         uid = nvshmem.get_unique_id(empty=rank != 0)
@@ -286,5 +290,6 @@ class NvshmemSession:
             self.alive = False
 
 
-__all__ = ["ArenaResource", "acquire_arena", "ArenaLayout", "RankArena", "LoopbackWorld", "NvshmemArena", "NvshmemSession",
-           "SymmTimeoutError", "HT_DISPATCH", "HT_COMBINE", "LL_DISPATCH", "LL_COMBINE"]
+__all__ = ["ArenaResource", "acquire_arena", "ArenaLayout", "RankArena", "LoopbackWorld",
+           "NvshmemArena", "NvshmemSession", "SymmTimeoutError", "HT_DISPATCH", "HT_COMBINE",
+           "LL_DISPATCH", "LL_COMBINE"]

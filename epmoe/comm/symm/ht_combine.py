@@ -16,8 +16,8 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import HT_COMBINE, RankArena  # noqa: E402
 from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
-from epmoe.comm.symm.sync import (C_DONE_RECV, C_DONE_SEND, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
-                                  arrive_last, ctrl_ptr, no_error, peer_ptr, signal, wait_all)
+from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
+from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
 
 OP_C = tl.constexpr(HT_COMBINE)
 
@@ -25,86 +25,47 @@ OP_C = tl.constexpr(HT_COMBINE)
 @triton.jit
 def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
                          me, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                         K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                         K: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr,
                          PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_C)) + 1
+    e = epoch(arena_ptr, OP_C)
     buf = e % 2
-    ok = wait_all(arena_ptr, C_READY + 4 * W + OP_C * W, e - 2, 2 * OP_C, limit, W, USE_TIMER)
+    ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         n_total = tl.load(info_ptr)
-        cols = tl.arange(0, BD)
-        cm = cols < D
         for n0 in range(pid * BT, n_total, G * BT):
             n = n0 + tl.arange(0, BT)
             nm = n < n_total
             n64 = n.to(tl.int64)
-            acc = tl.zeros((BT, BD), dtype=tl.float32)
-            for k in tl.static_range(K):
-                r = tl.load(inv_ptr + n64 * K + k, mask=nm, other=-1)
-                wk = tl.load(w_ptr + n64 * K + k, mask=nm, other=0.0)
-                v = r >= 0
-                y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + cols[None, :],
-                            mask=v[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                acc = tl.where(v[:, None], acc + wk[:, None] * y, acc)
-            if PRE_ROUND:
-                acc = round_bf16(acc)
             st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
-            src = st // TMAX
-            t = st % TMAX
-            peer = arena_ptr + tl.load(delta_ptr + src, mask=nm, other=0)
+            peer = arena_ptr + tl.multiple_of(
+                tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
             dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
-                + ((buf * W + me) * TMAX + t).to(tl.int64) * D
-            tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
-                     mask=nm[:, None] & cm[None, :])
-    if arrive_last(arena_ptr, C_DONE_SEND + OP_C, G) != 0:
-        if no_error(arena_ptr) != 0:
-            for d in tl.static_range(W):
-                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), C_READY + OP_C * W + me), e)
-
-
-@triton.jit
-def _combine_recv_kernel(arena_ptr, delta_ptr, out_ptr, msg_ptr, T, me, limit,
-                         COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                         D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                         PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_C)) + 1
-    buf = e % 2
-    ok = wait_all(arena_ptr, C_READY + OP_C * W, e, 2 * OP_C + 1, limit, W, USE_TIMER)
-    if ok != 0:
-        cols = tl.arange(0, BD)
-        cm = cols < D
-        comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
-        for t0 in range(pid * BT, T, G * BT):
-            t = t0 + tl.arange(0, BT)
-            tm = t < T
-            t64 = t.to(tl.int64)
-            acc = tl.zeros((BT, BD), dtype=tl.float32)
-            for d in tl.static_range(W):  # rank order: a fixed fp32 summation order
-                sent = tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1) >= 0
-                v = tl.load(comb + ((buf * W + d) * TMAX + t64)[:, None] * D + cols[None, :],
-                            mask=sent[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                acc = tl.where(sent[:, None], acc + v, acc)
-            if PRE_ROUND:
-                acc = round_bf16(acc)
-            tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
-                     mask=tm[:, None] & cm[None, :])
-    if arrive_last(arena_ptr, C_DONE_RECV + OP_C, G) != 0:
-        tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP_C), e)
-        if no_error(arena_ptr) != 0:
-            for d in tl.static_range(W):
-                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d),
-                                C_READY + 4 * W + OP_C * W + me), e)
+                + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
+            for c0 in range(0, D, CH):
+                cols = c0 + tl.arange(0, CH)
+                cm = cols < D
+                acc = tl.zeros((BT, CH), dtype=tl.float32)
+                for k in tl.static_range(K):  # k order: a fixed fp32 summation order
+                    r = tl.load(inv_ptr + n64 * K + k, mask=nm, other=-1)
+                    wk = tl.load(w_ptr + n64 * K + k, mask=nm, other=0.0)
+                    v = r >= 0
+                    y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + cols[None, :],
+                                mask=v[:, None] & cm[None, :], other=0.0).to(tl.float32)
+                    acc = tl.where(v[:, None], acc + wk[:, None] * y, acc)
+                if PRE_ROUND:
+                    acc = round_bf16(acc)
+                tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                         mask=nm[:, None] & cm[None, :])
+    finish_send(arena_ptr, delta_ptr, OP_C, e, me, W)
 
 
 def _consts(arena: RankArena, shape: HTShape) -> dict:
     d = shape.hidden
-    bd = next_pow2(d)
     return dict(COMB=arena.layout.offset("ht_comb"), TMAX=max(1, shape.max_tokens),
-                W=shape.world, D=d, BD=bd, BT=64 if INTERPRET else max(1, 8192 // bd),
+                W=shape.world, D=d, CH=next_pow2(d) if INTERPRET else min(1024, next_pow2(d)),
+                BT=64 if INTERPRET else 8,
                 PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8,
                 enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
@@ -124,9 +85,5 @@ def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTR
 def combine_recv(arena: RankArena, shape: HTShape, msg_TW: torch.Tensor,
                  opts: SymmOptions) -> torch.Tensor:
     """-> bf16 [T, D]: this rank's tokens, partial sums of the ranks they went to (msg_TW)."""
-    t = msg_TW.shape[0]
-    out = torch.empty((t, shape.hidden), dtype=torch.bfloat16, device=msg_TW.device)
-    _combine_recv_kernel[(grid(opts, out.device),)](
-        arena.base, arena.peer_delta_W, out, msg_TW, t, arena.rank, opts.spin_limit,
-        **_consts(arena, shape))
-    return out
+    return sum_back(arena, HT_COMBINE, "ht_comb", msg_TW, None, True, shape.hidden,
+                    shape.max_tokens, opts)

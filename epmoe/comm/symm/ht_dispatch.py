@@ -36,8 +36,8 @@ from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
-from epmoe.comm.symm.sync import (C_DONE_RECV, C_DONE_SEND, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
-                                  arrive_last, ctrl_ptr, no_error, peer_ptr, signal, wait_all)
+from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv, finish_send, peer_ptr,  # noqa: E402
+                                  wait_acks, wait_ready)
 
 OP_D = tl.constexpr(HT_DISPATCH)
 
@@ -130,16 +130,15 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
                           ROWS: tl.constexpr, META: tl.constexpr, CNT: tl.constexpr,
                           TMAX: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
                           KP: tl.constexpr, E_L: tl.constexpr, EP: tl.constexpr,
-                          DW: tl.constexpr, SW: tl.constexpr, BDW: tl.constexpr,
+                          DW: tl.constexpr, SW: tl.constexpr, CH: tl.constexpr,
                           BSW: tl.constexpr, ROW_W: tl.constexpr, MW: tl.constexpr,
                           CW: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
+    e = epoch(arena_ptr, OP_D)
     buf = e % 2
-    ok = wait_all(arena_ptr, C_READY + 4 * W + OP_D * W, e - 2, 2 * OP_D, limit, W, USE_TIMER)
+    ok = wait_acks(arena_ptr, OP_D, e - 2, limit, W, USE_TIMER)
     if ok != 0:
-        cols = tl.arange(0, BDW)
         scols = tl.arange(0, BSW)
         kk = tl.arange(0, KP)
         km = kk < K
@@ -147,8 +146,18 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
             t = t0 + tl.arange(0, BT)
             tm = t < T
             t64 = t.to(tl.int64)
-            row = tl.load(x_ptr + t64[:, None] * DW + cols[None, :],
-                          mask=tm[:, None] & (cols < DW)[None, :])
+            for c0 in range(0, DW, CH):  # the row in chunks: read once, stored per rank
+                cols = c0 + tl.arange(0, CH)
+                cm = cols < DW
+                row = tl.load(x_ptr + t64[:, None] * DW + cols[None, :],
+                              mask=tm[:, None] & cm[None, :])
+                for d in tl.static_range(W):
+                    m = tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1)
+                    slot = ((buf * W + me) * TMAX + m).to(tl.int64)
+                    dst = (peer_ptr(arena_ptr, delta_ptr, d) + ROWS).to(
+                        tl.pointer_type(tl.int32)) + slot * ROW_W
+                    tl.store(dst[:, None] + cols[None, :], row,
+                             mask=(m >= 0)[:, None] & cm[None, :])
             if SW > 0:
                 srow = tl.load(s_ptr + t64[:, None] * SW + scols[None, :],
                                mask=tm[:, None] & (scols < SW)[None, :])
@@ -162,10 +171,8 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
                 sent = m >= 0
                 slot = ((buf * W + me) * TMAX + m).to(tl.int64)
                 peer = peer_ptr(arena_ptr, delta_ptr, d)
-                dst = (peer + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
-                tl.store(dst[:, None] + cols[None, :], row,
-                         mask=sent[:, None] & (cols < DW)[None, :])
                 if SW > 0:
+                    dst = (peer + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
                     tl.store(dst[:, None] + DW + scols[None, :], srow,
                              mask=sent[:, None] & (scols < SW)[None, :])
                 meta = (peer + META).to(tl.pointer_type(tl.int32)) + slot * MW
@@ -185,10 +192,7 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
                 tl.store(cnt, tl.load(total_ptr + E_L * W + d))
                 tl.store(cnt + 1 + ee, tl.load(total_ptr + d * E_L + ee, mask=ee < E_L),
                          mask=ee < E_L)
-    if arrive_last(arena_ptr, C_DONE_SEND + OP_D, G) != 0:
-        if no_error(arena_ptr) != 0:
-            for d in tl.static_range(W):
-                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), C_READY + OP_D * W + me), e)
+    finish_send(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
 @triton.jit
@@ -198,14 +202,14 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
                           TMAX: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                           K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr,
                           EP: tl.constexpr, M_MAX: tl.constexpr, DW: tl.constexpr,
-                          SW: tl.constexpr, BDW: tl.constexpr, BSW: tl.constexpr,
+                          SW: tl.constexpr, CH: tl.constexpr, BSW: tl.constexpr,
                           ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
                           BT: tl.constexpr, BR: tl.constexpr, USE_TIMER: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
+    e = epoch(arena_ptr, OP_D)
     buf = e % 2
-    ok = wait_all(arena_ptr, C_READY + OP_D * W, e, 2 * OP_D + 1, limit, W, USE_TIMER)
+    ok = wait_ready(arena_ptr, OP_D, e, limit, W, USE_TIMER)
     if ok != 0:
         s = tl.arange(0, WP)
         ee = tl.arange(0, EP)
@@ -220,10 +224,10 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
         offs_incl = tl.cumsum(aligned, axis=0)
         offs = offs_incl - aligned
         rowbase = offs[None, :] + tl.cumsum(cnt, axis=0) - cnt
-        nmsg_incl = tl.cumsum(nmsg, axis=0)
         n_total = tl.sum(nmsg, axis=0)
-        # info: [n_total, m_used, counts_E[E_L], offsets_E1[E_L + 1], rowbase[W][E_L]]; every
-        # CTA writes the same values (benign), then reads rowbase back as a gather table
+        # info: [n_total, m_used, counts_E[E_L], offsets_E1[E_L + 1], rowbase[W][E_L],
+        # messages up to source s inclusive [W]]; every CTA writes the same values (benign),
+        # then reads the tables back with gathers
         tl.store(info_ptr, n_total)
         tl.store(info_ptr + 1, tl.sum(aligned, axis=0))
         tl.store(info_ptr + 2 + ee, tot, mask=em)
@@ -231,47 +235,58 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
         tl.store(info_ptr + 2 + 2 * E_L, tl.sum(aligned, axis=0))
         rb = info_ptr + 3 + 2 * E_L
         tl.store(rb + s[:, None] * E_L + ee[None, :], rowbase, mask=sm[:, None] & em[None, :])
+        incl = rb + W * E_L
+        tl.store(incl + s, tl.cumsum(nmsg, axis=0), mask=sm)
         tl.debug_barrier()
-        cols = tl.arange(0, BDW)
-        scols = tl.arange(0, BSW)
-        kk = tl.arange(0, KP)
-        km = kk < K
-        for n0 in range(pid * BT, W * TMAX, G * BT):
-            n = n0 + tl.arange(0, BT)
+        # pairs (received token n, slot k): each pair reads its token's row chunk (the K reads
+        # of one row hit the cache) and writes it to its layout row; no cross-lane reductions
+        pp = tl.arange(0, BT * KP)
+        k = pp % KP
+        for n0 in range(pid * BT, n_total, G * BT):
+            n = n0 + pp // KP
             nm = n < n_total
-            src = tl.sum(((n[:, None] >= nmsg_incl[None, :]) & sm[None, :]).to(tl.int32), axis=1)
-            first = tl.sum(tl.where(s[None, :] == src[:, None], (nmsg_incl - nmsg)[None, :], 0),
-                           axis=1)
+            src = tl.zeros((BT * KP,), dtype=tl.int32)
+            first = tl.zeros((BT * KP,), dtype=tl.int32)
+            for s_ in tl.static_range(W - 1):
+                upto = tl.load(incl + s_)
+                src += (n >= upto).to(tl.int32)
+                first = tl.where(n >= upto, upto, first)
             slot = ((buf * W + src) * TMAX + n - first).to(tl.int64)
             meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
-            mk = nm[:, None] & km[None, :]
-            t = tl.load(meta, mask=nm, other=0)
-            le = tl.load(meta[:, None] + 1 + kk[None, :], mask=mk, other=-1)
-            pos = tl.load(meta[:, None] + 1 + K + kk[None, :], mask=mk, other=0)
-            wk = tl.load((meta + 1 + 2 * K).to(tl.pointer_type(tl.float32))[:, None]
-                         + kk[None, :], mask=mk, other=0.0)
-            valid = mk & (le >= 0) & (le < E_L)
-            r = tl.load(rb + src[:, None] * E_L + le, mask=valid, other=0) + pos
+            pm = nm & (k < K)
+            le = tl.load(meta + 1 + k, mask=pm, other=-1)
+            valid = pm & (le >= 0) & (le < E_L)
+            r = tl.load(rb + src * E_L + le, mask=valid, other=0) \
+                + tl.load(meta + 1 + K + k, mask=valid, other=0)
             valid = valid & (r >= 0) & (r < M_MAX)
+            r64 = r.to(tl.int64)
             rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
-            row = tl.load(rows[:, None] + cols[None, :], mask=nm[:, None] & (cols < DW)[None, :])
+            for c0 in range(0, DW, CH):
+                cols = c0 + tl.arange(0, CH)
+                m2 = valid[:, None] & (cols < DW)[None, :]
+                row = tl.load(rows[:, None] + cols[None, :], mask=m2)
+                tl.store(xo_ptr + r64[:, None] * DW + cols[None, :], row, mask=m2)
             if SW > 0:
-                srow = tl.load(rows[:, None] + DW + scols[None, :],
-                               mask=nm[:, None] & (scols < SW)[None, :])
-            for k in tl.static_range(K):
-                r_k = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-                v_k = tl.sum(tl.where((kk[None, :] == k) & valid, 1, 0), axis=1) > 0
-                tl.store(xo_ptr + r_k[:, None] * DW + cols[None, :], row,
-                         mask=v_k[:, None] & (cols < DW)[None, :])
-                if SW > 0:
-                    tl.store(so_ptr + r_k[:, None] * SW + scols[None, :], srow,
-                             mask=v_k[:, None] & (scols < SW)[None, :])
+                scols = tl.arange(0, BSW)
+                m2 = valid[:, None] & (scols < SW)[None, :]
+                srow = tl.load(rows[:, None] + DW + scols[None, :], mask=m2)
+                tl.store(so_ptr + r64[:, None] * SW + scols[None, :], srow, mask=m2)
+            wk = tl.load((meta + 1 + 2 * K).to(tl.pointer_type(tl.float32)) + k, mask=valid,
+                         other=0.0)
             n64 = n.to(tl.int64)
-            tl.store(inv_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, r, -1),
-                     mask=km[None, :] & (n < W * TMAX)[:, None])
-            tl.store(wo_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, wk, 0.0),
-                     mask=km[None, :] & (n < W * TMAX)[:, None])
-            tl.store(src_tok_ptr + n64, tl.where(nm, src * TMAX + t, -1), mask=n < W * TMAX)
+            tl.store(inv_ptr + n64 * K + k, tl.where(valid, r, -1), mask=pm)
+            tl.store(wo_ptr + n64 * K + k, tl.where(valid, wk, 0.0), mask=pm)
+            t = tl.load(meta, mask=nm & (k == 0), other=0)
+            tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm & (k == 0))
+        # slots past the received tokens: no row, no source
+        tail = tl.arange(0, BR)
+        for n0 in range(n_total + pid * BR, W * TMAX, G * BR):
+            n = (n0 + tail).to(tl.int64)
+            nm = n < W * TMAX
+            tl.store(src_tok_ptr + n, -1, mask=nm)
+            for kk in tl.static_range(K):
+                tl.store(inv_ptr + n * K + kk, -1, mask=nm)
+                tl.store(wo_ptr + n * K + kk, 0.0, mask=nm)
         # row -> local expert for every row (-1 on padding and past the last group)
         for r0 in range(pid * BR, M_MAX, G * BR):
             r = r0 + tl.arange(0, BR)
@@ -280,14 +295,7 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             count = tl.sum(tl.where(ee[None, :] == e_of[:, None], tot[None, :], 0), axis=1)
             used = (e_of < E_L) & (r - start < count)
             tl.store(row_expert_ptr + r, tl.where(used, e_of, -1), mask=r < M_MAX)
-    if arrive_last(arena_ptr, C_DONE_RECV + OP_D, G) != 0:
-        tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP_D), e)
-        if no_error(arena_ptr) != 0:
-            for d in tl.static_range(W):
-                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d),
-                                C_READY + 4 * W + OP_D * W + me), e)
-
-
+    finish_recv(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +306,8 @@ class HTReceived:
     inv_NK     int32 [W*TMAX, K] layout row of (received token n, slot k); -1: not here / n >= N
     w_NK       fp32 [W*TMAX, K] the top-k weights of those slots (0 where -1)
     src_tok_N  int32 [W*TMAX] source rank * TMAX + source token of received token n (-1 past N)
-    info_I     int32: N, M used, counts_E [E_L], offsets_E1 [E_L + 1], row bases [W][E_L]
+    info_I     int32: N, M used, counts_E [E_L], offsets_E1 [E_L + 1], row bases [W][E_L],
+               tokens received up to each source [W]
     """
 
     inv_NK: torch.Tensor
@@ -315,8 +324,10 @@ def max_rows(shape: HTShape, alignment: int) -> int:
     return max(a, (pairs + shape.num_local_experts * (a - 1) + a - 1) // a * a)
 
 
-def _block_tokens(words: int) -> int:
-    return 64 if INTERPRET else max(1, min(8, 8192 // next_pow2(words)))
+def _chunk(words: int) -> int:
+    """Columns (int32 words) per loop step: the whole row under the interpreter (fewest
+    programs and steps), 512 on GPU (with 8-16 rows per step: small register tiles)."""
+    return next_pow2(words) if INTERPRET else min(512, next_pow2(words))
 
 
 def _consts(arena: RankArena, shape: HTShape) -> dict:
@@ -326,9 +337,9 @@ def _consts(arena: RankArena, shape: HTShape) -> dict:
     return dict(ROWS=lay.offset("ht_rows"), META=lay.offset("ht_meta"),
                 CNT=lay.offset("ht_counts"), TMAX=max(1, shape.max_tokens), W=shape.world,
                 K=shape.top_k, KP=next_pow2(shape.top_k), E_L=e_l, EP=next_pow2(e_l), DW=dw,
-                SW=sw, BDW=next_pow2(dw), BSW=next_pow2(max(sw, 1)), ROW_W=shape.row_words,
-                MW=shape.meta_words, CW=shape.count_words, BT=_block_tokens(dw),
-                USE_TIMER=USE_TIMER, num_warps=8 if not INTERPRET else 1)
+                SW=sw, CH=_chunk(dw), BSW=next_pow2(max(sw, 1)), ROW_W=shape.row_words,
+                MW=shape.meta_words, CW=shape.count_words, USE_TIMER=USE_TIMER,
+                num_warps=8 if not INTERPRET else 1)
 
 
 def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
@@ -343,7 +354,7 @@ def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: tor
     _dispatch_send_kernel[(grid(opts, data.device),)](
         arena.base, arena.peer_delta_W, data, scale, topk_ids_TK.contiguous(),
         topk_weights_TK.float().contiguous(), rt.pos_TK, rt.msg_TW, rt.total_C, t,
-        arena.rank, opts.spin_limit, **_consts(arena, shape))
+        arena.rank, opts.spin_limit, BT=64 if INTERPRET else 8, **_consts(arena, shape))
 
 
 def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: int,
@@ -360,11 +371,11 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     inv = torch.empty((n, k), dtype=torch.int32, device=dev)
     wo = torch.empty((n, k), dtype=torch.float32, device=dev)
     src_tok = torch.empty(n, dtype=torch.int32, device=dev)
-    info = torch.empty(3 + 2 * e_l + w * e_l, dtype=torch.int32, device=dev)
+    info = torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)
     _dispatch_recv_kernel[(grid(opts, dev),)](
         arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
         arena.rank, opts.spin_limit, WP=next_pow2(w), M_MAX=m, BR=1024 if INTERPRET else 512,
-        **_consts(arena, shape))
+        BT=64 if INTERPRET else max(1, 16 // next_pow2(k)), **_consts(arena, shape))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
     x = QTensor(xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv,

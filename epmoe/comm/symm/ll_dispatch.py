@@ -27,8 +27,8 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import LL_DISPATCH, ArenaLayout, RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
-from epmoe.comm.symm.sync import (C_DONE_SEND, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
-                                  arrive_last, ctrl_ptr, no_error, peer_ptr, signal, wait_all)
+from epmoe.comm.symm.sync import (C_SEQ, USE_TIMER, ctrl_ptr, epoch, finish_send,  # noqa: E402
+                                  wait_acks, wait_ready)
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
 
@@ -66,11 +66,11 @@ class LLShape:
 
 
 @triton.jit
-def _quantize_rows(x, BT: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
-                   POW2: tl.constexpr, PRE_ROUND: tl.constexpr):
-    """fp32 [BT, BD] -> (fp8 codes as fp32 [BT, BD], scales [BT, BG]): epmoe.quant's rule per
-    128 columns (amax >= 1e-10, scale = amax / 448, or its power-of-two ceiling)."""
-    xg = tl.reshape(x, (BT, BG, 128))
+def _quantize_rows(x, P: tl.constexpr, CH: tl.constexpr, POW2: tl.constexpr,
+                   PRE_ROUND: tl.constexpr):
+    """fp32 [P, CH] -> (fp8 codes as fp32 [P, CH], scales [P, CH // 128]): epmoe.quant's rule
+    per 128 columns (amax >= 1e-10, scale = amax / 448, or its power-of-two ceiling)."""
+    xg = tl.reshape(x, (P, CH // 128, 128))
     amax = tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-10)
     s = tl.math.div_rn(amax, 448.0)
     if POW2:
@@ -81,7 +81,7 @@ def _quantize_rows(x, BT: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if PRE_ROUND:
         q = round_e4m3(q)
-    return tl.reshape(q, (BT, BD)), s
+    return tl.reshape(q, (P, CH)), s
 
 
 @triton.jit
@@ -89,73 +89,62 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, ids_ptr, T, me, limit,
                           SLOTS: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                           META: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                           K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr, C: tl.constexpr,
-                          D: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr, BG: tl.constexpr,
+                          D: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
                           FP8: tl.constexpr, POW2: tl.constexpr, PRE_ROUND: tl.constexpr,
                           BT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Pairs (token, k) are the lanes: each takes a row on its expert's rank (one vector of
+    system-scope atomics per step), then quantizes its token's row chunk by chunk (the K reads
+    of a token hit the cache) and stores it there."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
-    ok = wait_all(arena_ptr, C_READY + 4 * W + OP_D * W, e - 1, 2 * OP_D, limit, W, USE_TIMER)
+    e = epoch(arena_ptr, OP_D)
+    ok = wait_acks(arena_ptr, OP_D, e - 1, limit, W, USE_TIMER)
     if ok != 0:
-        cols = tl.arange(0, BD)
-        cm = cols < D
-        kk = tl.arange(0, KP)
-        gg = tl.arange(0, BG)
+        pp = tl.arange(0, BT * KP)
+        k = pp % KP
         for t0 in range(pid * BT, T, G * BT):
-            t = t0 + tl.arange(0, BT)
-            tm = t < T
+            t = t0 + pp // KP
+            pm = (t < T) & (k < K)
             t64 = t.to(tl.int64)
-            x = tl.load(x_ptr + t64[:, None] * D + cols[None, :], mask=tm[:, None] & cm[None, :],
-                        other=0.0).to(tl.float32)
-            if FP8:
-                q, s = _quantize_rows(x, BT, BD, BG, POW2, PRE_ROUND)
-                payload = q.to(tl.float8e4nv)
-            else:
-                if PRE_ROUND:
-                    x = round_bf16(x)
-                payload = x.to(tl.bfloat16)
-            ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :],
-                          mask=tm[:, None] & (kk < K)[None, :], other=-1).to(tl.int32)
+            ids = tl.load(ids_ptr + t64 * K + k, mask=pm, other=-1).to(tl.int32)
             valid = ids >= 0
             d = tl.where(valid, ids // E_L, 0)
             le = ids - d * E_L
-            delta = tl.load(delta_ptr + d)
-            slots = (arena_ptr + delta + SLOTS).to(tl.pointer_type(tl.int32)) + le
-            slot = tl.atomic_add(slots, 1, mask=valid, sem="relaxed", scope="sys")
+            base = arena_ptr + tl.multiple_of(tl.load(delta_ptr + d), 128)  # wide stores
+            slot = tl.atomic_add((base + SLOTS).to(tl.pointer_type(tl.int32)) + le, 1,
+                                 mask=valid, sem="relaxed", scope="sys")
             valid = valid & (slot < C)
-            row = le * C + slot
-            meta = (arena_ptr + delta + META).to(tl.pointer_type(tl.int32)) + row
-            tl.store(meta, (me * TMAX + t[:, None]) * K + kk[None, :], mask=valid)
-            for k in tl.static_range(K):
-                sel = kk[None, :] == k
-                v_k = tl.sum(tl.where(sel & valid, 1, 0), axis=1) > 0
-                row_k = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
-                base_k = arena_ptr + tl.sum(tl.where(sel, delta, 0), axis=1)
+            row = (le * C + slot).to(tl.int64)
+            tl.store((base + META).to(tl.pointer_type(tl.int32)) + row, (me * TMAX + t) * K + k,
+                     mask=valid)
+            for c0 in range(0, D, CH):
+                cols = c0 + tl.arange(0, CH)
+                cm = cols < D
+                m2 = valid[:, None] & cm[None, :]
+                x = tl.load(x_ptr + t64[:, None] * D + cols[None, :], mask=m2,
+                            other=0.0).to(tl.float32)
                 if FP8:
-                    dst = (base_k + DATA).to(tl.pointer_type(tl.float8e4nv)) + row_k * D
-                    tl.store(dst[:, None] + cols[None, :], payload,
-                             mask=v_k[:, None] & cm[None, :])
-                    le_k = tl.sum(tl.where(sel, le, 0), axis=1)
-                    slot_k = tl.sum(tl.where(sel, slot, 0), axis=1)
-                    sdst = (base_k + SCALE).to(tl.pointer_type(tl.float32))[:, None] \
-                        + ((le_k * NG)[:, None] + gg[None, :]).to(tl.int64) * C + slot_k[:, None]
-                    tl.store(sdst, s, mask=v_k[:, None] & (gg < NG)[None, :])
+                    q, s = _quantize_rows(x, BT * KP, CH, POW2, PRE_ROUND)
+                    dst = (base + DATA).to(tl.pointer_type(tl.float8e4nv)) + row * D
+                    tl.store(dst[:, None] + cols[None, :], q.to(tl.float8e4nv), mask=m2)
+                    g = c0 // 128 + tl.arange(0, CH // 128)
+                    sdst = (base + SCALE).to(tl.pointer_type(tl.float32))[:, None] \
+                        + ((le * NG)[:, None] + g[None, :]).to(tl.int64) * C + slot[:, None]
+                    tl.store(sdst, s, mask=valid[:, None] & (g < NG)[None, :])
                 else:
-                    dst = (base_k + DATA).to(tl.pointer_type(tl.bfloat16)) + row_k * D
-                    tl.store(dst[:, None] + cols[None, :], payload,
-                             mask=v_k[:, None] & cm[None, :])
-    if arrive_last(arena_ptr, C_DONE_SEND + OP_D, G) != 0:
-        if no_error(arena_ptr) != 0:
-            for d in tl.static_range(W):
-                signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), C_READY + OP_D * W + me), e)
+                    if PRE_ROUND:
+                        x = round_bf16(x)
+                    dst = (base + DATA).to(tl.pointer_type(tl.bfloat16)) + row * D
+                    tl.store(dst[:, None] + cols[None, :], x.to(tl.bfloat16), mask=m2)
+    finish_send(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
 @triton.jit
 def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: tl.constexpr,
                           E_L: tl.constexpr, EP: tl.constexpr, C: tl.constexpr,
                           USE_TIMER: tl.constexpr):
-    e = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D)) + 1
-    ok = wait_all(arena_ptr, C_READY + OP_D * W, e, 2 * OP_D + 1, limit, W, USE_TIMER)
+    e = epoch(arena_ptr, OP_D)
+    ok = wait_ready(arena_ptr, OP_D, e, limit, W, USE_TIMER)
     ee = tl.arange(0, EP)
     cnt = tl.load((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + ee, mask=ee < E_L,
                   other=0)
@@ -164,8 +153,10 @@ def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: 
 
 
 # --------------------------------------------------------------------------------------------
-def _block_tokens(d: int) -> int:
-    return 64 if INTERPRET else max(1, min(4, 8192 // next_pow2(d)))
+def _chunk(d: int) -> int:
+    """Columns per step: the whole row under the interpreter, 1024 on GPU (a multiple of the
+    128-column quantization group, so each chunk quantizes on its own)."""
+    return next_pow2(d) if INTERPRET else min(1024, next_pow2(d))
 
 
 def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: torch.Tensor,
@@ -178,16 +169,16 @@ def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: to
                          f"max_tokens_per_rank ({shape.max_tokens}); size the CommContext for "
                          f"the run's worst case or use symm-ht")
     lay = arena.layout
-    bd = next_pow2(d)
     _dispatch_send_kernel[(grid(opts, x_TD.device),)](
         arena.base, arena.peer_delta_W, x_TD.contiguous(), topk_ids_TK.contiguous(), t,
         arena.rank, opts.spin_limit, SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
         SCALE=lay.offset("ll_scale"), META=lay.offset("ll_meta"),
         TMAX=max(1, shape.max_tokens), W=shape.world, K=shape.top_k,
-        KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d, BD=bd,
-        NG=shape.num_groups, BG=max(1, bd // GROUP), FP8=shape.fp8,
+        KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d,
+        CH=_chunk(d), NG=shape.num_groups, FP8=shape.fp8,
         POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
-        BT=_block_tokens(d), USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8)
+        BT=64 if INTERPRET else max(1, 8 // next_pow2(shape.top_k)), USE_TIMER=USE_TIMER,
+        num_warps=1 if INTERPRET else 8)
 
 
 def dispatch_recv(arena: RankArena, shape: LLShape, quant: QuantConfig,

@@ -25,6 +25,7 @@ C_DONE_SEND = tl.constexpr(_a.CTRL_DONE_SEND)
 C_DONE_RECV = tl.constexpr(_a.CTRL_DONE_RECV)
 C_ERR = tl.constexpr(_a.CTRL_ERR)
 C_READY = tl.constexpr(_a.CTRL_READY)
+C_NUM_OPS = tl.constexpr(_a.NUM_OPS)
 
 
 @triton.jit
@@ -115,10 +116,57 @@ def arrive_last(arena_ptr, done_word, num_ctas):
 
 
 @triton.jit
+def epoch(arena_ptr, OP: tl.constexpr):
+    """This call's epoch for op OP: calls completed on this rank + 1."""
+    return tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP)) + 1
+
+
+@triton.jit
+def wait_acks(arena_ptr, OP: tl.constexpr, target, limit, W: tl.constexpr,
+              USE_TIMER: tl.constexpr):
+    """Send half: every peer consumed (released) my buffer up to epoch `target`."""
+    return wait_all(arena_ptr, C_READY + C_NUM_OPS * W + OP * W, target, 2 * OP, limit, W,
+                    USE_TIMER)
+
+
+@triton.jit
+def wait_ready(arena_ptr, OP: tl.constexpr, target, limit, W: tl.constexpr,
+               USE_TIMER: tl.constexpr):
+    """Receive half: every source published epoch `target` to me."""
+    return wait_all(arena_ptr, C_READY + OP * W, target, 2 * OP + 1, limit, W, USE_TIMER)
+
+
+@triton.jit
+def publish(arena_ptr, delta_ptr, word, value, W: tl.constexpr):
+    """Release `value` into control word `word` of every rank (skipped after a timeout: the
+    peers then time out too, naming this rank)."""
+    if no_error(arena_ptr) != 0:
+        for d in tl.static_range(W):
+            signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), word), value)
+
+
+@triton.jit
+def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
+    """Last CTA of a send half: ready[OP][me] = e at every rank."""
+    if arrive_last(arena_ptr, C_DONE_SEND + OP, tl.num_programs(0)) != 0:
+        publish(arena_ptr, delta_ptr, C_READY + OP * W + me, e, W)
+
+
+@triton.jit
+def finish_recv(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
+    """Last CTA of a receive half: seq[OP] = e here, ack[OP][me] = e at every rank."""
+    if arrive_last(arena_ptr, C_DONE_RECV + OP, tl.num_programs(0)) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP), e)
+        publish(arena_ptr, delta_ptr, C_READY + C_NUM_OPS * W + OP * W + me, e, W)
+
+
+@triton.jit
 def no_error(arena_ptr):
     """1 while no timeout has been recorded in this arena."""
     return (tl.load(ctrl_ptr(arena_ptr, C_ERR), volatile=True) == 0).to(tl.int32)
 
 
-__all__ = ["no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr", "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all",
-           "arrive_last", "USE_TIMER"]
+__all__ = ["epoch", "wait_acks", "wait_ready", "publish", "finish_send", "finish_recv",
+           "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
+           "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
+           "USE_TIMER"]
