@@ -165,6 +165,7 @@ def run_round(comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False
     for r in range(world):
         assert res[r].dtype == torch.bfloat16 and res[r].shape == xs[r].shape
         assert torch.equal(res[r].cpu(), want[r]), f"rank {r}: combine differs from all2all's"
+    return outs
 
 
 CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds); the interpreter costs ~1 s
@@ -272,3 +273,15 @@ def test_ht_refuses_more_tokens_than_the_arena_holds():
     with pytest.raises(ValueError, match=r"tokens per rank \(6\) exceed the arena's "
                                          r"max_tokens_per_rank \(4\)"):
         comms[1].dispatch_send(x[1], ids[1], w[1])
+
+
+def test_ht_exact_rows_returns_only_the_used_rows(seed):
+    """SymmOptions(exact_rows=True): one host sync, the layout cut to the rows in use."""
+    world, quant = 2, QuantConfig("fp8_block")
+    gen = torch.Generator().manual_seed(seed)
+    _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
+                              options=SymmOptions(num_sms=1, exact_rows=True), alignment=8)
+    xs, ids, ws = case_inputs("uneven", world, gen)
+    for r, (batch, h) in enumerate(run_round(comms, world, quant, xs, ids, ws, gen)):
+        m = int(batch.layout.offsets_E1[-1])
+        assert batch.num_rows == m == batch.layout.num_rows == int(h.recv.info_I[1])

@@ -287,14 +287,19 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             for kk in tl.static_range(K):
                 tl.store(inv_ptr + n * K + kk, -1, mask=nm)
                 tl.store(wo_ptr + n * K + kk, 0.0, mask=nm)
-        # row -> local expert for every row (-1 on padding and past the last group)
-        for r0 in range(pid * BR, M_MAX, G * BR):
-            r = r0 + tl.arange(0, BR)
-            e_of = tl.sum(((r[:, None] >= offs_incl[None, :]) & em[None, :]).to(tl.int32), axis=1)
-            start = tl.sum(tl.where(ee[None, :] == e_of[:, None], offs[None, :], 0), axis=1)
-            count = tl.sum(tl.where(ee[None, :] == e_of[:, None], tot[None, :], 0), axis=1)
-            used = (e_of < E_L) & (r - start < count)
-            tl.store(row_expert_ptr + r, tl.where(used, e_of, -1), mask=r < M_MAX)
+        # row -> local expert for every row: expert e on the first counts[e] rows of its
+        # group, -1 on the group's padding and past the last group (stores only)
+        rr = tl.arange(0, BR)
+        for le in range(pid, E_L, G):
+            start = tl.load(info_ptr + 2 + E_L + le)
+            used = tl.load(info_ptr + 2 + le)
+            end = start + (used + align - 1) // align * align
+            for r0 in range(start, end, BR):
+                r = r0 + rr
+                tl.store(row_expert_ptr + r, tl.where(r - start < used, le, -1), mask=r < end)
+        for r0 in range(tl.load(info_ptr + 1) + pid * BR, M_MAX, G * BR):
+            r = r0 + rr
+            tl.store(row_expert_ptr + r, -1, mask=r < M_MAX)
     finish_recv(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
