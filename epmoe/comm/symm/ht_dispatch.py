@@ -1,6 +1,6 @@
 """symm-ht dispatch: straight into the experts' contiguous layout (the combine is in
 `ht_combine.py`). Plain functions over a `RankArena` and tensors (the backend in `ht.py` and the
-tests call the same ones). Regions of the HT arena (`ht_layout`), per buffer b in {0, 1}
+tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffer b in {0, 1}
 (b = epoch % 2) and source rank s:
 
   ht_rows   [2][W][TMAX] rows of ROW_W int32 words: data words, then scale words
@@ -11,13 +11,14 @@ tests call the same ones). Regions of the HT arena (`ht_layout`), per buffer b i
 The four kernels, one rank's view (every CTA loop is persistent: grid = num_sms):
   dispatch_send  wait ack[s] >= e-2 (buffer b free) -> row once per destination + meta (+
                  counts from CTA 0) -> last CTA releases ready[me] = e at every destination
-  dispatch_recv  wait ready[s] >= e -> layout from the counts (groups aligned) -> each message
-                 read once, written to each of its local experts' rows; row -> expert for every
-                 row -> last CTA: seq = e, releases ack[me] = e at every source
+  dispatch_recv  wait ready[s] >= e -> layout from the counts (groups aligned) -> lanes are
+                 (message, k) pairs: each reads its message's row (the K reads of one row hit
+                 the cache) and writes it to its layout row; row -> expert by expert groups
+                 -> last CTA: seq = e, releases ack[me] = e at every source
   combine_send   wait ack >= e-2 -> per received token: fp32 sum_k w_k * y[row_k], one bf16
                  cast, stored at its source's ht_comb[b][me][t] -> ready
-  combine_recv   wait ready -> per token: fp32 sum over ranks it went to, in rank order, one
-                 cast -> seq, ack
+  combine_recv   (sum_back.py) wait ready -> per token: fp32 sum over the ranks it went to,
+                 in rank order, one cast -> seq, ack
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import HT_DISPATCH, ArenaLayout, RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
+from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv,  # noqa: E402
+                                  finish_send, peer_ptr, wait_acks, wait_ready)
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
-from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv, finish_send, peer_ptr,  # noqa: E402
-                                  wait_acks, wait_ready)
 
 OP_D = tl.constexpr(HT_DISPATCH)
 
