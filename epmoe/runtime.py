@@ -242,6 +242,7 @@ class Runtime:
         shared = self._make_experts(w.shared, plan.experts) if w.shared is not None else None
         comm = make_comm(plan.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
                          self.comm_ctx)
+        comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
                         replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
 
@@ -324,6 +325,8 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
+        for layer in self.layers:  # after the sync the step already has: device-side timeouts
+            layer.comm.check_errors()
         self.step_ms.append(ms)
         self._last = keep
         self._last_host = None

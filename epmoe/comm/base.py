@@ -143,6 +143,14 @@ class Comm(ABC):
             raise ValueError(f"physical experts ({slots}) must be divisible by ep ({self.world})")
         return torch.arange(slots, device=self.expert_map_E.device) // (slots // self.world)
 
+    def set_alignment(self, alignment: int) -> None:
+        """The experts' GEMM row alignment (the runtime tells every comm; a backend that writes
+        rows straight into the contiguous layout pads its groups to it)."""
+
+    def check_errors(self) -> None:
+        """Raise if a device-side wait of this backend timed out (may sync: the runtime calls
+        it at a sync point it already has)."""
+
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> tuple[Batch, object]:

@@ -167,6 +167,11 @@ class SymmHighThroughputComm(Comm):
         """Raise if a spin timed out on this rank (syncs: call at a sync point you have)."""
         self.arena.view.raise_if_error()
 
+    def set_alignment(self, alignment: int) -> None:
+        if alignment < 1:
+            raise ValueError(f"alignment ({alignment}) must be >= 1")
+        self.alignment = alignment
+
 
 def _exact(x: QTensor, layout: ContiguousLayout, m: int) -> tuple[QTensor, ContiguousLayout]:
     """The first m rows (every group lies in them): views, no copy."""
