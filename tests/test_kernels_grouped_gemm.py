@@ -125,3 +125,23 @@ def test_tma_kernel_refuses_mx_recipes():
     x = quantize_act(torch.randn(lay.num_rows, 128, device=DEV), QuantConfig("mxfp8"))
     with pytest.raises(ValueError, match=r"the TMA kernel takes recipes bf16 / fp8_block"):
         triton_m_grouped_gemm_nt_contiguous(x, w, lay, kernel="tma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)], ids=["gemm1", "gemm2"])
+def test_tma_kernel_at_deepseek_shapes(recipe, n, k, seed):
+    """The tuned TMA kernel against the pointer kernel at DeepSeek-V3 GEMM shapes (32
+    experts, 1024 tokens x top-8), on a worst-case (no-sync) layout, output poisoned."""
+    e, t = 32, 1024
+    quant = QuantConfig(recipe)
+    w = _weights(e, n, k, quant)
+    ids = torch.rand(t, e, device=DEV).argsort(1)[:, :8].to(torch.int32)
+    lay = make_contiguous_layout(ids, e, 128, num_rows=contiguous_rows_upper_bound(t * 8, e,
+                                                                                  128))
+    x = quantize_act(torch.randn(lay.num_rows, k, device=DEV), quant)
+    out = torch.full((lay.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = triton_m_grouped_gemm_nt_contiguous(x, w, lay, out=out)
+    ref = triton_m_grouped_gemm_nt_contiguous(x, w, lay, kernel="pointer").float()
+    valid = lay.row_expert_M >= 0
+    assert _rel_err(y[valid], ref[valid]) <= 1e-2, f"{seed=}"

@@ -9,7 +9,7 @@ from epmoe.kernels.permute import (PermuteWorkspace, _count_and_offsets,
                                    triton_make_contiguous_layout, triton_permute,
                                    triton_permute_rows)
 from epmoe.layout import contiguous_rows_upper_bound, make_contiguous_layout, permute_qtensor
-from epmoe.quant import quantize_act, unpack_ue8m0
+from epmoe.quant import QTensor, quantize_act, unpack_ue8m0
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -187,3 +187,17 @@ def test_permute_workspace_rejects_mismatches():
                        workspace=ws)
     with pytest.raises(ValueError, match=r"workspace was made for 4 experts at alignment 16"):
         triton_permute(x8, ids, 4, alignment=32, workspace=ws)
+
+
+@pytest.mark.gpu
+def test_permute_workspace_at_deepseek_shape(seed):
+    t, k, e, d = 4096, 8, 32, 7168
+    quant = QuantConfig("fp8_block")
+    ws = PermuteWorkspace.create(t, k, e, 128, d, quant, DEV)
+    x = quantize_act(torch.randn(t, d, device=DEV), quant)
+    for n in (t, 1000):
+        ids = _ids(n, k, e, empty_frac=0.05)
+        out, lay = triton_permute(QTensor(x.data[:n], x.scale[:n], x.recipe, x.group),
+                                  ids, e, alignment=128, workspace=ws)
+        _check_layout(lay, make_contiguous_layout(ids, e, 128),
+                      QTensor(x.data[:n], x.scale[:n], x.recipe, x.group), out, ids)

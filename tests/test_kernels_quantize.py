@@ -85,3 +85,16 @@ def test_quantize_tokens_bf16_and_errors():
                   torch.empty(4, 2, dtype=torch.float32, device=DEV), "fp8_block", 128)
     with pytest.raises(ValueError, match=r"out.scale must be torch.int32 \(4, 1\)"):
         quantize_tokens(x, QuantConfig("fp8_block", "ue8m0_packed"), out=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,fmt", FORMATS)
+def test_quantize_tokens_bitwise_at_deepseek_shape(recipe, fmt, seed):
+    """The compiled kernel (tuned config) at 4096 x 7168, both scale layouts."""
+    quant = QuantConfig(recipe, fmt)
+    x = _x(4096, 7168, torch.bfloat16)
+    ref = quantize_act(x, quant)
+    for mn_major in (False, True):
+        q = quantize_tokens(x, quant, mn_major=mn_major, out=_poisoned_like(ref, mn_major))
+        assert torch.equal(_bits(q.data), _bits(ref.data)), f"{seed=}"
+        assert torch.equal(_bits(q.scale), _bits(ref.scale)), f"{seed=}"

@@ -271,3 +271,19 @@ def test_triton_router_refusals_and_fallback():
         route(logits, cfg, backend="cuda")
     r = route_tokens(torch.randn(4, 64), torch.randn(24, 64), cfg)  # CPU: the torch path
     assert r.topk_ids_TK.shape == (4, 2)
+
+
+@pytest.mark.gpu
+def test_fused_gate_route_at_deepseek_shape(seed):
+    """4096 tokens x 256 experts x hidden 7168 (DeepSeek-V3 routing) on CUDA: the fused kernel
+    against the torch router on the float64 product of the same bf16 values."""
+    cfg = MoEConfig("dsv3", hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8,
+                    router="sigmoid_grouped", n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5)
+    x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
+    gate = (torch.randn(256, 7168, device="cuda") / 7168 ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.01
+    got = route_tokens(x, gate, cfg, bias)
+    logits64 = x.double() @ gate.double().T
+    want = route(logits64.float(), cfg, bias, backend="torch")
+    _compare_routings(got, want, _separated(logits64.cpu(), cfg, bias.cpu()), 1e-4)
