@@ -33,33 +33,56 @@ from epmoe.kernels.quantize import QuantKernelConfig
 G = GemmConfig
 FP8_CANDIDATES = {
     "128x128w8s4": G(128, 128, 8, 4), "128x128w8s3": G(128, 128, 8, 3),
-    "128x128w8s5": G(128, 128, 8, 5), "128x128w8s4np": G(128, 128, 8, 4, persistent=False),
-    "128x128w8s4g16": G(128, 128, 8, 4, group_m=16),
+    "128x128w8s4np": G(128, 128, 8, 4, persistent=False),
     "128x128w8s4st": G(128, 128, 8, 4, tma_store=True),
     "128x256w8s3": G(128, 256, 8, 3), "128x256w8s4": G(128, 256, 8, 4),
     "128x256w8s3st": G(128, 256, 8, 3, tma_store=True),
     "64x256w4s4": G(64, 256, 4, 4), "64x128w4s4": G(64, 128, 4, 4),
-    "64x128w4s6": G(64, 128, 4, 6),
     "128x128w8s4ws": G(128, 128, 8, 4, warp_spec=True),
     "128x128w4s4ws": G(128, 128, 4, 4, warp_spec=True),
 }
 BF16_CANDIDATES = {
     "128x256w8s3": G(128, 256, 8, 3), "128x256w8s4": G(128, 256, 8, 4),
-    "128x128w8s4": G(128, 128, 8, 4), "128x128w4s4": G(128, 128, 4, 4),
-    "128x256w8s3np": G(128, 256, 8, 3, persistent=False),
+    "128x128w8s4": G(128, 128, 8, 4),
     "128x256w8s3st": G(128, 256, 8, 3, tma_store=True),
     "128x256w8s3ws": G(128, 256, 8, 3, warp_spec=True),
 }
 ROUTER_CANDIDATES = {
-    "64k64w8s4": RouterConfig(64, 64, 8, 4), "64k64w8s3": RouterConfig(64, 64, 8, 3),
-    "64k128w8s3": RouterConfig(64, 128, 8, 3), "64k64w4s4": RouterConfig(64, 64, 4, 4),
-    "32k64w4s4": RouterConfig(32, 64, 4, 4), "32k128w4s3": RouterConfig(32, 128, 4, 3),
+    "64k64w8s4": RouterConfig(64, 64, 8, 4), "64k128w8s3": RouterConfig(64, 128, 8, 3),
+    "64k64w4s4": RouterConfig(64, 64, 4, 4), "32k64w4s4": RouterConfig(32, 64, 4, 4),
 }
 Q = QuantKernelConfig
 QUANT128_CANDIDATES = {"4x8w4": Q(4, 8, 4), "8x8w8": Q(8, 8, 8), "2x16w4": Q(2, 16, 4),
-                       "1x64w8": Q(1, 64, 8), "16x4w8": Q(16, 4, 8), "4x16w8": Q(4, 16, 8)}
+                       "1x64w8": Q(1, 64, 8)}
 QUANT32_CANDIDATES = {"4x32w4": Q(4, 32, 4), "2x64w4": Q(2, 64, 4), "8x16w4": Q(8, 16, 4)}
 GEMMS = {"GEMM1": (2 * kb.INTER, kb.HIDDEN), "GEMM2": (kb.HIDDEN, kb.INTER)}
+
+
+def set_scratch_allocator() -> None:
+    """Kernels that ask for global scratch (e.g. warp-specialized candidates) get it from
+    torch; the library's kernels need none (host-side tensor descriptors)."""
+    import triton
+
+    if hasattr(triton, "set_allocator"):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                      device="cuda"))
+
+
+def kernel_stats() -> list[dict]:
+    """Registers / spills / shared memory of every compiled TMA GEMM variant (best effort:
+    Triton's cache layout differs between versions)."""
+    from epmoe.kernels.gemm_tma import _gemm_tma_kernel
+
+    out = []
+    try:
+        for dev_cache in _gemm_tma_kernel.device_caches.values():
+            for key, k in dev_cache[0].items():
+                out.append(dict(key=str(key)[-600:], n_regs=getattr(k, "n_regs", None),
+                                n_spills=getattr(k, "n_spills", None),
+                                shared=getattr(getattr(k, "metadata", None), "shared", None)))
+    except Exception as exc:  # noqa: BLE001
+        out.append(dict(error=repr(exc)))
+    return out
 
 
 def jobs() -> list[str]:
@@ -158,15 +181,16 @@ def _call(job: str, case: Case):
     return {}
 
 
-def compile_main(job_list: list[str], result: str) -> int:
-    """Subprocess: run each job once at the real shapes' specialization (values unset)."""
-    case = Case(4096)
+def compile_main(job_list: list[str], result: str, t: int) -> int:
+    """Subprocess: run each job once at T tokens (the benchmark's specializations)."""
+    set_scratch_allocator()
+    case = Case(t)
     done = []
     for job in job_list:
         t0 = time.time()
         try:
             if job == "other/bandwidth":
-                kb.bandwidth_rows(1024, {})
+                kb.bandwidth_rows(t, {})
             elif job.startswith("other/pointer"):
                 recipe = "fp8_block" if job.endswith("fp8") else "bf16"
                 for g in GEMMS:
@@ -184,7 +208,7 @@ def compile_main(job_list: list[str], result: str) -> int:
     return 0
 
 
-def parallel_compile(out_dir: str, workers: int, timeout: float) -> dict:
+def parallel_compile(out_dir: str, workers: int, timeout: float, t: int) -> dict:
     all_jobs = jobs()
     risky = [j for j in all_jobs if j.endswith("ws")]
     safe = [j for j in all_jobs if j not in risky]
@@ -193,7 +217,7 @@ def parallel_compile(out_dir: str, workers: int, timeout: float) -> dict:
     for i, g in enumerate(x for x in groups if x):
         res = os.path.join(out_dir, f".compile{i}.json")
         cmd = [sys.executable, "-m", "epmoe.bench.kernel_tune", "--compile", ",".join(g),
-               "--result", res]
+               "--result", res, "--tokens", str(t)]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True), res, g))
     t0, status = time.time(), {}
@@ -289,33 +313,45 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--phase", choices=("compile", "tune", "all"), default="all",
+                   help="compile: fill the cache only; tune: use DIR/compile.json")
     p.add_argument("--compile-timeout", type=float, default=240.0)
     p.add_argument("--compile", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile:
-        return compile_main(args.compile.split(","), args.result)
+        return compile_main(args.compile.split(","), args.result, int(args.tokens.split(",")[0]))
     if not torch.cuda.is_available():
         print("kernel_tune needs a CUDA GPU", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    tokens = tuple(int(x) for x in args.tokens.split(","))
     t0 = time.time()
-    status = parallel_compile(args.out, args.workers, args.compile_timeout)
-    print(f"# compiled {sum(s.get('ok', False) for s in status.values())}/{len(status)} jobs "
-          f"in {time.time() - t0:.0f}s", flush=True)
-    for s in status.values():
-        if not s.get("ok"):
-            print(f"  compile failed: {s['job']}: {s.get('error', '')[:200]}", flush=True)
-    best, records = tune(4096, status)
+    status_path = os.path.join(args.out, "compile.json")
+    if args.phase in ("compile", "all"):
+        status = parallel_compile(args.out, args.workers, args.compile_timeout, tokens[0])
+        with open(status_path, "w") as f:
+            json.dump(status, f, indent=1)
+        print(f"# compiled {sum(s.get('ok', False) for s in status.values())}/{len(status)} "
+              f"jobs in {time.time() - t0:.0f}s", flush=True)
+        for s in status.values():
+            if not s.get("ok"):
+                print(f"  compile failed: {s['job']}: {s.get('error', '')[:200]}", flush=True)
+        if args.phase == "compile":
+            return 0
+    status = json.load(open(status_path))
+    set_scratch_allocator()
+    best, records = tune(tokens[0], status)
     picks = picks_to_configs(best)
     report = dict(status=status, records=records,
                   picks={k: [v[1], v[0]] for k, v in best.items()},
-                  configs={k: dataclasses.asdict(v) for k, v in picks.items()})
+                  configs={k: dataclasses.asdict(v) for k, v in picks.items()},
+                  gemm_kernels=kernel_stats())
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"# picks: {report['picks']}", flush=True)
-    tokens = tuple(int(x) for x in args.tokens.split(","))
-    kb.run(tokens, picks, os.path.join(args.out, "kernels.json"))
+    for t in tokens:
+        kb.run((t,), picks, os.path.join(args.out, f"kernels_{t}.json"))
     print(f"# total {time.time() - t0:.0f}s")
     return 0
 

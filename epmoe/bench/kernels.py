@@ -126,8 +126,8 @@ def bandwidth_rows(t: int, picks: dict) -> list[dict]:
                                ("fp8 UE8M0 packed", QuantConfig("fp8_block", "ue8m0_packed"), {}),
                                ("mxfp8 e8m0", QuantConfig("mxfp8"), {})):
         out = quantize_tokens(xb, quant, **extra)
-        cfg = picks.get(f"quant{quant.act_group}")
-        ms = bench_ms(lambda: quantize_tokens(xb, quant, out=out, config=cfg, **extra))
+        qcfg = picks.get(f"quant{quant.act_group}")
+        ms = bench_ms(lambda: quantize_tokens(xb, quant, out=out, config=qcfg, **extra))
         rows.append(mem_row(f"quantize_tokens {name}", f"T={t} D={d}", ms, qb))
     ms = bench_ms(lambda: quantize_act(xb, FP8))
     rows.append(mem_row("before: torch quantize_act fp8", f"T={t} D={d}", ms, qb))
