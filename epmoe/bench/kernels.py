@@ -71,8 +71,11 @@ def fp8_baseline(xq, wq, layout, m, n):
             (xq.data, scale), (wq.data, wq.scale), out, layout.row_expert_M)
         fn()
         return "DeepGEMM m_grouped_fp8_gemm_nt_contiguous", bench_ms(fn)
-    except (ImportError, OSError, RuntimeError, AttributeError, TypeError):
+    except (ImportError, OSError):
         pass
+    except Exception as exc:  # noqa: BLE001  (a refused call: fall back, say why)
+        print(f"# DeepGEMM baseline failed: {type(exc).__name__}: {str(exc)[:200]}",
+              file=sys.stderr)
     sa = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
     sb = torch.rand(wq.data.shape[0], n, device="cuda", dtype=torch.float32) + 0.5
     offs = layout.offsets_E1[1:].contiguous()
