@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -213,14 +214,15 @@ def compile_main(job_list: list[str], result: str, t: int) -> int:
     return 0
 
 
-def parallel_compile(out_dir: str, workers: int, timeout: float, t: int) -> dict:
+def parallel_compile(workers: int, timeout: float, t: int) -> dict:
     all_jobs = jobs()
     risky = [j for j in all_jobs if j.endswith("ws")]
     safe = [j for j in all_jobs if j not in risky]
     groups = [safe[i::workers] for i in range(workers)] + [[j] for j in risky]
     procs = []
+    tmp = tempfile.mkdtemp(prefix="epmoe_tune_")  # not in out_dir: few files come back
     for i, g in enumerate(x for x in groups if x):
-        res = os.path.join(out_dir, f".compile{i}.json")
+        res = os.path.join(tmp, f"compile{i}.json")
         cmd = [sys.executable, "-m", "epmoe.bench.kernel_tune", "--compile", ",".join(g),
                "--result", res, "--tokens", str(t)]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     status_path = os.path.join(args.out, "compile.json")
     if args.phase in ("compile", "all"):
-        status = parallel_compile(args.out, args.workers, args.compile_timeout, tokens[0])
+        status = parallel_compile(args.workers, args.compile_timeout, tokens[0])
         with open(status_path, "w") as f:
             json.dump(status, f, indent=1)
         print(f"# compiled {sum(s.get('ok', False) for s in status.values())}/{len(status)} "

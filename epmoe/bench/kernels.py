@@ -1,7 +1,7 @@
 """Kernel benchmark (GPU only): every Triton kernel of the expert path and the router at
 DeepSeek-V3 shapes, each with a baseline measured in the same run.
 
-    python -m epmoe.bench.kernels [--json FILE] [--quick]
+    python -m epmoe.bench.kernels [--json FILE] [--quick | --tokens 4096,16384]
 
 Shapes: hidden 7168, moe intermediate 2048 (GEMM1 N=4096, K=7168; GEMM2 N=7168, K=2048),
 32 local experts, 4096 and 16384 tokens x top-8, routing uniform random; router: 256 experts,
@@ -112,7 +112,7 @@ def gemm_inputs(layout, recipe: str, n: int, k: int):
     return quantize_act(torch.randn(layout.num_rows, k, device="cuda"), q), w
 
 
-def bandwidth_rows(t: int, picks: dict) -> list[dict]:
+def bandwidth_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
     from epmoe.kernels.act_quant import triton_act_quant
     from epmoe.kernels.gather import triton_unpermute_reduce
     from epmoe.kernels.permute import PermuteWorkspace, triton_permute
@@ -132,8 +132,9 @@ def bandwidth_rows(t: int, picks: dict) -> list[dict]:
         qcfg = picks.get(f"quant{quant.act_group}")
         ms = bench_ms(lambda: quantize_tokens(xb, quant, out=out, config=qcfg, **extra))
         rows.append(mem_row(f"quantize_tokens {name}", f"T={t} D={d}", ms, qb))
-    ms = bench_ms(lambda: quantize_act(xb, FP8))
-    rows.append(mem_row("before: torch quantize_act fp8", f"T={t} D={d}", ms, qb))
+    if before:
+        ms = bench_ms(lambda: quantize_act(xb, FP8))
+        rows.append(mem_row("before: torch quantize_act fp8", f"T={t} D={d}", ms, qb))
 
     ids, weights = routing(t)
     x = quantize_act(xb, FP8)
@@ -156,7 +157,7 @@ def bandwidth_rows(t: int, picks: dict) -> list[dict]:
     return rows
 
 
-def gemm_rows(t: int, picks: dict) -> list[dict]:
+def gemm_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
     from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous as gemm
     from epmoe.kernels.permute import triton_make_contiguous_layout
 
@@ -171,7 +172,8 @@ def gemm_rows(t: int, picks: dict) -> list[dict]:
             out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
             cfg = picks.get(f"{recipe}/{gname}")
             ms_new = bench_ms(lambda: gemm(x, w, layout, config=cfg, out=out))
-            ms_old = bench_ms(lambda: gemm(x, w, layout, out=out, kernel="pointer"))
+            ms_old = bench_ms(lambda: gemm(x, w, layout, out=out, kernel="pointer")) \
+                if before else None
             if recipe == "fp8_block":
                 base_name, base_ms = fp8_baseline(x, w, layout, m, n)
             else:
@@ -179,8 +181,9 @@ def gemm_rows(t: int, picks: dict) -> list[dict]:
             label = "fp8-block" if recipe == "fp8_block" else "bf16"
             rows.append(gemm_row(f"{label} {gname} TMA", shape, ms_new, flops, base_name,
                                  base_ms))
-            rows.append(gemm_row(f"before: {label} {gname} pointer", shape, ms_old, flops,
-                                 base_name, base_ms))
+            if before:
+                rows.append(gemm_row(f"before: {label} {gname} pointer", shape, ms_old, flops,
+                                     base_name, base_ms))
             del x, w, out
     return rows
 
@@ -207,19 +210,21 @@ def router_rows(t: int, picks: dict) -> list[dict]:
                  baseline="torch router (fp32 matmul)", baseline_ms=base, ratio=base / ms)]
 
 
-def run_case(t: int, picks: dict | None = None) -> list[dict]:
+def run_case(t: int, picks: dict | None = None, before: bool = True) -> list[dict]:
+    """Every row at T tokens; before=False skips the previous kernels' rows."""
     picks = picks or {}
     torch.manual_seed(0)
-    rows = router_rows(t, picks) + bandwidth_rows(t, picks)
+    rows = router_rows(t, picks) + bandwidth_rows(t, picks, before)
     torch.cuda.empty_cache()
-    rows += gemm_rows(t, picks)
+    rows += gemm_rows(t, picks, before)
     torch.cuda.empty_cache()
     return rows
 
 
 def line(r: dict) -> str:
     ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-    return f"{r['name'][:34]:<34} {r['ms'] * 1e3:8.1f}us {r['metric']:>12} {ratio:>6}"
+    base = "" if r["baseline_ms"] is None else f" vs {r['baseline_ms'] * 1e3:.1f}us"
+    return f"{r['name'][:28]:<28} {r['ms'] * 1e3:8.1f}us {r['metric']:>11} {ratio:>6}{base}"
 
 
 def table(rows: list[dict]) -> str:
@@ -233,20 +238,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(token_counts, picks=None, json_path=None) -> list[dict]:
+def run(token_counts, picks=None, json_path=None, before: bool = True) -> list[dict]:
     rows = []
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bandwidth ratio = "
           f"achieved / HBM copy; GEMM and router ratio = baseline time / ours", flush=True)
     for t in token_counts:
-        for r in run_case(t, picks):
+        for r in run_case(t, picks, before):
             r["tokens"] = t
             print(f"T={t:<6}" + line(r), flush=True)
             rows.append(r)
+        if json_path:  # after each token count: a run cut short keeps what it measured
+            with open(json_path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": rows}, f, indent=1)
     print()
     print(table(rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return rows
 
 
@@ -254,12 +260,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="4096 tokens only")
+    p.add_argument("--tokens", default="4096,16384", help="token counts, comma-separated")
+    p.add_argument("--skip-before", action="store_true",
+                   help="skip the previous kernels' rows (pointer GEMM, torch quantizer)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("epmoe.bench.kernels needs a CUDA GPU (the CPU interpreter's timings mean "
               "nothing); run it on a GPU machine", file=sys.stderr)
         return 2
-    run((4096,) if args.quick else (4096, 16384), json_path=args.json)
+    tokens = (4096,) if args.quick else tuple(int(x) for x in args.tokens.split(","))
+    run(tokens, json_path=args.json, before=not args.skip_before)
     return 0
 
 
