@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epmoe.kernels._common import (INTERPRET, check, check_tensor, empty_mn_major,
-                                   round_e4m3)
+from epmoe.kernels._common import (INTERPRET, align_up, check, check_tensor,
+                                   empty_mn_major, round_e4m3)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -107,12 +107,16 @@ def _check_out(out: QTensor, t: int, d: int, group: int, mode: int, mn_major: bo
     check(isinstance(out, QTensor) and out.data.dtype == FP8_DTYPE and
           tuple(out.data.shape) == (t, d) and out.data.stride(1) == 1,
           f"out.data must be float8_e4m3fn [{t}, {d}] with contiguous rows")
-    want = _empty_scale(mode, t, d // group, mn_major, "meta")
+    g = d // group
+    w = (g + 3) // 4 if mode == _PACKED else g
+    dt = {_PACKED: torch.int32, _E8M0: torch.uint8}.get(mode, torch.float32)
+    mn = mode == _PACKED or mn_major
+    stride = (1, align_up(t, 4)) if mn else (w, 1)
     s = out.scale
-    check(s is not None and s.dtype == want.dtype and s.shape == want.shape and
-          (s.stride() == want.stride() or t <= 1),
-          f"out.scale must be {want.dtype} {tuple(want.shape)} with strides {want.stride()}, "
-          f"got {None if s is None else (s.dtype, tuple(s.shape), s.stride())}")
+    check(s is not None and s.dtype == dt and tuple(s.shape) == (t, w) and
+          (s.stride() == stride or t <= 1 or w <= 1),
+          f"out.scale must be {dt} {(t, w)} with strides {stride}, got "
+          f"{None if s is None else (s.dtype, tuple(s.shape), s.stride())}")
 
 
 def launch_quant(x: torch.Tensor, group: int, mode: int, q: torch.Tensor, s: torch.Tensor,

@@ -106,22 +106,22 @@ class PermuteWorkspace:
         return QTensor(data, self.scale_view(num_rows), q.recipe, q.act_group, q.scale_fmt)
 
     def check_input(self, x: QTensor, num_pairs: int) -> None:
-        """x must have this workspace's format, and num_pairs must fit."""
+        """x must have this workspace's format, and num_pairs must fit (cheap: no views)."""
         check(num_pairs <= self.max_pairs, f"{num_pairs} (token, slot) pairs exceed the "
               f"workspace's max_pairs ({self.max_pairs}); create it with a larger max_tokens")
-        want = self.rows(1)
-        same = (x.recipe == want.recipe and x.scale_fmt == want.scale_fmt and
-                x.data.dtype == want.data.dtype and x.data.shape[1] == self.hidden and
-                (x.scale is None) == (want.scale is None))
+        q = self.quant
+        same = (x.recipe == q.recipe and x.scale_fmt == q.scale_fmt and
+                x.data.dtype == self.data_flat.dtype and x.data.shape[1] == self.hidden and
+                (x.scale is None) == (self.scale_flat is None))
         if same and x.scale is not None:
             s = x.scale
             mn_x = s.stride(0) == 1  # with one row or one column both layouts coincide
-            mn_ws = self.mn_major or self.quant.scale_fmt == "ue8m0_packed"
-            same = s.dtype == want.scale.dtype and (mn_x == mn_ws or min(s.shape) <= 1)
+            mn_ws = self.mn_major or q.scale_fmt == "ue8m0_packed"
+            same = s.dtype == self.scale_flat.dtype and (mn_x == mn_ws or min(s.shape) <= 1)
         check(same, f"x ({x.recipe}/{x.scale_fmt}, data {x.data.dtype} {tuple(x.data.shape)}) "
-              f"does not match the workspace ({self.quant.recipe}/{self.quant.scale_fmt}, "
-              f"hidden {self.hidden}, mn_major {self.mn_major}); create the workspace with the "
-              f"activations' QuantConfig and scale layout")
+              f"does not match the workspace ({q.recipe}/{q.scale_fmt}, hidden {self.hidden}, "
+              f"mn_major {self.mn_major}); create the workspace with the activations' "
+              f"QuantConfig and scale layout")
 
 
 def _scale_dtype_width(quant: QuantConfig, hidden: int) -> tuple[torch.dtype, int]:
