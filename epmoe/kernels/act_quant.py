@@ -17,7 +17,7 @@ codes match the torch quantizer there as on GPU, save where the activation's las
 from __future__ import annotations
 
 from epmoe.kernels._common import (INTERPRET, check, check_tensor, empty_mn_major,
-                                   next_pow2, round_bf16, round_e4m3)
+                                   fp8_scale, next_pow2, round_bf16, round_e4m3)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -67,11 +67,7 @@ def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m,
             tl.store(rows_q + offs_c[None, :], a.to(q_ptr.dtype.element_ty), mask=m2)
         else:
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), amax_min)
-            s = tl.math.div_rn(amax, fp8_max)  # IEEE: plain / is approximate on GPU
-            if QUANT >= 2:  # round up to a power of two, exactly (bit arithmetic)
-                bits = s.to(tl.int32, bitcast=True)
-                e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                s = (e8 << 23).to(tl.float32, bitcast=True)
+            s, e8 = fp8_scale(amax, fp8_max, QUANT >= 2)
             q = tl.math.div_rn(a, s[:, None])
             q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
             if PRE_ROUND:

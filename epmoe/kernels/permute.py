@@ -271,9 +271,9 @@ def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, ws=Non
     if num_rows is None:
         num_rows = int(offsets[-1])  # host sync: exact size (the only one)
     else:
-        check(num_rows >= bound, f"num_rows ({num_rows}) is below the worst case for {n * k} pairs over "
-          f"{num_experts} experts at alignment {alignment} ({bound}); pass "
-          f"contiguous_rows_upper_bound(...) or None (exact, syncs the host)")
+        check(num_rows >= bound, f"num_rows ({num_rows}) is below the worst case for "
+              f"{n * k} pairs over {num_experts} experts at alignment {alignment} ({bound}); "
+              f"pass contiguous_rows_upper_bound(...) or None (exact, syncs the host)")
     if ws is not None:
         inv, row_expert = ws.inv_P[:n * k].view(n, k), ws.row_expert_R[:num_rows]
         out = None if x is None else ws.rows(num_rows)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.kernels._common import (INTERPRET, align_up, check, check_tensor,
-                                   empty_mn_major, round_e4m3)
+                                   empty_mn_major, fp8_scale, round_e4m3)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -61,11 +61,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, D, stride_x, stride_q, s_stride_m
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     xg = tl.reshape(x.to(tl.float32), (BLOCK_M, GPP, GROUP))
     amax = tl.maximum(tl.max(tl.abs(xg), axis=2), amax_min)
-    s = tl.math.div_rn(amax, fp8_max)  # IEEE: plain / is approximate on GPU
-    if MODE >= 2:  # round up to a power of two, exactly (bit arithmetic)
-        bits = s.to(tl.int32, bitcast=True)
-        e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        s = (e8 << 23).to(tl.float32, bitcast=True)
+    s, e8 = fp8_scale(amax, fp8_max, MODE >= 2)
     q = tl.math.div_rn(xg, s[:, :, None])
     q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
     if PRE_ROUND:
