@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 
-from epmoe.comm.base import Comm, ExpertBatch  # noqa: F401
+from epmoe.comm.base import Batch, Comm, LayoutBatch, MaskedBatch, TokenBatch  # noqa: F401
+from epmoe.comm.context import CommContext
 
 BACKENDS = {
     "local": "epmoe.comm.local:LocalComm",
@@ -68,10 +69,7 @@ def resolve_backend(name: str, run, device) -> tuple[str, str]:
     return "all2all", "auto: all2all" + (f" ({'; '.join(tried)})" if tried else "")
 
 
-def make_comm(name: str, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
-              device=None) -> Comm:
-    cls = backend_class(name)
-    kwargs = {}
-    if getattr(cls, "needs_run", False):
-        kwargs = dict(run=run, device=device)
-    return cls(cfg, quant, expert_map_E, group=group, rank=rank, world=world, **kwargs)
+def make_comm(name: str, cfg, quant, expert_map_E, ctx: CommContext | None = None) -> Comm:
+    """The backend `name` for one layer on this rank; `ctx` is the rank's shared context (a
+    one-rank CPU context when None)."""
+    return backend_class(name)(cfg, quant, expert_map_E, ctx)

@@ -29,7 +29,7 @@ def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:
     if events:
         events[-1]["balancedness_after"] = d.call_all("measure final window",
                                                       "window_balancedness")[0]
-    srcs = reports if run.form == "ep_dp" else reports[:1]
+    srcs = reports if run.own_tokens else reports[:1]
     slot_load = sum(r["load_LS"] for r in srcs)  # [L, slots], all steps, all ranks
     first = events[0]["balancedness_before"] if events else None
     last_after = events[-1].get("balancedness_after") if events else None

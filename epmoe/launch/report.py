@@ -52,15 +52,21 @@ class LazyOracleLayer:
         return self.gate, self.bias, self.w13, self.w2, self.shared
 
 
+def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
+    """The reports whose layer-l rows together are the step's batch: every rank's own rows, or
+    rank 0's (a replicated layer: every rank holds the same gathered batch)."""
+    return reports if run.holds_own_rows(l) and run.own_tokens else reports[:1]
+
+
 def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
     """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
     if not run.check or not reports[0]["last"]:
         return dict(checked=False, passed=None, max_rel_err=None,
                     tolerance=TOLERANCE[run.quant.recipe])
-    srcs = reports if run.form == "ep_dp" else reports[:1]
-    per_layer = []
-    n_check = min(run.tokens, MAX_CHECK_TOKENS_PER_RANK)
+    per_layer, checked = [], 0
     for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        n_check = min(run.layer_tokens(l), MAX_CHECK_TOKENS_PER_RANK)
         recs = [r["last"][l] for r in srcs]
         x = torch.cat([rec["x"][:n_check] for rec in recs])
         out = torch.cat([rec["out"][:n_check] for rec in recs])
@@ -71,14 +77,15 @@ def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
         oracle = LazyOracleLayer(run, l).as_tuple()
         ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
         per_layer.append(max_rel_err(out, ref))
-        if run.form != "ep_dp":  # replicated tokens: every rank must hold the same output
+        checked = max(checked, n_check * len(srcs))
+        if len(srcs) == 1:  # replicated tokens: every rank must hold the same output
             for r in reports[1:]:
                 other = r["last"][l]["out"][:n_check]
                 per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
     tol = TOLERANCE[run.quant.recipe]
     worst = max(per_layer)
     return dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
-                per_layer=per_layer, tokens_checked=n_check * len(srcs),
+                per_layer=per_layer, tokens_checked=checked,
                 metric="max|out-ref| / max|ref| per layer, float64 oracle")
 
 
@@ -101,26 +108,33 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dic
         # per-call median, times calls per step = ms per step spent in the stage
         per_step = len(vals) / (len(reports) * steps)
         stages[name] = _median(vals) * per_step
-    tokens_step = run.tokens * (world if run.form == "ep_dp" else 1)
-    load_src = reports if run.form == "ep_dp" else reports[:1]
-    load_LS = sum(r["load_LS"] for r in load_src)  # [L, slots]
+    tokens_step = run.global_tokens
     cfg = run.cfg
-    per_slot = load_LS.sum(0)
-    per_rank = [int(x) for x in per_slot.view(world, -1).sum(1)] if run.form != "tp" else \
-        [int(per_slot.sum())] * world
-    per_expert = sum(r["load_LE"] for r in load_src).sum(0)
+    per_rank = [0] * world
+    per_expert = 0
+    for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        per_slot = sum(r["load_LS"][l] for r in srcs)  # [slots]
+        per_expert = per_expert + sum(r["load_LE"][l] for r in srcs)
+        if run.layer_spec(l).form == "tp":  # every rank runs every pair (a slice of I)
+            per_rank = [p + int(per_slot.sum()) for p in per_rank]
+        else:
+            per_rank = [p + int(x) for p, x in zip(per_rank, per_slot.view(world, -1).sum(1))]
     bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
     nodes = sorted({w["node_id"] for w in where})
     summary = dict(
         epmoe_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         config=dict(model=run.model, recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
-                    tokens_per_rank=run.tokens if run.form == "ep_dp" else None,
+                    tokens_per_rank=run.tokens if run.own_tokens else None,
                     tokens=tokens_step, layers=run.num_layers, steps=run.steps, seed=run.seed,
                     routing=run.routing, hidden=cfg.hidden, moe_intermediate=cfg.moe_intermediate,
                     num_experts=cfg.num_experts, top_k=cfg.top_k),
-        world=dict(form=run.form, ep=world if run.form != "tp" else 1,
-                   tp=world if run.form == "tp" else 1, dp=world if run.form == "ep_dp" else 1,
+        world=dict(form="mixed" if run.mixed else run.form,
+                   ep=world if run.form != "tp" or run.mixed else 1,
+                   tp=world if "tp" in run.forms else 1, dp=world if run.own_tokens else 1,
+                   layers=[dict(form=f, backend=b[0], reason=b[1]) for f, b in
+                           zip(run.forms, reports[0].get("layer_backends", []))],
                    backend=reports[0]["backend"], backend_reason=reports[0]["backend_reason"],
                    experts=reports[0]["experts_reason"], device=reports[0]["device"],
                    nodes=len(nodes),
