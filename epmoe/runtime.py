@@ -47,6 +47,7 @@ class RunConfig:
     timeout_s: float = 120.0
     check: bool = True  # keep last-step tensors for the oracle
     model_overrides: tuple = ()  # ((field, value), ...) applied to the preset
+    micro_batches: int = 1  # 2: one half's dispatch/combine overlaps the other's GEMMs
     # per-layer LayerSpec (a mixed stack: plan file or planner); () = every layer runs
     # `form` with `backend` and `experts`
     stack: tuple = ()
@@ -120,6 +121,8 @@ class RunConfig:
             raise ValueError(f"tokens ({self.tokens}) must be >= 1")
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches ({self.micro_batches}) must be 1 or 2")
         n = self.num_layers
         if self.stack:
             if len(self.stack) != n:
@@ -244,7 +247,8 @@ class Runtime:
                          self.comm_ctx)
         comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
-                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
+                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer,
+                        micro_batches=run.micro_batches)
 
     # ---------------------------------------------------------------- stepping
     def tokens_for(self, step: int) -> torch.Tensor:
@@ -318,8 +322,11 @@ class Runtime:
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
             if run.check:  # device tensors; report() moves them to the host
-                keep.append(dict(x=x, out=out, ids=None if r is None else r.topk_ids_TK,
-                                 w=None if r is None else r.topk_weights_TK,
+                # the routing the layer used (its own router's when r is None): the oracle
+                # replays it, and checks the router separately (routed=True)
+                used = layer.last_routing
+                keep.append(dict(x=x, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
+                                 routed=torch.tensor(r is None),
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
         if self.device.type == "cuda":
