@@ -20,7 +20,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
 from epmoe.overlap import LayerStreams
 from epmoe.parallel import LayerPlan
-from epmoe.router import ReplicaMap, Routing, route
+from epmoe.router import ReplicaMap, Routing, route_tokens
 from epmoe.timing import StageTimer
 from epmoe.weights import LayerWeights
 
@@ -44,10 +44,16 @@ class MoELayer:
             raise ValueError(f"micro_batches ({micro_batches}) must be 1 or 2")
         self.overlap_shared, self.micro_batches = overlap_shared, micro_batches
         self.streams = LayerStreams(weights.gate_ED.device)
+        # the fused router's bf16 gate (CUDA); on CPU the fp32 gate and the torch router
+        self._gate_bf16 = weights.gate_ED.to(torch.bfloat16) if weights.gate_ED.is_cuda \
+            else None
 
     def route(self, x_TD: torch.Tensor) -> Routing:
-        logits = x_TD.float() @ self.weights.gate_ED.T
-        return route(logits, self.cfg, self.weights.bias_E)
+        """Gate GEMM + top-k: one fused Triton launch on CUDA (bf16 GEMM, fp32 accumulation),
+        the fp32 torch reference elsewhere (`epmoe.router.route_tokens`)."""
+        gate = self._gate_bf16 if self._gate_bf16 is not None and x_TD.is_cuda \
+            else self.weights.gate_ED
+        return route_tokens(x_TD, gate, self.cfg, self.weights.bias_E)
 
     def forward(self, x_TD: torch.Tensor, routing: Routing | None = None,
                 token_offset: int = 0) -> torch.Tensor:

@@ -47,6 +47,7 @@ class RunConfig:
     timeout_s: float = 120.0
     check: bool = True  # keep last-step tensors for the oracle
     model_overrides: tuple = ()  # ((field, value), ...) applied to the preset
+    micro_batches: int = 1  # 2: one half's dispatch/combine overlaps the other's GEMMs
     # per-layer LayerSpec (a mixed stack: plan file or planner); () = every layer runs
     # `form` with `backend` and `experts`
     stack: tuple = ()
@@ -120,6 +121,8 @@ class RunConfig:
             raise ValueError(f"tokens ({self.tokens}) must be >= 1")
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches ({self.micro_batches}) must be 1 or 2")
         n = self.num_layers
         if self.stack:
             if len(self.stack) != n:
@@ -242,8 +245,10 @@ class Runtime:
         shared = self._make_experts(w.shared, plan.experts) if w.shared is not None else None
         comm = make_comm(plan.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
                          self.comm_ctx)
+        comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
-                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
+                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer,
+                        micro_batches=run.micro_batches)
 
     # ---------------------------------------------------------------- stepping
     def tokens_for(self, step: int) -> torch.Tensor:
@@ -317,13 +322,18 @@ class Runtime:
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
             if run.check:  # device tensors; report() moves them to the host
-                keep.append(dict(x=x, out=out, ids=None if r is None else r.topk_ids_TK,
-                                 w=None if r is None else r.topk_weights_TK,
+                # the routing the layer used (its own router's when r is None): the oracle
+                # replays it, and checks the router separately (routed=True)
+                used = layer.last_routing
+                keep.append(dict(x=x, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
+                                 routed=torch.tensor(r is None),
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
+        for layer in self.layers:  # after the sync the step already has: device-side timeouts
+            layer.comm.check_errors()
         self.step_ms.append(ms)
         self._last = keep
         self._last_host = None

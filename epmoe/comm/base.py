@@ -31,7 +31,7 @@ import torch
 from epmoe.comm.context import CommContext
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import ContiguousLayout
-from epmoe.quant import QTensor, quantize_act
+from epmoe.quant import QTensor
 from epmoe.timing import StageTimer
 
 
@@ -118,9 +118,12 @@ class Comm(ABC):
         return self.ctx.world
 
     def quantize(self, x_TD: torch.Tensor, quant: QuantConfig | None = None) -> QTensor:
-        """The recipe's activation quantization, timed as stage "dispatch.quantize"."""
+        """The recipe's activation quantization (one fused Triton pass on CUDA, the exact torch
+        reference on CPU; bit-identical), timed as stage "dispatch.quantize"."""
+        from epmoe.kernels.quantize import quantize_tokens
+
         with self.timer.stage("dispatch.quantize"):
-            return quantize_act(x_TD, self.quant if quant is None else quant)
+            return quantize_tokens(x_TD.contiguous(), self.quant if quant is None else quant)
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device,
@@ -142,6 +145,14 @@ class Comm(ABC):
         if slots % self.world:
             raise ValueError(f"physical experts ({slots}) must be divisible by ep ({self.world})")
         return torch.arange(slots, device=self.expert_map_E.device) // (slots // self.world)
+
+    def set_alignment(self, alignment: int) -> None:
+        """The experts' GEMM row alignment (the runtime tells every comm; a backend that writes
+        rows straight into the contiguous layout pads its groups to it)."""
+
+    def check_errors(self) -> None:
+        """Raise if a device-side wait of this backend timed out (may sync: the runtime calls
+        it at a sync point it already has)."""
 
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,

@@ -216,6 +216,10 @@ class DeepEPLowLatencyComm(Comm):
         why = self.supports(cfg, quant, ctx.device, world)
         if why:
             raise ValueError(f"comm backend 'deepep-ll' cannot run here: {why}")
+        if ctx.has("symm-nvshmem"):
+            raise ValueError("deepep-ll initializes NVSHMEM itself, but this rank's context "
+                             "already started NVSHMEM for a symm arena; run symm-* and "
+                             "deepep-ll in separate processes (separate runs)")
         if ctx.max_tokens_per_rank < 1:
             raise ValueError("deepep-ll preallocates its buffers: the CommContext needs "
                              "max_tokens_per_rank >= 1 (the run's --tokens)")

@@ -56,28 +56,37 @@ class ExpertsWorkspace:
 
 def permute_worst_case(x, topk_ids_NK: torch.Tensor, num_experts: int, alignment: int,
                        ws: ExpertsWorkspace, slot: int = 0):
-    """Tokens -> (rows, ContiguousLayout) with no host sync: the layout is sized for the worst
-    case of the call's N*K pairs (`contiguous_rows_upper_bound`, from shapes alone); the GEMMs
-    skip padding rows (row_expert -1) on the device. The one place where the kernels'
-    PermuteWorkspace gets wired in (then this allocates nothing either)."""
+    """Tokens -> (rows, ContiguousLayout) with no host sync and no allocation in steady
+    state: the layout is sized for the worst case of the call's N*K pairs (from shapes alone;
+    the GEMMs skip padding rows, row_expert -1, on the device), and every output is a view into
+    the kernels' `PermuteWorkspace` kept in `ws` (valid until the next call on this slot)."""
+    from epmoe.config import QuantConfig
     from epmoe.kernels.permute import triton_permute
-    from epmoe.layout import contiguous_rows_upper_bound
+    from epmoe.kernels.workspace import PermuteWorkspace
 
     n, k = topk_ids_NK.shape
-    rows = contiguous_rows_upper_bound(n * k, num_experts, alignment)
-    return triton_permute(x, topk_ids_NK, num_experts, alignment=alignment, num_rows=rows)
+    hidden = x.data.shape[1]
+    quant = QuantConfig(x.recipe, x.scale_fmt)
+    mn_major = (x.scale is not None and x.scale.dim() == 2 and x.scale.shape[1] > 1
+                and x.scale.stride(0) == 1)
+
+    def fits(o) -> bool:
+        return (o.max_pairs >= max(n * k, 1) and o.num_experts == num_experts
+                and o.alignment == alignment and o.hidden == hidden and o.quant == quant
+                and o.mn_major == mn_major)
+
+    pws = ws.obj("permute", lambda: PermuteWorkspace.create(
+        max(n, 1), k, num_experts, alignment, hidden, quant, ws.device, mn_major=mn_major),
+        fits, slot=slot)
+    return triton_permute(x, topk_ids_NK, num_experts, alignment=alignment, workspace=pws)
 
 
 def fused_quantize(x_TD: torch.Tensor, quant, mn_major: bool = False):
-    """The recipe's activation quantization of token rows in one Triton pass (bf16: a cast)."""
-    from epmoe.quant import QTensor
+    """The recipe's activation quantization of token rows: one Triton pass on CUDA, the exact
+    torch reference on CPU (`epmoe.kernels.quantize.quantize_tokens`)."""
+    from epmoe.kernels.quantize import quantize_tokens
 
-    if quant.recipe == "bf16":
-        return QTensor(x_TD.to(torch.bfloat16), None, "bf16", 0, quant.scale_fmt)
-    from epmoe.kernels.act_quant import per_token_group_quant
-
-    return per_token_group_quant(x_TD.contiguous(), quant.act_group, quant.scale_fmt,
-                                 mn_major=mn_major, recipe=quant.recipe)
+    return quantize_tokens(x_TD.contiguous(), quant, mn_major=mn_major)
 
 
 __all__ = ["ExpertsWorkspace", "fused_quantize", "permute_worst_case"]
