@@ -51,7 +51,8 @@ def _chosen(reason: str) -> str:
 
 def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
     """The run's routing for the model: uniform / zipf as given; the model's router (random
-    synthetic gate) as uniform; replayed routings (drift, trace) by the measured load."""
+    synthetic gate) as uniform; replayed routings (drift, trace) by the measured load. A
+    given routing (not the router) skips the gate: its router stage is predicted as 0."""
     if run.routing == "router":
         return RoutingSpec(), "router (synthetic gate) as uniform"
     try:
@@ -93,16 +94,19 @@ def predict_run(run, reports: list[dict], planning) -> dict:
             pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo, prof,
                                  stats.get(key))
             relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
-            for k, v in {**pred.stages_us, "relayout": relayout}.items():
+            st = {**pred.stages_us, "relayout": relayout}
+            if run.routing != "router":  # routing given: the router stage only looks it up
+                st["router"] = 0.0
+            for k, v in st.items():
                 per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
-            step_us += pred.total_us + relayout
+            step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
             prev = c.form
         info["routing"] = "; ".join(sorted(how))
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
-    return dict(predicted_ms={k: per_stage[k] for k in STAGES if k in per_stage},
-                predicted_step_ms=step_us / 1e3, prediction=info)
+    return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
+                predicted_step_ms=float(step_us) / 1e3, prediction=info)
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:

@@ -59,6 +59,7 @@ def ray_session(world: int, address, use_gpu):
 
     started = not ray.is_initialized()
     if started:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as RayDriver._connect
         gpus = torch.cuda.device_count() if use_gpu is not False else 0
         ray.init(num_cpus=max(world, os.cpu_count() or 1), num_gpus=gpus,
                  include_dashboard=False, log_to_driver=False, logging_level="ERROR",
@@ -92,8 +93,9 @@ def _row(label: str, s: dict | None, error: str | None = None) -> dict:
                 stages_ms=t["stages_ms"], predicted_stages_ms=t["predicted_ms"])
 
 
-def run_sweep(a: argparse.Namespace, build_run) -> dict:
-    """The sweep as data (see the module docstring); ValueError on bad flags."""
+def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
+    """The sweep as data (see the module docstring); ValueError on bad flags. experts: keep
+    to these kernels (a benchmark's choice; the CLI's --experts takes one)."""
     if a.tp > 1 or not a.dp:
         raise ValueError("--plan sweep tries every form itself: give the rank count with "
                          "--ep N (no --tp / --no-dp)")
@@ -102,6 +104,11 @@ def run_sweep(a: argparse.Namespace, build_run) -> dict:
                                            "plan": None})).replace(world=world)
     ctx = context(a, base, "sweep", tokens)
     restrict = planner_scope(a, base, "auto")
+    if experts is not None:
+        keep = tuple(e for e in restrict["experts"] or experts if e in experts)
+        if not keep:
+            raise ValueError(f"none of the experts kernels {experts} can run here")
+        restrict["experts"] = keep
     cands, rejected = sweep_candidates(base, ctx, tokens, restrict)
     if not cands:
         raise ValueError(f"no feasible candidate to sweep on {ctx.topology.describe()}: "

@@ -1,0 +1,153 @@
+"""`python -m epmoe.bench.plan_accuracy`: how well the cost model predicts this machine, and
+whether the planner picks the fastest measured candidate.
+
+Every group below is a `launch --plan sweep` (epmoe.launch.sweep: every feasible uniform
+stack, one launch each, through the launch path and its report): per stage and launch the
+prediction next to the measurement, the error (predicted / measured - 1) and whether it is
+within 20% (judged for stages measured above 50 us only); per group the planner's pick
+against the best measured (within 5%?).
+
+| machine | groups                                                                          |
+|---------|---------------------------------------------------------------------------------|
+| CUDA    | ep 1, DeepSeek-V3 dims (--layers, default 1), fp8_block and bf16, triton and    |
+|         | deepgemm experts (those that run here), 128 and 4096 tokens; --no-check          |
+| CPU     | gloo ranks (Ray): deepseek-v3-tiny bf16 at ep 1 (8 and 64 tokens), ep 2 and 4    |
+|         | (32 tokens/rank; every form, all2all and allgather); best effort, noisy          |
+
+    python -m epmoe.bench.plan_accuracy --json runs/plan_accuracy.json [--quick]
+
+--quick: CUDA 4096 tokens only (fp8 and bf16); CPU ep 1 and 2 only. Profile: --profile, else by
+device (epmoe.launch.planning.profile_for_device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+WITHIN = 0.20
+FLOOR_MS = 0.05
+
+
+def groups(cuda: bool, quick: bool, layers: int, steps: int) -> list[dict]:
+    """One dict of launch flags (and an experts restriction) per sweep."""
+    if cuda:
+        tokens = (4096,) if quick else (128, 4096)
+        return [dict(flags=["--model", "deepseek-v3", "--quant", recipe, "--tokens", str(t),
+                            "--layers", str(layers), "--steps", str(steps), "--no-check",
+                            "--device", "cuda"], experts=("triton", "deepgemm"))
+                for recipe in ("fp8_block", "bf16") for t in tokens]
+    out = [dict(flags=["--tokens", str(t), "--ep", "1"], experts=None) for t in (8, 64)]
+    out += [dict(flags=["--tokens", "32", "--ep", str(ep)], experts=None)
+            for ep in ((2,) if quick else (2, 4))]
+    for g in out:
+        g["flags"] += ["--model", "deepseek-v3-tiny", "--layers", str(layers), "--steps",
+                       str(steps), "--device", "cpu"]
+    return out
+
+
+def stage_rows(sweep: dict) -> list[dict]:
+    """Per launch and stage: measured, predicted, error, within 20% (None under 50 us)."""
+    out = []
+    for r in sweep["rows"]:
+        if r["status"] != "ok" or r["predicted_stages_ms"] is None:
+            continue
+        pred = r["predicted_stages_ms"]
+        for k, m in r["stages_ms"].items():
+            p = pred.get(k)
+            if p is None:
+                continue
+            err = p / m - 1 if m else None
+            out.append(dict(candidate=r["candidate"], stage=k, measured_ms=m, predicted_ms=p,
+                            error=err, within_20=None if m < FLOOR_MS or err is None
+                            else bool(abs(err) <= WITHIN)))
+        err = None if r["ratio"] is None else r["ratio"] - 1
+        out.append(dict(candidate=r["candidate"], stage="step", measured_ms=r["measured_ms"],
+                        predicted_ms=r["predicted_ms"], error=err,
+                        within_20=None if err is None else bool(abs(err) <= WITHIN)))
+    return out
+
+
+def render_group(s: dict, rows: list[dict]) -> str:
+    from epmoe.launch.sweep import render
+
+    lines = [render(s), f"{'candidate':<24}{'stage':<19}{'measured':>10}{'predicted':>11}"
+                        f"{'error':>8}  {'<=20%':<6}"]
+    for r in rows:
+        ok = {True: "yes", False: "NO", None: "(<50us)"}[r["within_20"]]
+        err = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
+        lines.append(f"{r['candidate'][:23]:<24}{r['stage'][:18]:<19}{r['measured_ms']:>10.3f}"
+                     f"{r['predicted_ms']:>11.3f}{err:>8}  {ok:<6}".rstrip())
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m epmoe.bench.plan_accuracy",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", type=int, default=None, help="default: 1 on CUDA, 2 on CPU")
+    ap.add_argument("--steps", type=int, default=None, help="default: 12 on CUDA, 6 on CPU")
+    ap.add_argument("--profile", default=None, help="default: by device")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="no new launch after this many seconds (default 240)")
+    args = ap.parse_args(argv)
+    import torch
+
+    from epmoe.launch.cli import build_run, parser
+    from epmoe.launch.sweep import run_sweep
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)  # in-process ranks as the Ray workers: one thread each
+    layers = args.layers or (1 if cuda else 2)
+    steps = args.steps or (12 if cuda else 6)
+    t0, results = time.monotonic(), []
+    for g in groups(cuda, args.quick, layers, steps):
+        left = args.budget_s - (time.monotonic() - t0)
+        if left <= 0:
+            print(f"budget spent: skipping {' '.join(g['flags'])}", flush=True)
+            continue
+        a = parser().parse_args(g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left)]
+                                + (["--profile", args.profile] if args.profile else []))
+        try:
+            s = run_sweep(a, build_run, experts=g["experts"])
+        except ValueError as exc:
+            print(f"skipped {' '.join(g['flags'])}: {exc}", flush=True)
+            continue
+        rows = stage_rows(s)
+        print(render_group(s, rows) + "\n", flush=True)
+        results.append(dict(flags=g["flags"], sweep=s, stages=rows))
+    judged = [r for g in results for r in g["stages"]
+              if r["within_20"] is not None and r["stage"] != "step"]
+    picks = [g["sweep"]["auto"]["within_5pct"] for g in results]
+    summary = dict(stages_judged=len(judged), stages_within_20=sum(r["within_20"]
+                                                                    for r in judged),
+                   steps_within_20=sum(r["within_20"] for g in results for r in g["stages"]
+                                       if r["stage"] == "step"),
+                   launches=sum(1 for g in results for r in g["sweep"]["rows"]
+                                if r["status"] == "ok"),
+                   groups=len(results), picks_within_5=sum(bool(p) for p in picks),
+                   seconds=time.monotonic() - t0)
+    print(f"stages > 50 us within 20%: {summary['stages_within_20']}/{summary['stages_judged']};"
+          f" steps within 20%: {summary['steps_within_20']}/{summary['launches']}; planner's "
+          f"pick within 5% of the best: {summary['picks_within_5']}/{summary['groups']}; "
+          f"{summary['seconds']:.0f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=platform.node(), device=torch.cuda.get_device_name(0)
+                           if cuda else "cpu", cpus=os.cpu_count(),
+                           load_avg=os.getloadavg()[0],
+                           date=datetime.date.today().isoformat(), command=sys.argv,
+                           summary=summary, groups=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
