@@ -14,6 +14,7 @@ from epmoe.launch.cli import main, parser
 from epmoe.launch.planning import PlannedLaunch, prepare, profile_for_device
 from epmoe.plan import Choice, LayerEntry, Plan, Topology
 from epmoe.plan.cost import STAGES
+from test_launch import ray_cluster  # noqa: F401  (one local Ray cluster for this module)
 
 TINY = ["--model", "deepseek-v3-tiny"]
 
@@ -191,17 +192,6 @@ def test_plan_flag_conflicts_exit_2(capsys, flags, match):
 
 
 # ---------------------------------------------------------------------------------- Ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.ray
