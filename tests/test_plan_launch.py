@@ -260,3 +260,20 @@ def test_ray_sweep_ep2(ray_cluster, tmp_path, capsys):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert any(line.startswith("planner (auto): ") for line in lines)
+
+
+def test_compare_ratio_and_noise_floor():
+    from epmoe.launch.plan_report import _chosen, compare
+
+    measured = {"router": 0.2, "dispatch": 0.04, "experts": 2.0, "relayout": 0.0}
+    predicted = {"router": 0.1, "dispatch": 0.05, "experts": 3.0, "combine": 0.5,
+                 "all_reduce": 0.0}
+    ratio, low = compare(measured, predicted)
+    assert ratio == {"router": 0.5, "dispatch": pytest.approx(1.25), "experts": 1.5,
+                     "relayout": None, "combine": None}  # predicted-only zeros are left out
+    assert low == ["dispatch", "relayout", "combine"]
+    assert compare(measured, None) == ({k: None for k in measured},
+                                       ["dispatch", "relayout"])
+    assert _chosen("deepgemm: not installed (ImportError: x); triton: chosen") == "triton"
+    with pytest.raises(ValueError, match="cannot tell the experts backend"):
+        _chosen("torch: requested")
