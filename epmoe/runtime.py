@@ -252,7 +252,7 @@ class Runtime:
                     experts_reason=self.experts_reason)
 
     # ---------------------------------------------------------------- EPLB
-    def rebalance(self, policy: str = "auto") -> dict:
+    def rebalance(self, policy: str = "global") -> dict:
         """Re-place replicas from the recorded window: one all-reduce of the load, placement on
         rank 0 (broadcast), weight migration of the changed slots, new replica maps."""
         from epmoe.eplb.migrate import migrate_layer
@@ -271,10 +271,10 @@ class Runtime:
         for l, p in enumerate(self.phy2log):
             weight_LE[l].index_add_(0, torch.tensor(p), load[l].double())
         groups = self.cfg.n_group if e % self.cfg.n_group == 0 else 1
-        full = rebalance(weight_LE, slots, groups, 1, self.world, policy=policy)
+        full = rebalance(weight_LE, slots, groups, 1, self.world, policy)
         # Prefer the incremental placement (fewer slots move) when it balances nearly as well.
         old = Placement.from_phy2log(self.phy2log, e, self.world)
-        incr, _ = rebalance_incremental(weight_LE, old, groups, 1, self.world)
+        incr, _ = rebalance_incremental(weight_LE, old, groups, 1, self.world, policy)
         bal_full = float(full.balancedness(weight_LE).mean())
         bal_incr = float(incr.balancedness(weight_LE).mean())
         mode = "incremental" if bal_incr >= bal_full - INCREMENTAL_SLACK else "full"
