@@ -42,7 +42,8 @@ def plain_deepseek(w_E, R, num_groups, num_nodes, G):
     w = [np.float32(x) for x in w_E]
     E = len(w)
     gs, gpn, S = E // num_groups, num_groups // num_nodes, R // G
-    gw = [np.float32(np.sum(np.array(w[g * gs:(g + 1) * gs], np.float32))) for g in range(num_groups)]
+    gw = [np.float32(np.sum(np.array(w[g * gs:(g + 1) * gs], np.float32)))
+          for g in range(num_groups)]
     gpack, grank = _pack(gw, num_nodes)
     mlog2log = [0] * E
     for g in range(num_groups):

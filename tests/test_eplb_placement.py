@@ -149,8 +149,8 @@ def test_hierarchical_trades_balance_for_locality():
 def test_groups_on_nodes_agrees_with_plain_check():
     rng = np.random.default_rng(0)
     for _ in range(30):
-        p = Placement.from_phy2log([np.r_[np.arange(16), rng.integers(0, 16, 8)][rng.permutation(24)]],
-                                   16, 4)
+        row = np.r_[np.arange(16), rng.integers(0, 16, 8)][rng.permutation(24)]
+        p = Placement.from_phy2log([row], 16, 4)
         assert bool(p.groups_on_nodes(4, 2)[0]) == groups_on_one_node(p, 4, 2)
     p = Placement.from_phy2log([[0, 1, 2, 3, 4, 5, 6, 7], [0, 4, 1, 5, 2, 6, 3, 7]], 8, 2)
     assert p.groups_on_nodes(2, 2).tolist() == [True, False]

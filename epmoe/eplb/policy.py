@@ -1,12 +1,12 @@
 """Placement modes: `rebalance(weight_LE, num_replicas, num_groups, num_nodes, num_gpus, mode)`.
 
-| mode           | replica counts and packing                        | baseline it never loses to   |
-|----------------|---------------------------------------------------|------------------------------|
-| "hierarchical" | expert groups -> nodes (each group on one node,   | DeepSeek hierarchical        |
-|                | num_groups / num_nodes per node), then replicas   | (rebalance_experts_          |
-|                | and packing inside each node                      | hierarchical)                |
-| "global"       | replicas over the whole layer, packed on any GPU  | DeepSeek global (the same    |
-|                |                                                   | with 1 group on 1 node)      |
+| mode           | replica counts and packing                       | never worse than            |
+|----------------|--------------------------------------------------|-----------------------------|
+| "hierarchical" | expert groups -> nodes (each group on one node,  | DeepSeek hierarchical       |
+|                | num_groups / num_nodes per node), then replicas  | (rebalance_experts_         |
+|                | and packing inside each node                     | hierarchical)               |
+| "global"       | replicas over the whole layer, on any GPU        | DeepSeek global (the same   |
+|                |                                                  | with 1 group on 1 node)     |
 
 Never worse by construction: per layer, the result is the candidate with the lowest max GPU
 load among ours, DeepSeek's same-mode placement, and DeepSeek's placement after our swap
