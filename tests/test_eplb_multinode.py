@@ -10,27 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_failures import RayNodes, describe, new_tag, run_launch, wait_gone
-from tests.test_multinode import _wait_for_nodes
+from tests.test_launch_failures import describe, new_tag, run_launch, wait_gone
+from tests.test_multinode import _wait_for_nodes, two_nodes  # noqa: F401  (the cluster fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def two_nodes():
-    nodes = RayNodes()
-    try:
-        try:
-            nodes.start_head(num_cpus=2)
-            nodes.add_node(num_cpus=2)
-        except RuntimeError as e:
-            pytest.skip(f"Ray cannot form two nodes on this machine: {e}")
-        yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 @pytest.mark.timeout(480)

@@ -38,6 +38,8 @@ class BackgroundMigration:
         weights, old_LR, new_LR, rank, world, group = self._args
         t0 = time.perf_counter()
         try:
+            if self._stream is not None:  # the current device is per thread
+                torch.cuda.set_device(self._stream.device)
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
             with ctx:
                 self._staged = stage_layers(weights, old_LR, new_LR, rank, world, group)
