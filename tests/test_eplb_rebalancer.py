@@ -78,7 +78,7 @@ CFG = get_preset("deepseek-v3-tiny")  # 16 experts, 4 groups, top 2 groups
 
 def _rebalancer(topology, world, slots, **opts):
     return Rebalancer(CFG, QuantConfig("bf16"), 1, slots, rank=0, world=world, group=None,
-                      device="cpu", form="ep_dp", token_offset=0,
+                      device="cpu", forms=("ep_dp",), own_tokens=True, token_offset=0,
                       options=RebalanceOptions(enabled=True, **opts), make_experts=None,
                       topology=topology)
 
@@ -109,7 +109,7 @@ def test_options_and_token_bytes():
     assert token_bytes(7168, QuantConfig("fp8_block")) == 7168 + 7168 // 128 * 4 + 7168 * 2
     with pytest.raises(RuntimeError, match=r"rebalance needs RunConfig\(eplb=True\)"):
         Rebalancer(CFG, QuantConfig("bf16"), 1, 16, rank=0, world=1, group=None, device="cpu",
-                   form="ep_dp", token_offset=0, options=RebalanceOptions(),
+                   forms=("ep_dp",), own_tokens=True, token_offset=0, options=RebalanceOptions(),
                    make_experts=None).rebalance([], [])
 
 

@@ -68,7 +68,8 @@ def _with_topology(rt, topology):
     run = rt.run
     rt.rebalancer = Rebalancer(
         rt.cfg, run.quant, run.num_layers, rt.plan.slots(rt.cfg), rank=rt.rank, world=rt.world,
-        group=rt.group, device=rt.device, form=run.form, token_offset=rt.token_offset,
+        group=rt.group, device=rt.device, forms=run.forms, own_tokens=run.own_tokens,
+        token_offset=rt.token_offset,
         options=RebalanceOptions(enabled=True, window=run.eplb_window,
                                  migration=run.eplb_migration),
         make_experts=rt._make_experts, timer=rt.timer, topology=topology)

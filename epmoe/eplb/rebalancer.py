@@ -2,7 +2,8 @@
 maps of every layer, the load window, the topology, the placement decision, the migration.
 
     rebalancer = Rebalancer(cfg, quant, num_layers, num_slots, rank=, world=, group=, device=,
-                            form=, token_offset=, options=RebalanceOptions(enabled=True, ...),
+                            forms=, own_tokens=, token_offset=,
+                            options=RebalanceOptions(enabled=True, ...),
                             make_experts=..., timer=...)   # collective when enabled, world > 1
     rebalancer.begin_step(layers)              # every step, before the layers run (collective
                                                # while an async migration is pending)
@@ -79,24 +80,31 @@ def token_bytes(hidden: int, quant: QuantConfig) -> int:
 
 class Rebalancer:
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, num_layers: int, num_slots: int, *,
-                 rank: int, world: int, group, device, form: str, token_offset: int,
-                 options: RebalanceOptions, make_experts, timer=None,
+                 rank: int, world: int, group, device, forms: tuple[str, ...], own_tokens: bool,
+                 token_offset: int, options: RebalanceOptions, make_experts, timer=None,
                  topology: Topology | None = None):
+        """forms: each layer's parallel form (a tp layer holds every slot: one "GPU" for its
+        replica map); own_tokens: every rank routes its own tokens (loads and traffic are
+        summed over ranks); token_offset: the global index of this rank's first token;
+        make_experts(weights, experts_name): the runtime's experts factory; topology: None =
+        learned by an all-gather (collective)."""
         self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
-        self.device, self.form, self.token_offset = torch.device(device), form, token_offset
+        self.device, self.own_tokens = torch.device(device), own_tokens
+        self.token_offset = token_offset
         self.options, self.make_experts, self.timer = options, make_experts, timer
-        self.num_gpus = world if form != "tp" else 1
+        self.num_gpus = world
         self.grouped = group is not None and world > 1
         E = cfg.num_experts
         self.phy2log = [[s % E for s in range(num_slots)] for _ in range(num_layers)]
-        self.replica_maps = [self._replica_map(p) for p in self.phy2log]
+        self._map_gpus = [world if f != "tp" else 1 for f in forms]
+        self.replica_maps = [self._replica_map(p, g) for p, g in zip(self.phy2log, self._map_gpus)]
         self.recorder = None
         self.topology = topology or Topology.single_node(world)
         self.migration_group = None
         self.mode = ModeChoice("global", "EPLB is off")
         if options.enabled:
             self.recorder = LoadRecorder(num_layers, num_slots, options.window, self.device)
-            if topology is None and self.grouped and form != "tp":
+            if topology is None and self.grouped:
                 self.topology = discover(group, world, self.device)
             self.mode = self._choose_mode()
             if options.migration == "async" and self.grouped:
@@ -110,11 +118,11 @@ class Rebalancer:
         self.last_switch: dict | None = None
 
     # ---------------------------------------------------------------- placement state
-    def _replica_map(self, phy2log_R: list[int]) -> ReplicaMap | None:
+    def _replica_map(self, phy2log_R: list[int], num_gpus: int) -> ReplicaMap | None:
         e = self.cfg.num_experts
         if phy2log_R == list(range(e)):
             return None  # identity: logical id == physical slot
-        p = Placement.from_phy2log([phy2log_R], e, self.num_gpus)
+        p = Placement.from_phy2log([phy2log_R], e, num_gpus)
         return ReplicaMap(p.log2phy[0].to(self.device), p.logcnt[0].to(self.device))
 
     def _choose_mode(self) -> ModeChoice:
@@ -130,9 +138,9 @@ class Rebalancer:
         if new_R == self.phy2log[l]:
             return
         self.phy2log[l] = new_R
-        layer.experts = self.make_experts(layer.weights.experts)
+        layer.experts = self.make_experts(layer.weights.experts, layer.plan.experts)
         layer.experts.timer = self.timer
-        layer.replica_map = self.replica_maps[l] = self._replica_map(new_R)
+        layer.replica_map = self.replica_maps[l] = self._replica_map(new_R, self._map_gpus[l])
 
     # ---------------------------------------------------------------- per step
     def begin_step(self, layers) -> None:
@@ -182,9 +190,8 @@ class Rebalancer:
 
     # ---------------------------------------------------------------- rebalancing
     def _window(self) -> torch.Tensor:
-        reduce = self.form == "ep_dp"
         return self.recorder.window_load(self.group if self.grouped else None,
-                                         reduce=reduce).cpu()
+                                         reduce=self.own_tokens).cpu()
 
     def window_balancedness(self) -> float:
         """Measured balancedness of the steps recorded since the last switch (all ranks)."""
@@ -281,18 +288,19 @@ class Rebalancer:
 
     def _traffic(self, placements: list[Placement], weight_LE, nodes: int) -> list[Traffic] | None:
         """Traffic of each placement (GPU order) on the last step's routing of every rank
-        (its own tokens, summed by one all-reduce), else on a sample drawn from the loads."""
+        (its own tokens, summed by one all-reduce), else (no step yet, or layers that saw
+        different token counts) on a sample drawn from the loads."""
         if self.topology.num_nodes > 1 and nodes == 1:
             return None  # unequal nodes: no node numbering of the GPUs
         cfg, kw = self.cfg, dict(token_bytes=self.token_bytes)
-        if any(ids is None for ids in self._ids):
+        if any(ids is None for ids in self._ids) or len({i.shape for i in self._ids}) > 1:
             ids = routing_from_loads(weight_LE, cfg.top_k, cfg.n_group, cfg.topk_group,
                                      num_tokens=256, seed=0)
             return [traffic_from_routing(p, ids, nodes, **kw) for p in placements]
         ids = torch.stack([i.long().cpu() for i in self._ids])
         T = ids.shape[1]
-        shared = self.form != "ep_dp" or not self.grouped
-        src = None if self.form != "ep_dp" else \
+        shared = not self.own_tokens or not self.grouped
+        src = None if not self.own_tokens else \
             torch.full((T,), self.topology.gpu_of_rank[self.rank])
         trs = [traffic_from_routing(p, ids, nodes, src_rank_T=src, token_offset=self.token_offset,
                                     **kw) for p in placements]

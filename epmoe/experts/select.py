@@ -69,14 +69,15 @@ def make_experts(name: str, weights: ExpertWeights, cfg: MoEConfig, quant: Quant
     if device.type == "cuda":
         cls, why = _deepgemm_class()
         why = why or (cls.supports(cfg, quant, device) or "")
-        if not why:
-            return cls(weights, cfg, quant), "deepgemm: chosen"
-        notes.append(f"deepgemm: {why}")
-        tcls = _triton_class()
-        why = tcls.supports(cfg, quant, device)
-        if not why:
-            return tcls(weights, cfg, quant), "; ".join(notes + ["triton: chosen"])
-        notes.append(f"triton: {why}")
+        for name, make in (("deepgemm", cls), ("triton", _triton_class())):
+            if name == "triton":
+                why = make.supports(cfg, quant, device) or ""
+            if not why:
+                try:  # a backend that refuses these weights at construction falls through too
+                    return make(weights, cfg, quant), "; ".join(notes + [f"{name}: chosen"])
+                except ValueError as exc:
+                    why = str(exc).splitlines()[0]
+            notes.append(f"{name}: {why}")
     else:
         notes.append(f"deepgemm, triton: device {device} is not CUDA")
     from epmoe.experts.torch_experts import TorchExperts

@@ -44,7 +44,7 @@ def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:
                                                       "window_balancedness")[0]
     status = d.call_all("eplb status", "eplb_status")[0]
     base = _stalls(events, wall)
-    srcs = reports if run.form == "ep_dp" else reports[:1]
+    srcs = reports if run.own_tokens else reports[:1]
     slot_load = sum(r["load_LS"] for r in srcs)  # [L, slots], all steps, all ranks
     done = [e for e in events if e["decision"] == "rebalance"]
     eplb = dict(

@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from epmoe import __version__
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, reference_route
 from epmoe.runtime import RunConfig
 from epmoe.weights import synthetic_layer
 
@@ -52,34 +52,77 @@ class LazyOracleLayer:
         return self.gate, self.bias, self.w13, self.w2, self.shared
 
 
+def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
+    """The reports whose layer-l rows together are the step's batch: every rank's own rows, or
+    rank 0's (a replicated layer: every rank holds the same gathered batch)."""
+    return reports if run.holds_own_rows(l) and run.own_tokens else reports[:1]
+
+
 def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
     """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
     if not run.check or not reports[0]["last"]:
         return dict(checked=False, passed=None, max_rel_err=None,
                     tolerance=TOLERANCE[run.quant.recipe])
-    srcs = reports if run.form == "ep_dp" else reports[:1]
-    per_layer = []
-    n_check = min(run.tokens, MAX_CHECK_TOKENS_PER_RANK)
+    per_layer, router, checked = [], [], 0
     for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        n_check = min(run.layer_tokens(l), MAX_CHECK_TOKENS_PER_RANK)
         recs = [r["last"][l] for r in srcs]
         x = torch.cat([rec["x"][:n_check] for rec in recs])
         out = torch.cat([rec["out"][:n_check] for rec in recs])
-        ids = w = None
-        if recs[0]["ids"] is not None:
-            ids = torch.cat([rec["ids"][:n_check] for rec in recs])
-            w = torch.cat([rec["w"][:n_check] for rec in recs])
+        # the routing the layer used: the oracle replays it (the router is checked apart)
+        ids = torch.cat([rec["ids"][:n_check] for rec in recs])
+        w = torch.cat([rec["w"][:n_check] for rec in recs])
         oracle = LazyOracleLayer(run, l).as_tuple()
         ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
         per_layer.append(max_rel_err(out, ref))
-        if run.form != "ep_dp":  # replicated tokens: every rank must hold the same output
+        if bool(recs[0].get("routed", False)):
+            router.append(check_router(x, ids, w, oracle, run.cfg))
+        checked = max(checked, n_check * len(srcs))
+        if len(srcs) == 1:  # replicated tokens: every rank must hold the same output
             for r in reports[1:]:
                 other = r["last"][l]["out"][:n_check]
                 per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
     tol = TOLERANCE[run.quant.recipe]
     worst = max(per_layer)
-    return dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
-                per_layer=per_layer, tokens_checked=n_check * len(srcs),
-                metric="max|out-ref| / max|ref| per layer, float64 oracle")
+    out = dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
+               per_layer=per_layer, tokens_checked=checked,
+               metric="max|out-ref| / max|ref| per layer, float64 oracle (replaying the "
+                      "routing each layer used)")
+    if router:
+        agree = min(r["agreement"] for r in router)
+        w_err = max(r["weight_rel_err"] for r in router)
+        ok = agree >= ROUTER_MIN_AGREEMENT and w_err <= ROUTER_WEIGHT_TOL
+        out["router"] = dict(passed=ok, agreement=agree, weight_rel_err=w_err,
+                             min_agreement=ROUTER_MIN_AGREEMENT, weight_tol=ROUTER_WEIGHT_TOL,
+                             metric="share of tokens whose top-k set equals the float64 "
+                                    "router's (worst layer); weights of those tokens")
+        out["passed"] = out["passed"] and ok
+    return out
+
+
+# The layer's router may compute logits in bf16 with fp32 accumulation (the fused GPU router):
+# tokens whose k-th and (k+1)-th scores lie within that rounding may pick the other expert, a
+# legitimate difference. The MoE output is checked against the oracle on the routing the layer
+# used; the router is checked here: nearly every token's top-k set must equal the oracle's.
+ROUTER_MIN_AGREEMENT = 0.9
+ROUTER_WEIGHT_TOL = 1e-2
+
+
+def check_router(x, ids, w, oracle, cfg) -> dict:
+    """Top-k sets and weights of the layer's router against the float64 reference router."""
+    gate, bias = oracle[0], oracle[1]
+    ref_ids, ref_w = reference_route(x.double() @ gate.T, cfg, bias)
+    ids_s, order = ids.long().sort(1)
+    ref_s, ref_order = ref_ids.sort(1)
+    same = (ids_s == ref_s).all(1)
+    w_err = 0.0
+    if same.any():
+        got = w.double().gather(1, order)[same]
+        want = ref_w.gather(1, ref_order)[same]
+        w_err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+    return dict(agreement=float(same.double().mean()) if same.numel() else 1.0,
+                weight_rel_err=w_err)
 
 
 def _median(xs):
@@ -101,26 +144,33 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dic
         # per-call median, times calls per step = ms per step spent in the stage
         per_step = len(vals) / (len(reports) * steps)
         stages[name] = _median(vals) * per_step
-    tokens_step = run.tokens * (world if run.form == "ep_dp" else 1)
-    load_src = reports if run.form == "ep_dp" else reports[:1]
-    load_LS = sum(r["load_LS"] for r in load_src)  # [L, slots]
+    tokens_step = run.global_tokens
     cfg = run.cfg
-    per_slot = load_LS.sum(0)
-    per_rank = [int(x) for x in per_slot.view(world, -1).sum(1)] if run.form != "tp" else \
-        [int(per_slot.sum())] * world
-    per_expert = sum(r["load_LE"] for r in load_src).sum(0)
+    per_rank = [0] * world
+    per_expert = 0
+    for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        per_slot = sum(r["load_LS"][l] for r in srcs)  # [slots]
+        per_expert = per_expert + sum(r["load_LE"][l] for r in srcs)
+        if run.layer_spec(l).form == "tp":  # every rank runs every pair (a slice of I)
+            per_rank = [p + int(per_slot.sum()) for p in per_rank]
+        else:
+            per_rank = [p + int(x) for p, x in zip(per_rank, per_slot.view(world, -1).sum(1))]
     bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
     nodes = sorted({w["node_id"] for w in where})
     summary = dict(
         epmoe_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         config=dict(model=run.model, recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
-                    tokens_per_rank=run.tokens if run.form == "ep_dp" else None,
+                    tokens_per_rank=run.tokens if run.own_tokens else None,
                     tokens=tokens_step, layers=run.num_layers, steps=run.steps, seed=run.seed,
                     routing=run.routing, hidden=cfg.hidden, moe_intermediate=cfg.moe_intermediate,
                     num_experts=cfg.num_experts, top_k=cfg.top_k),
-        world=dict(form=run.form, ep=world if run.form != "tp" else 1,
-                   tp=world if run.form == "tp" else 1, dp=world if run.form == "ep_dp" else 1,
+        world=dict(form="mixed" if run.mixed else run.form,
+                   ep=world if run.form != "tp" or run.mixed else 1,
+                   tp=world if "tp" in run.forms else 1, dp=world if run.own_tokens else 1,
+                   layers=[dict(form=f, backend=b[0], reason=b[1]) for f, b in
+                           zip(run.forms, reports[0].get("layer_backends", []))],
                    backend=reports[0]["backend"], backend_reason=reports[0]["backend_reason"],
                    experts=reports[0]["experts_reason"], device=reports[0]["device"],
                    nodes=len(nodes),
@@ -155,6 +205,12 @@ def render(summary: dict, console=None) -> None:
         ok = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
         head.add_row("correctness", f"{ok} max rel err {c['max_rel_err']:.2e} <= tol "
                                     f"{c['tolerance']:.0e} over {c['tokens_checked']} tokens")
+        if c.get("router"):
+            rt = c["router"]
+            head.add_row("router", f"{'PASS' if rt['passed'] else 'FAIL'} top-k sets equal "
+                                   f"to the oracle's for {rt['agreement']:.1%} of tokens "
+                                   f"(>= {rt['min_agreement']:.0%}), weights "
+                                   f"{rt['weight_rel_err']:.1e}")
     else:
         head.add_row("correctness", "not checked (--no-check)")
     head.add_row("step time", f"{t['step_ms_median']:.2f} ms median  ({t['tokens_per_s']:.0f} "
