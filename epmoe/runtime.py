@@ -179,8 +179,9 @@ class Runtime:
                                     max_tokens_per_rank=run.tokens)
         # the rebalancer owns the placement (slot s of layer l holds logical expert
         # phy2log[l][s]; initially s mod E), the replica maps and, with run.eplb, rebalancing
+        slots = self.plans[0].slots(self.cfg)
         self.rebalancer = Rebalancer(
-            self.cfg, run.quant, run.num_layers, self.plans[0].slots(self.cfg), rank=rank,
+            self.cfg, run.quant, run.num_layers, slots, rank=rank,
             world=self.world, group=group, device=self.device, forms=run.forms,
             own_tokens=run.own_tokens, token_offset=self.token_offset,
             options=RebalanceOptions(enabled=run.eplb, window=run.eplb_window,
