@@ -61,7 +61,7 @@ def plan_migration(old_R: list[int], new_R: list[int], world: int) -> list[Trans
     return out
 
 
-def _tensors(w: ExpertWeights) -> list[torch.Tensor]:
+def slot_tensors(w: ExpertWeights) -> list[torch.Tensor]:
     """Per-slot tensors (leading dim = local slot) that define an expert: data and scales."""
     ts = [w.w13.data, w.w2.data]
     ts += [t for t in (w.w13.scale, w.w2.scale) if t is not None]
@@ -83,7 +83,7 @@ def checksum_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def slot_checksums(w: ExpertWeights) -> torch.Tensor:
     """int64 [S]: `checksum_rows` of every local slot's data and scales."""
-    return checksum_rows(_tensors(w))
+    return checksum_rows(slot_tensors(w))
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class StagedLayer:
     """This rank's changed slots of one layer, filled and verified, not yet applied.
 
     local_slots    local index of each changed slot
-    rows           per changed slot, its tensors (as `_tensors` lists them) in wire dtype
+    rows           per changed slot, its tensors (as `slot_tensors` lists them) in wire dtype
     num_transfers  transfers of the layer's plan (all ranks)
     """
 
@@ -123,7 +123,7 @@ def stage_layers(ws: list[ExpertWeights], old_LR: list[list[int]], new_LR: list[
     staged: list[dict[int, list[torch.Tensor]]] = [{} for _ in moving]
     ops = []
     for m, l in enumerate(moving):
-        tensors = _tensors(ws[l])
+        tensors = slot_tensors(ws[l])
         for t in plans[l]:
             if t.src == rank and t.dst != rank:
                 for x in tensors:
@@ -168,7 +168,7 @@ def _verify(after_S, before_R, old_R, new_R, rank, base) -> None:
 def apply_staged(w: ExpertWeights, staged: StagedLayer) -> None:
     """Copy the staged slots into the weights in use (in place, on the current stream; a
     buffer staged on a side stream is marked used here so the allocator keeps it until then)."""
-    tensors = _tensors(w)
+    tensors = slot_tensors(w)
     for i, row in zip(staged.local_slots, staged.rows):
         for x, v in zip(tensors, row):
             if v.is_cuda:

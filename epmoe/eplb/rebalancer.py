@@ -32,7 +32,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.eplb.background import BackgroundMigration
 from epmoe.eplb.decision import decide
 from epmoe.eplb.incremental import rebalance_incremental
-from epmoe.eplb.migrate import _tensors, apply_staged, migrate_layer, plan_migration
+from epmoe.eplb.migrate import apply_staged, migrate_layer, plan_migration, slot_tensors
 from epmoe.eplb.placement import Placement
 from epmoe.eplb.policy import MODES, ModeChoice, choose_mode, rebalance
 from epmoe.eplb.recorder import LoadRecorder, balancedness_per_layer
@@ -276,7 +276,7 @@ class Rebalancer:
     def _bytes_to_move(self, layers, new_LR):
         """Per rank, bytes received from its own node and from other nodes; slots changed."""
         w = layers[0].weights.experts
-        per_slot = sum(t[0].numel() * t.element_size() for t in _tensors(w))
+        per_slot = sum(t[0].numel() * t.element_size() for t in slot_tensors(w))
         intra, inter = [0] * self.world, [0] * self.world
         node, slots = self.topology.node_of_rank, 0
         for old_R, new_R in zip(self.phy2log, new_LR):
