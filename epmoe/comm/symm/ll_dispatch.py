@@ -28,7 +28,8 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import LL_DISPATCH, ArenaLayout, RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sync import (C_SEQ, USE_TIMER, ctrl_ptr, epoch, finish_send,  # noqa: E402
-                                  wait_acks, wait_ready)
+                                  peer_ptr, wait_acks, wait_ready)
+from epmoe.comm.symm.tiles import pick, row_cols, warps  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
 
@@ -90,52 +91,65 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, ids_ptr, T, me, limit,
                           META: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                           K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr, C: tl.constexpr,
                           D: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
-                          FP8: tl.constexpr, POW2: tl.constexpr, PRE_ROUND: tl.constexpr,
-                          BT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Pairs (token, k) are the lanes: each takes a row on its expert's rank (one vector of
-    system-scope atomics per step), then quantizes its token's row chunk by chunk (the K reads
-    of a token hit the cache) and stores it there."""
+                          NGP: tl.constexpr, FP8: tl.constexpr, POW2: tl.constexpr,
+                          PRE_ROUND: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A step: BT tokens. Their whole rows load while one vector of system-scope atomics takes
+    a row for every (token, k) on its expert's rank; each row is quantized once and stored to
+    its K rows."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_D)
     ok = wait_acks(arena_ptr, OP_D, e - 1, limit, W, USE_TIMER)
     if ok != 0:
-        pp = tl.arange(0, BT * KP)
-        k = pp % KP
+        kk = tl.arange(0, KP)
+        km = kk < K
+        cols = tl.arange(0, CH)
+        cm = cols < D
+        g = tl.arange(0, NGP)
+        gm = g < NG
         for t0 in range(pid * BT, T, G * BT):
-            t = t0 + pp // KP
-            pm = (t < T) & (k < K)
+            t = t0 + tl.arange(0, BT)
+            tm = t < T
             t64 = t.to(tl.int64)
-            ids = tl.load(ids_ptr + t64 * K + k, mask=pm, other=-1).to(tl.int32)
+            x = tl.load(x_ptr + t64[:, None] * D + cols[None, :], mask=tm[:, None] & cm[None, :],
+                        other=0.0).to(tl.float32)
+            ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :],
+                          mask=tm[:, None] & km[None, :], other=-1).to(tl.int32)
             valid = ids >= 0
             d = tl.where(valid, ids // E_L, 0)
             le = ids - d * E_L
-            base = arena_ptr + tl.multiple_of(tl.load(delta_ptr + d), 128)  # wide stores
+            delta = tl.load(delta_ptr + d)
+            base = arena_ptr + delta
             slot = tl.atomic_add((base + SLOTS).to(tl.pointer_type(tl.int32)) + le, 1,
                                  mask=valid, sem="relaxed", scope="sys")
             valid = valid & (slot < C)
-            row = (le * C + slot).to(tl.int64)
-            tl.store((base + META).to(tl.pointer_type(tl.int32)) + row, (me * TMAX + t) * K + k,
-                     mask=valid)
-            for c0 in range(0, D, CH):
-                cols = c0 + tl.arange(0, CH)
-                cm = cols < D
-                m2 = valid[:, None] & cm[None, :]
-                x = tl.load(x_ptr + t64[:, None] * D + cols[None, :], mask=m2,
-                            other=0.0).to(tl.float32)
+            row = le * C + slot
+            tl.store((base + META).to(tl.pointer_type(tl.int32)) + row,
+                     (me * TMAX + t[:, None]) * K + kk[None, :], mask=valid)
+            if FP8:
+                q, sc = _quantize_rows(x, BT, CH, POW2, PRE_ROUND)
+                q = q.to(tl.float8e4nv)
+            else:
+                if PRE_ROUND:
+                    x = round_bf16(x)
+                q = x.to(tl.bfloat16)
+            vi = valid.to(tl.int32)
+            for k in tl.static_range(K):
+                vk = pick(vi, kk, k) != 0
+                rk = pick(row, kk, k).to(tl.int64)
+                pk = peer_ptr(arena_ptr, delta_ptr, pick(d, kk, k))
+                m2 = vk[:, None] & cm[None, :]
                 if FP8:
-                    q, s = _quantize_rows(x, BT * KP, CH, POW2, PRE_ROUND)
-                    dst = (base + DATA).to(tl.pointer_type(tl.float8e4nv)) + row * D
-                    tl.store(dst[:, None] + cols[None, :], q.to(tl.float8e4nv), mask=m2)
-                    g = c0 // 128 + tl.arange(0, CH // 128)
-                    sdst = (base + SCALE).to(tl.pointer_type(tl.float32))[:, None] \
-                        + ((le * NG)[:, None] + g[None, :]).to(tl.int64) * C + slot[:, None]
-                    tl.store(sdst, s, mask=valid[:, None] & (g < NG)[None, :])
+                    dst = (pk + DATA).to(tl.pointer_type(tl.float8e4nv)) + rk * D
+                    tl.store(dst[:, None] + cols[None, :], q, mask=m2)
+                    # scales [E_L][G][C]: (le * NG + g) * C + slot
+                    sk = pick(le, kk, k).to(tl.int64) * NG * C + pick(slot, kk, k)
+                    sdst = (pk + SCALE).to(tl.pointer_type(tl.float32)) + sk
+                    tl.store(sdst[:, None] + g[None, :].to(tl.int64) * C, sc,
+                             mask=vk[:, None] & gm[None, :])
                 else:
-                    if PRE_ROUND:
-                        x = round_bf16(x)
-                    dst = (base + DATA).to(tl.pointer_type(tl.bfloat16)) + row * D
-                    tl.store(dst[:, None] + cols[None, :], x.to(tl.bfloat16), mask=m2)
+                    dst = (pk + DATA).to(tl.pointer_type(tl.bfloat16)) + rk * D
+                    tl.store(dst[:, None] + cols[None, :], q, mask=m2)
     finish_send(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
@@ -153,12 +167,6 @@ def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: 
 
 
 # --------------------------------------------------------------------------------------------
-def _chunk(d: int) -> int:
-    """Columns per step: the whole row under the interpreter, 1024 on GPU (a multiple of the
-    128-column quantization group, so each chunk quantizes on its own)."""
-    return next_pow2(d) if INTERPRET else min(1024, next_pow2(d))
-
-
 def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: torch.Tensor,
                   topk_ids_TK: torch.Tensor, opts: SymmOptions) -> None:
     """Quantize (fp8_block: per 128 columns) and write every (token, k) row into the masked
@@ -175,10 +183,9 @@ def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: to
         SCALE=lay.offset("ll_scale"), META=lay.offset("ll_meta"),
         TMAX=max(1, shape.max_tokens), W=shape.world, K=shape.top_k,
         KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d,
-        CH=_chunk(d), NG=shape.num_groups, FP8=shape.fp8,
-        POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
-        BT=64 if INTERPRET else max(1, 8 // next_pow2(shape.top_k)), USE_TIMER=USE_TIMER,
-        num_warps=1 if INTERPRET else 8)
+        CH=row_cols(d), NG=shape.num_groups, NGP=next_pow2(max(1, row_cols(d) // GROUP)),
+        FP8=shape.fp8, POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
+        BT=opts.tile(1), USE_TIMER=USE_TIMER, num_warps=warps())
 
 
 def dispatch_recv(arena: RankArena, shape: LLShape, quant: QuantConfig,
