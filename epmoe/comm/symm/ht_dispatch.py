@@ -209,7 +209,7 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
                           ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
                           BT: tl.constexpr, BR: tl.constexpr, USE_TIMER: tl.constexpr):
     """A step: BT received tokens (whole rows, one load, with their meta), each row stored to
-    the layout rows of its local experts (<= K stores of the same registers)."""
+    the layout rows of its local experts (one [BT, KP, CH] store of the same registers)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_D)
@@ -258,11 +258,13 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             src = tl.sum(((n[:, None] >= incl_s[None, :]) & sm[None, :]).to(tl.int32), axis=1)
             first = tl.sum(tl.where(s[None, :] == src[:, None], excl_s[None, :], 0), axis=1)
             slot = ((buf * W + src) * TMAX + n - first).to(tl.int64)
+            # the row as [BT, 1, CH]: stored to its K layout rows by one [BT, KP, CH] store
             rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
-            row = tl.load(rows[:, None] + cols[None, :], mask=nm[:, None] & cm[None, :])
+            row = tl.load(rows[:, None, None] + cols[None, None, :],
+                          mask=nm[:, None, None] & cm[None, None, :])
             if SW > 0:
-                srow = tl.load(rows[:, None] + DW + scols[None, :],
-                               mask=nm[:, None] & (scols < SW)[None, :])
+                srow = tl.load(rows[:, None, None] + DW + scols[None, None, :],
+                               mask=nm[:, None, None] & (scols < SW)[None, None, :])
             meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
             pm = nm[:, None] & km[None, :]
             le = tl.load(meta[:, None] + 1 + kk[None, :], mask=pm, other=-1)
@@ -273,16 +275,12 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             valid = pm & (le >= 0) & (le < E_L)
             r = tl.load(rb + src[:, None] * E_L + le, mask=valid, other=0) + pos
             valid = valid & (r >= 0) & (r < M_MAX)
-            r64 = r.to(tl.int64)
-            vi = valid.to(tl.int32)
-            for k in tl.static_range(K):
-                rk = pick(r64, kk, k)
-                vk = pick(vi, kk, k) != 0
-                tl.store(xo_ptr + rk[:, None] * DW + cols[None, :], row,
-                         mask=vk[:, None] & cm[None, :])
-                if SW > 0:
-                    tl.store(so_ptr + rk[:, None] * SW + scols[None, :], srow,
-                             mask=vk[:, None] & (scols < SW)[None, :])
+            r64 = r.to(tl.int64)[:, :, None]
+            tl.store(xo_ptr + r64 * DW + cols[None, None, :], row,
+                     mask=valid[:, :, None] & cm[None, None, :])
+            if SW > 0:
+                tl.store(so_ptr + r64 * SW + scols[None, None, :], srow,
+                         mask=valid[:, :, None] & (scols < SW)[None, None, :])
             tl.store(inv_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, r, -1), mask=pm)
             tl.store(wo_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, wk, 0.0), mask=pm)
             tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm)
