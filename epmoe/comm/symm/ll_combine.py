@@ -19,7 +19,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
                                   arrive_last, ctrl_ptr, epoch, publish, wait_acks)
-from epmoe.comm.symm.tiles import row_cols, rows_per_step, warps  # noqa: E402
+from epmoe.comm.symm.tiles import row_cols, warps  # noqa: E402
 
 OP_D = tl.constexpr(LL_DISPATCH)
 OP_C = tl.constexpr(LL_COMBINE)
@@ -89,7 +89,7 @@ def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E
         arena.base, arena.peer_delta_W, y_ECD.contiguous(), counts_E, arena.rank,
         opts.spin_limit, SLOTS=lay.offset("ll_slots"), META=lay.offset("ll_meta"),
         E_L=shape.num_local_experts, EP=next_pow2(shape.num_local_experts), C=shape.capacity,
-        BT=opts.tile(rows_per_step(row_cols(shape.hidden), 2)), **_consts(arena, shape))
+        BT=opts.tile(8), **_consts(arena, shape))  # copies only: 8 rows fit the registers
 
 
 def combine_recv(arena: RankArena, shape: LLShape, topk_ids_TK: torch.Tensor,
