@@ -381,7 +381,7 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     _dispatch_recv_kernel[(grid(opts, dev, recv=True),)](
         arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
         arena.rank, opts.spin_limit, M_MAX=m, BR=1024 if INTERPRET else 2048,
-        BT=opts.tile(rows_per_step(row_cols(dw))), **_consts(arena, shape))
+        BT=opts.tile(min(4, rows_per_step(row_cols(dw)))), **_consts(arena, shape))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
     x = QTensor(xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv,
