@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm import CommContext, make_comm
+from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.config import MoEConfig, QuantConfig, get_preset
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
 from epmoe.parallel import LayerPlan, LayerSpec
-from epmoe.router import ReplicaMap, Routing
+from epmoe.router import Routing
 from epmoe.timing import StageTimer
 from epmoe.weights import synthetic_layer
 
@@ -51,6 +52,8 @@ class RunConfig:
     # per-layer LayerSpec (a mixed stack: plan file or planner); () = every layer runs
     # `form` with `backend` and `experts`
     stack: tuple = ()
+    eplb_migration: str = "sync"  # sync | async (weights staged in the background)
+    eplb_link_gbps: float | None = None  # rebalance cost model; None: NVLink / RDMA figures
 
     @property
     def cfg(self) -> MoEConfig:
@@ -141,11 +144,6 @@ class RunConfig:
         return dataclasses.replace(self, **kw)
 
 
-# A rebalance keeps the incremental placement when its predicted balancedness is within this
-# of the full re-placement's: moving fewer slots is worth a little balance.
-INCREMENTAL_SLACK = 0.02
-
-
 def _device_for(rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", rank % torch.cuda.device_count())
@@ -179,17 +177,18 @@ class Runtime:
         # buffers, and the buffers themselves (freed collectively by close())
         self.comm_ctx = CommContext(group, rank, self.world, self.device,
                                     max_tokens_per_rank=run.tokens)
-        # placement: slot s of layer l holds logical expert phy2log[l][s]; initially s mod E
+        # the rebalancer owns the placement (slot s of layer l holds logical expert
+        # phy2log[l][s]; initially s mod E), the replica maps and, with run.eplb, rebalancing
         slots = self.plans[0].slots(self.cfg)
-        self.phy2log = [[s % self.cfg.num_experts for s in range(slots)]
-                        for _ in range(run.num_layers)]
-        self.replica_maps = [self._replica_map(p, l) for l, p in enumerate(self.phy2log)]
-        self.layers = [self._build_layer(l, self.phy2log[l]) for l in range(run.num_layers)]
-        self.recorder = None
-        if run.eplb:
-            from epmoe.eplb.recorder import LoadRecorder
-
-            self.recorder = LoadRecorder(run.num_layers, slots, run.eplb_window, self.device)
+        self.rebalancer = Rebalancer(
+            self.cfg, run.quant, run.num_layers, slots, rank=rank,
+            world=self.world, group=group, device=self.device, forms=run.forms,
+            own_tokens=run.own_tokens, token_offset=self.token_offset,
+            options=RebalanceOptions(enabled=run.eplb, window=run.eplb_window,
+                                     migration=run.eplb_migration, link_gbps=run.eplb_link_gbps),
+            make_experts=self._make_experts, timer=self.timer)
+        self.layers = [self._build_layer(l, self.rebalancer.phy2log[l])
+                       for l in range(run.num_layers)]
         self.experts_reason = getattr(self, "_experts_reason", "")
         self.step_ms: list[float] = []
         self._last: list[dict] = []  # last step's per-layer tensors, still on the device
@@ -212,16 +211,6 @@ class Runtime:
         return "mixed", ", ".join(f"layer {l}: {b}" for l, b in enumerate(names))
 
     # ---------------------------------------------------------------- building
-    def _replica_map(self, phy2log_R: list[int], l: int = 0) -> ReplicaMap | None:
-        e = self.cfg.num_experts
-        if phy2log_R == list(range(e)):
-            return None  # identity: logical id == physical slot
-        from epmoe.eplb.placement import Placement
-
-        ranks = self.world if self.plans[l].form != "tp" else 1
-        p = Placement.from_phy2log([phy2log_R], e, ranks)
-        return ReplicaMap(p.log2phy[0].to(self.device), p.logcnt[0].to(self.device))
-
     def _make_experts(self, weights, name: str | None = None) -> Experts:
         """The experts backend `name` (default: the run's) for these weights."""
         from epmoe.experts.select import make_experts
@@ -247,8 +236,8 @@ class Runtime:
                          self.comm_ctx)
         comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
-                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer,
-                        micro_batches=run.micro_batches)
+                        replica_map=self.rebalancer.replica_maps[l], group=self.group,
+                        timer=self.timer, micro_batches=run.micro_batches)
 
     # ---------------------------------------------------------------- stepping
     def tokens_for(self, step: int) -> torch.Tensor:
@@ -303,8 +292,7 @@ class Runtime:
         x = self.tokens_for(step)
         gathered = not run.own_tokens  # x holds every rank's rows (replicated forms)
         keep = []
-        if self.recorder is not None:
-            self.recorder.begin_step()
+        self.rebalancer.begin_step(self.layers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:
@@ -317,8 +305,7 @@ class Runtime:
             r = self.routing_for(step, l)
             offset = run.token_offset(l, self.rank)
             out = layer.forward(x, r, token_offset=offset)
-            if self.recorder is not None:
-                self.recorder.record(l, layer.last_physical_ids)
+            self.rebalancer.record(l, layer.last_routing.topk_ids_TK, layer.last_physical_ids)
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
             if run.check:  # device tensors; report() moves them to the host
@@ -353,75 +340,22 @@ class Runtime:
         stages = self.timer.collect()
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
                     stages_ms=stages, last=self.last, load_LS=self.load_LS.cpu().clone(),
-                    load_LE=self.load_LE.cpu().clone(), phy2log=[list(p) for p in self.phy2log],
+                    load_LE=self.load_LE.cpu().clone(),
+                    phy2log=[list(p) for p in self.rebalancer.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,
                     layer_backends=[list(b) for b in self.layer_backends],
                     layer_experts=[layer.experts.name for layer in self.layers],
                     forms=list(self.run.forms), experts_reason=self.experts_reason)
 
     # ---------------------------------------------------------------- EPLB
-    def rebalance(self, policy: str = "auto") -> dict:
-        """Re-place replicas from the recorded window: one all-reduce of the load, placement on
-        rank 0 (broadcast), weight migration of the changed slots, new replica maps."""
-        from epmoe.eplb.migrate import migrate_layer
-        from epmoe.eplb.placement import Placement, rebalance, rebalance_incremental
-        from epmoe.eplb.recorder import balancedness_per_layer
-
-        if self.recorder is None:
-            raise RuntimeError("rebalance needs RunConfig(eplb=True)")
-        t0 = time.perf_counter()
-        grouped = self.group is not None and self.world > 1
-        load = self.recorder.window_load(self.group if grouped else None,
-                                         reduce=self.run.own_tokens).cpu()
-        before = balancedness_per_layer(load, self.world)
-        e, slots = self.cfg.num_experts, load.shape[1]
-        weight_LE = torch.zeros(load.shape[0], e, dtype=torch.float64)
-        for l, p in enumerate(self.phy2log):
-            weight_LE[l].index_add_(0, torch.tensor(p), load[l].double())
-        groups = self.cfg.n_group if e % self.cfg.n_group == 0 else 1
-        full = rebalance(weight_LE, slots, groups, 1, self.world, policy=policy)
-        # Prefer the incremental placement (fewer slots move) when it balances nearly as well.
-        old = Placement.from_phy2log(self.phy2log, e, self.world)
-        incr, _ = rebalance_incremental(weight_LE, old, groups, 1, self.world)
-        bal_full = float(full.balancedness(weight_LE).mean())
-        bal_incr = float(incr.balancedness(weight_LE).mean())
-        mode = "incremental" if bal_incr >= bal_full - INCREMENTAL_SLACK else "full"
-        new = (incr if mode == "incremental" else full).phy2log
-        if grouped:  # rank 0's placement is the one everybody applies
-            new = new.to(self.device)
-            dist.broadcast(new, 0, group=self.group)
-            new = new.cpu()
-        predicted = self._predicted_balancedness(weight_LE, new)
-        moved = 0
-        for l, layer in enumerate(self.layers):
-            new_R = new[l].tolist()
-            moved += migrate_layer(layer.weights.experts, self.phy2log[l], new_R, self.rank,
-                                   self.world, self.group if grouped else None)
-            if new_R != self.phy2log[l]:
-                self.phy2log[l] = new_R
-                layer.experts = self._make_experts(layer.weights.experts, layer.plan.experts)
-                layer.experts.timer = self.timer
-                layer.replica_map = self.replica_maps[l] = self._replica_map(new_R)
-        self.recorder.clear()
-        return dict(balancedness_before=float(before.mean()),
-                    balancedness_predicted=float(predicted), slots_moved=moved, mode=mode,
-                    rebalance_ms=(time.perf_counter() - t0) * 1e3,
-                    window_steps=int(load.sum() > 0) and self.run.eplb_window)
-
-    def _predicted_balancedness(self, weight_LE, phy2log_LR) -> float:
-        from epmoe.eplb.placement import Placement
-
-        p = Placement.from_phy2log(phy2log_LR, self.cfg.num_experts, self.world)
-        return float(p.balancedness(weight_LE).mean())
+    def rebalance(self, steps_until_next: int | None = None) -> dict:
+        return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next)
 
     def window_balancedness(self) -> float:
-        """Measured balancedness of the steps recorded since the last rebalance (all ranks)."""
-        from epmoe.eplb.recorder import balancedness_per_layer
+        return self.rebalancer.window_balancedness()
 
-        grouped = self.group is not None and self.world > 1
-        load = self.recorder.window_load(self.group if grouped else None,
-                                         reduce=self.run.own_tokens).cpu()
-        return float(balancedness_per_layer(load, self.world).mean())
+    def eplb_status(self) -> dict:
+        return self.rebalancer.status()
 
     def close(self) -> None:
         """Free the comm buffers (collective: every rank calls it)."""

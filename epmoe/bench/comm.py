@@ -3,6 +3,7 @@
 fp8 (1x128, fp32 scales), with the ratio to DeepEP measured in the same run where it can run.
 
     python -m epmoe.bench.comm [--json FILE] [--auto-table FILE] [--world 2] [--quick]
+        [--sweep 24:0:0,32:132:0] [--breakdown] [--jsonl FILE]
 
 One GPU: symm-ht / symm-ll run in the loopback world (W ranks' arenas on one GPU, rank by rank):
 the kernels' cost without a link, per rank (phase time / W); all2all and DeepEP need >= 2 GPUs
@@ -93,18 +94,101 @@ def _median_us(pairs) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in pairs) * 1e3
 
 
-def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, num_sms: int,
-                   iters: int) -> list[Row]:
-    """symm-ht / symm-ll on one GPU, arena sized for max(tokens) (one compile per recipe)."""
+def _options(opt_kw: dict):
+    """SymmOptions from the knobs given (only those: the bench also runs older trees)."""
+    from epmoe.comm.symm.options import SymmOptions
+
+    return SymmOptions(**{k: v for k, v in opt_kw.items() if v})
+
+
+def kernel_breakdown(run, iters: int, world: int) -> dict:
+    """{kernel name: us per call and rank} of `run()` (eager launches), from torch.profiler's
+    CUDA kernel records (device time only: launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us and ev.count:
+            out[ev.key[:60]] = round(dev_us / iters / world, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def check_ht(comms, ids, ws, outs, ys, res) -> str:
+    """symm-ht's combine against all2all's numerics in torch (fp32 mul then add per slot in k
+    order, bf16 per (token, rank), fp32 sum in rank order, one cast): 'ok' or what differs."""
+    tmax = comms[0].shape.max_tokens
+    world, dim, dev = len(comms), ys[0].shape[-1], ys[0].device
+    parts = [torch.zeros(world, i.shape[0], dim, device=dev) for i in ids]
+    for r, (_, h) in enumerate(outs):
+        n = int(h.recv.info_I[0])
+        inv, w, st = h.recv.inv_NK[:n].long(), h.recv.w_NK[:n], h.recv.src_tok_N[:n].long()
+        acc = torch.zeros(n, dim, device=dev)
+        for k in range(inv.shape[1]):
+            v = inv[:, k] >= 0
+            acc = torch.where(v[:, None], acc + w[:, k, None] * ys[r][inv[:, k].clamp(min=0)]
+                              .float(), acc)
+        for s in range(world):
+            sel = st // tmax == s
+            parts[s][r, st[sel] % tmax] = acc[sel].to(torch.bfloat16).float()
+    bad = []
+    for s, (_, h) in enumerate(outs):
+        msg = h.msg_TW.long()
+        acc = torch.zeros(ids[s].shape[0], dim, device=dev)
+        for r in range(world):
+            acc = torch.where(msg[:, r, None] >= 0, acc + parts[s][r], acc)
+        if not torch.equal(acc.to(torch.bfloat16), res[s]):
+            bad.append(f"rank {s}: {int((acc.to(torch.bfloat16) != res[s]).sum())} differ")
+    return "; ".join(bad) or "ok"
+
+
+def check_ll(comms, ids, ws, outs, ys, res) -> str:
+    """symm-ll's combine against sum_k w_k * y_k in fp32 in k order (rows found through the
+    arena's meta words), cast once: 'ok' or what differs."""
+    sh = comms[0].shape
+    tmax, k_, c_ = sh.max_tokens, sh.top_k, sh.capacity
+    dim, dev = ys[0].shape[-1], ys[0].device
+    back = [torch.zeros(i.shape[0], k_, dim, device=dev) for i in ids]
+    for r, (batch, _) in enumerate(outs):
+        meta = comms[r].arena.view.words("ll_meta").view(-1, c_).long()
+        used = torch.arange(c_, device=dev)[None, :] < batch.counts_E[:, None]
+        m = meta[used]
+        src, t, k = m // (tmax * k_), (m // k_) % tmax, m % k_
+        y = ys[r][used].float()
+        for s in range(len(comms)):
+            sel = src == s
+            back[s][t[sel], k[sel]] = y[sel]
+    bad = []
+    for s in range(len(comms)):
+        acc = torch.zeros(ids[s].shape[0], dim, device=dev)
+        for k in range(k_):
+            v = ids[s][:, k] >= 0
+            acc = torch.where(v[:, None], acc + ws[s][:, k, None].float() * back[s][:, k], acc)
+        if not torch.equal(acc.to(torch.bfloat16), res[s]):
+            bad.append(f"rank {s}: {int((acc.to(torch.bfloat16) != res[s]).sum())} differ")
+    return "; ".join(bad) or "ok"
+
+
+def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, iters: int,
+                   opt_kw: dict | None = None, breakdown: bool = False, sink=None,
+                   check: bool = False) -> list[Row]:
+    """symm-ht / symm-ll on one GPU, arena sized for max(tokens) (one compile per recipe).
+    opt_kw: SymmOptions knobs (num_sms, recv_sms, tile_tokens); sink(row dict) gets each row
+    (and its kernel breakdown) as soon as it is measured."""
     from epmoe.comm.symm.ht import SymmHighThroughputComm
     from epmoe.comm.symm.ll import SymmLowLatencyComm
     from epmoe.comm.symm.loopback import loopback_comms
-    from epmoe.comm.symm.options import SymmOptions
 
+    opt_kw = dict(opt_kw or {})
+    opts = _options(opt_kw)
     cls = SymmHighThroughputComm if mode == "ht" else SymmLowLatencyComm
     cfg = _cfg()
-    _, comms = loopback_comms(cls, cfg, quant, world, max(tokens), "cuda",
-                              options=SymmOptions(num_sms=num_sms))
+    _, comms = loopback_comms(cls, cfg, quant, world, max(tokens), "cuda", options=opts)
     gen = torch.Generator().manual_seed(0)
     rows = []
     d = HIDDEN
@@ -125,7 +209,12 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, num
         outs = dispatch()  # warm-up (compiles), then stand-in expert outputs of the shape
         ys = [torch.randn(b.x.data.shape[:-1] + (d,), device="cuda").to(torch.bfloat16)
               for b, _ in outs]
-        combine(outs, ys)
+        res = combine(outs, ys)
+        verdict = (check_ht if mode == "ht" else check_ll)(comms, ids, ws, outs, ys, res) \
+            if check else None
+        kernels = None
+        if breakdown:
+            kernels = kernel_breakdown(lambda: combine(dispatch(), ys), 3, world)
         g_disp, outs = _capture(dispatch)
         g_comb, _ = _capture(lambda: combine(outs, ys))
         times = []
@@ -146,10 +235,14 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, num
         comb = _median_us((e[1], e[2]) for e in times) / world
         all_rows, link_rows = traffic(ids, world, mode == "ll")
         gbs = lambda n, b, us: n * b / us / 1e3  # noqa: E731
-        rows.append(Row(cls.name, quant.recipe, t, world, f"loopback {world} ranks / 1 GPU",
-                        disp, comb, gbs(all_rows, row_bytes, disp),
-                        gbs(link_rows, row_bytes, disp), gbs(all_rows, d * 2, comb),
-                        gbs(link_rows, d * 2, comb), num_sms))
+        row = Row(cls.name, quant.recipe, t, world, f"loopback {world} ranks / 1 GPU",
+                  disp, comb, gbs(all_rows, row_bytes, disp), gbs(link_rows, row_bytes, disp),
+                  gbs(all_rows, d * 2, comb), gbs(link_rows, d * 2, comb), opts.num_sms)
+        rows.append(row)
+        if sink is not None:
+            sink(dict(asdict(row), options=opt_kw, kernels=kernels, check=verdict))
+    del comms
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -180,14 +273,33 @@ def _fmt(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _sweep(spec: str) -> list[dict]:
+    """"24:0:0,32:132:2" -> [{num_sms, recv_sms, tile_tokens}] (0: the default)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        vals = [int(v) for v in item.split(":")] + [0, 0]
+        out.append(dict(num_sms=vals[0], recv_sms=vals[1], tile_tokens=vals[2]))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the results as JSON to this file")
+    p.add_argument("--jsonl", help="append each row (with its options and kernels) as a JSON "
+                                   "line as soon as it is measured")
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
     p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")
     p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens, comma-"
+                                               "separated (0: default); overrides --num-sms")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
+    p.add_argument("--ht-tokens", help="comma-separated HT token counts (overrides --quick)")
+    p.add_argument("--ll-tokens", help="comma-separated LL token counts (overrides --quick)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per-kernel device time (torch.profiler, eager launches) per row")
+    p.add_argument("--check", action="store_true", help="check each combine bit for bit "
+                                                        "against torch (first run of a size)")
     p.add_argument("--only", choices=("ht", "ll"), help="one mode only")
     p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipes")
     a = p.parse_args(argv)
@@ -195,6 +307,8 @@ def main(argv=None) -> int:
         print("bench.comm needs CUDA (the CPU loopback world is for tests: tests/test_symm_*)")
         return 2
     ht, ll = ((4096,), (128,)) if a.quick else (HT_TOKENS, LL_TOKENS)
+    ht = tuple(int(v) for v in a.ht_tokens.split(",")) if a.ht_tokens else ht
+    ll = tuple(int(v) for v in a.ll_tokens.split(",")) if a.ll_tokens else ll
     gpus = torch.cuda.device_count()
     notes = []
     if gpus < 2:
@@ -204,14 +318,26 @@ def main(argv=None) -> int:
     else:
         notes.append("real-rank runs of every backend are the 2-GPU issue's bench; this run "
                      "measured the loopback world")
+
+    def sink(row: dict) -> None:
+        if a.jsonl:
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     rows: list[Row] = []
-    for recipe in a.recipes.split(","):
-        q = QuantConfig(recipe)
-        if a.only != "ll":
-            rows += bench_loopback("ht", q, a.world, ht, a.num_sms, a.iters)
-        if a.only != "ht":
-            rows += bench_loopback("ll", q, a.world, ll, a.num_sms, a.iters)
-        print(_fmt([r for r in rows if r.recipe == recipe]), flush=True)
+    for knobs in _sweep(a.sweep) or [dict(num_sms=a.num_sms)]:
+        for recipe in a.recipes.split(","):
+            q = QuantConfig(recipe)
+            new = []
+            if a.only != "ll":
+                new += bench_loopback("ht", q, a.world, ht, a.iters, knobs, a.breakdown, sink,
+                                      a.check)
+            if a.only != "ht":
+                new += bench_loopback("ll", q, a.world, ll, a.iters, knobs, a.breakdown, sink,
+                                      a.check)
+            print(f"knobs {knobs}", flush=True)
+            print(_fmt(new), flush=True)
+            rows += new
     for n in notes:
         print("note:", n)
     table = auto_table(rows)

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--redundant-experts", type=int, default=0, help="extra physical slots")
     e.add_argument("--rebalance-every", type=int, default=2, help="steps between rebalances")
     e.add_argument("--eplb-window", type=int, default=8, help="load window in steps")
+    e.add_argument("--eplb-migration", default="sync", choices=("sync", "async"),
+                   help="sync: weights move while steps wait; async: staged in the background, "
+                        "all ranks switch at one step boundary")
     r = p.add_argument_group("cluster and output")
     r.add_argument("--address", default=None, help="join an existing Ray cluster (ray://... or "
                                                    "host:port); default: start a local one")
@@ -99,7 +102,7 @@ def build_run(a: argparse.Namespace):
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
-                    eplb=a.eplb, eplb_window=a.eplb_window)
+                    eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration)
     run.validate()
     if run.routing != "router":
         from epmoe.eplb.routing import make_routing

@@ -106,16 +106,17 @@ def _candidate(text: str) -> Candidate:
 
 def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int) -> SlotMap:
     """A placement of E + extra slots for the routing's expected per-expert load, by EPLB's
-    public `rebalance(weight_LE, num_replicas, num_groups, num_nodes, num_gpus)` (any result
+    public `rebalance(weight_LE, num_replicas, num_groups, num_nodes, num_gpus, mode)` in the
+    default mode for the model and node count (any result
     with `phy2log` [layers][slots] works: the minimal protocol of epmoe.plan.routing)."""
     import torch
 
-    from epmoe.eplb.placement import rebalance
+    from epmoe.eplb import choose_mode, rebalance
 
     q = routing_stats(cfg, spec, world, world // nodes).pairs_slot
     groups = cfg.n_group if cfg.num_experts % cfg.n_group == 0 else 1
     p = rebalance(torch.tensor([q], dtype=torch.float64), cfg.num_experts + extra, groups,
-                  nodes, world)
+                  nodes, world, choose_mode(cfg.n_group, cfg.topk_group, nodes).mode)
     return SlotMap.from_placement(p, 0)
 
 

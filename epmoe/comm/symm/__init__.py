@@ -58,7 +58,9 @@ under the interpreter); the first timeout writes (phase, peer, flag, expected) t
 error record, later waits give up at once, and `check_errors()` raises `SymmTimeoutError`
 naming rank, peer and phase (the loopback driver checks after every phase; the Runtime at a
 sync point it already has). An arena that timed out stays failed: close the context.
-Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; 24 by default).
+Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; 24 by default);
+the receive halves (local copies after their wait) run `recv_sms` CTAs (default: num_sms).
+Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
 
 ## NVSHMEM in one process
 
@@ -72,7 +74,9 @@ about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
 (sender's routing table), ht_dispatch.py / ht_combine.py, ll_dispatch.py / ll_combine.py
-(kernels + wrappers), ht.py / ll.py (the backends), loopback.py (W ranks in one process).
+(kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles, `pick`,
+`ksum`), options.py (knobs), ht.py / ll.py (the backends), loopback.py (W ranks in one
+process).
 """
 
 from epmoe.comm.symm.options import SymmOptions  # noqa: F401

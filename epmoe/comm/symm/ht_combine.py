@@ -7,7 +7,7 @@ Region `ht_comb` of the HT arena (see `ht_dispatch.py`).
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, next_pow2, round_bf16
+from epmoe.kernels._common import INTERPRET, next_pow2
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,6 +18,7 @@ from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
+from epmoe.comm.symm.tiles import ksum, row_cols, warps  # noqa: E402
 
 OP_C = tl.constexpr(HT_COMBINE)
 
@@ -25,8 +26,10 @@ OP_C = tl.constexpr(HT_COMBINE)
 @triton.jit
 def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
                          me, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                         K: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr,
-                         PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
+                         K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
+                         BT: tl.constexpr, PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A step: BT received tokens, their K whole rows in one [BT, KP, CH] gather (all in
+    flight together), weighted and summed over k inside each thread (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_C)
@@ -34,39 +37,35 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         n_total = tl.load(info_ptr)
+        cols = tl.arange(0, CH)
+        cm = cols < D
+        kk = tl.arange(0, KP)
         for n0 in range(pid * BT, n_total, G * BT):
             n = n0 + tl.arange(0, BT)
             nm = n < n_total
             n64 = n.to(tl.int64)
             st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
+            pm = nm[:, None] & (kk < K)[None, :]
+            r = tl.load(inv_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=-1)
+            wk = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=0.0)
+            v = r >= 0
+            y = tl.load(y_ptr + r.to(tl.int64)[:, :, None] * D + cols[None, None, :],
+                        mask=v[:, :, None] & cm[None, None, :], other=0.0)
+            acc = ksum(y, tl.where(v, wk, 0.0), PRE_ROUND)
             peer = arena_ptr + tl.multiple_of(
                 tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
             dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
                 + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
-            for c0 in range(0, D, CH):
-                cols = c0 + tl.arange(0, CH)
-                cm = cols < D
-                acc = tl.zeros((BT, CH), dtype=tl.float32)
-                for k in tl.static_range(K):  # k order: a fixed fp32 summation order
-                    r = tl.load(inv_ptr + n64 * K + k, mask=nm, other=-1)
-                    wk = tl.load(w_ptr + n64 * K + k, mask=nm, other=0.0)
-                    v = r >= 0
-                    y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + cols[None, :],
-                                mask=v[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                    acc = tl.where(v[:, None], acc + wk[:, None] * y, acc)
-                if PRE_ROUND:
-                    acc = round_bf16(acc)
-                tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
-                         mask=nm[:, None] & cm[None, :])
+            tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                     mask=nm[:, None] & cm[None, :])
     finish_send(arena_ptr, delta_ptr, OP_C, e, me, W)
 
 
-def _consts(arena: RankArena, shape: HTShape) -> dict:
+def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
     d = shape.hidden
     return dict(COMB=arena.layout.offset("ht_comb"), TMAX=max(1, shape.max_tokens),
-                W=shape.world, D=d, CH=next_pow2(d) if INTERPRET else min(1024, next_pow2(d)),
-                BT=64 if INTERPRET else 8,
-                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=1 if INTERPRET else 8,
+                W=shape.world, KP=next_pow2(shape.top_k), D=d, CH=row_cols(d), BT=opts.tile(1),
+                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=warps(),
                 enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
 
@@ -79,7 +78,7 @@ def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTR
     _combine_send_kernel[(grid(opts, y_MD.device),)](
         arena.base, arena.peer_delta_W, y_MD.contiguous(), recv.inv_NK, recv.w_NK,
         recv.src_tok_N, recv.info_I, arena.rank, opts.spin_limit, K=shape.top_k,
-        **_consts(arena, shape))
+        **_consts(arena, shape, opts))
 
 
 def combine_recv(arena: RankArena, shape: HTShape, msg_TW: torch.Tensor,

@@ -8,15 +8,18 @@ tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffe
   ht_counts [2][W] CW words: tokens s sent me, then pairs per local expert
   ht_comb   [2][W][TMAX] bf16 [D]: rank s's fp32-reduced partial sum for my token t
 
-The four kernels, one rank's view (every CTA loop is persistent: grid = num_sms):
-  dispatch_send  wait ack[s] >= e-2 (buffer b free) -> row once per destination + meta (+
-                 counts from CTA 0) -> last CTA releases ready[me] = e at every destination
-  dispatch_recv  wait ready[s] >= e -> layout from the counts (groups aligned) -> lanes are
-                 (message, k) pairs: each reads its message's row (the K reads of one row hit
-                 the cache) and writes it to its layout row; row -> expert by expert groups
-                 -> last CTA: seq = e, releases ack[me] = e at every source
-  combine_send   wait ack >= e-2 -> per received token: fp32 sum_k w_k * y[row_k], one bf16
-                 cast, stored at its source's ht_comb[b][me][t] -> ready
+The four kernels, one rank's view (every CTA loop is persistent: grid = num_sms, receive
+halves recv_sms; a step moves whole rows of BT tokens, see `tiles.py`):
+  dispatch_send  wait ack[s] >= e-2 (buffer b free) -> per step: BT rows, their routing and
+                 meta loaded at once, stored once per destination (+ counts from CTA 0) ->
+                 last CTA releases ready[me] = e at every destination
+  dispatch_recv  wait ready[s] >= e -> layout from the counts (groups aligned) -> per step: BT
+                 received rows and their meta loaded at once, each row stored to the layout
+                 rows of its local experts; row -> expert by expert groups -> last CTA: seq =
+                 e, releases ack[me] = e at every source
+  combine_send   wait ack >= e-2 -> per received token: fp32 sum_k w_k * y[row_k] over the
+                 whole row (the K row loads independent: in flight together), one bf16 cast,
+                 stored at its source's ht_comb[b][me][t] -> ready
   combine_recv   (sum_back.py) wait ready -> per token: fp32 sum over the ranks it went to,
                  in rank order, one cast -> seq, ack
 """
@@ -36,6 +39,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv,  # noqa: E402
                                   finish_send, peer_ptr, wait_acks, wait_ready)
+from epmoe.comm.symm.tiles import pick, row_cols, rows_per_step, warps  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
@@ -129,51 +133,49 @@ class HTShape:
 def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr,
                           msg_ptr, total_ptr, T, me, limit,
                           ROWS: tl.constexpr, META: tl.constexpr, CNT: tl.constexpr,
-                          TMAX: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
-                          KP: tl.constexpr, E_L: tl.constexpr, EP: tl.constexpr,
-                          DW: tl.constexpr, SW: tl.constexpr, CH: tl.constexpr,
-                          BSW: tl.constexpr, ROW_W: tl.constexpr, MW: tl.constexpr,
-                          CW: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
+                          TMAX: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                          K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr,
+                          EP: tl.constexpr, DW: tl.constexpr, SW: tl.constexpr,
+                          CH: tl.constexpr, BSW: tl.constexpr, ROW_W: tl.constexpr,
+                          MW: tl.constexpr, CW: tl.constexpr, BT: tl.constexpr,
+                          USE_TIMER: tl.constexpr):
+    """A step: BT tokens' whole rows (one load), routing and meta loaded with them, then the
+    rows, scales and meta stored once per destination rank."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_D)
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_D, e - 2, limit, W, USE_TIMER)
     if ok != 0:
+        cols = tl.arange(0, CH)
+        cm = cols < DW
         scols = tl.arange(0, BSW)
         kk = tl.arange(0, KP)
         km = kk < K
+        dd = tl.arange(0, WP)
         for t0 in range(pid * BT, T, G * BT):
             t = t0 + tl.arange(0, BT)
             tm = t < T
             t64 = t.to(tl.int64)
-            for c0 in range(0, DW, CH):  # the row in chunks: read once, stored per rank
-                cols = c0 + tl.arange(0, CH)
-                cm = cols < DW
-                row = tl.load(x_ptr + t64[:, None] * DW + cols[None, :],
-                              mask=tm[:, None] & cm[None, :])
-                for d in tl.static_range(W):
-                    m = tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1)
-                    slot = ((buf * W + me) * TMAX + m).to(tl.int64)
-                    dst = (peer_ptr(arena_ptr, delta_ptr, d) + ROWS).to(
-                        tl.pointer_type(tl.int32)) + slot * ROW_W
-                    tl.store(dst[:, None] + cols[None, :], row,
-                             mask=(m >= 0)[:, None] & cm[None, :])
+            m2 = tm[:, None] & km[None, :]
+            row = tl.load(x_ptr + t64[:, None] * DW + cols[None, :], mask=tm[:, None] & cm[None, :])
             if SW > 0:
                 srow = tl.load(s_ptr + t64[:, None] * SW + scols[None, :],
                                mask=tm[:, None] & (scols < SW)[None, :])
-            m2 = tm[:, None] & km[None, :]
+            msg = tl.load(msg_ptr + t64[:, None] * W + dd[None, :],
+                          mask=tm[:, None] & (dd < W)[None, :], other=-1)
             ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
             ids = ids.to(tl.int32)
             wk = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
             pos = tl.load(pos_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=0)
             for d in tl.static_range(W):
-                m = tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1)
+                m = pick(msg, dd, d)
                 sent = m >= 0
                 slot = ((buf * W + me) * TMAX + m).to(tl.int64)
                 peer = peer_ptr(arena_ptr, delta_ptr, d)
+                dst = (peer + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
+                tl.store(dst[:, None] + cols[None, :], row, mask=sent[:, None] & cm[None, :])
                 if SW > 0:
-                    dst = (peer + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
                     tl.store(dst[:, None] + DW + scols[None, :], srow,
                              mask=sent[:, None] & (scols < SW)[None, :])
                 meta = (peer + META).to(tl.pointer_type(tl.int32)) + slot * MW
@@ -206,6 +208,8 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
                           SW: tl.constexpr, CH: tl.constexpr, BSW: tl.constexpr,
                           ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
                           BT: tl.constexpr, BR: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A step: BT received tokens (whole rows, one load, with their meta), each row stored to
+    the layout rows of its local experts (one [BT, KP, CH] store of the same registers)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_D)
@@ -226,68 +230,69 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
         offs = offs_incl - aligned
         rowbase = offs[None, :] + tl.cumsum(cnt, axis=0) - cnt
         n_total = tl.sum(nmsg, axis=0)
+        m_used = tl.sum(aligned, axis=0)
+        incl_s = tl.cumsum(nmsg, axis=0)
+        excl_s = incl_s - nmsg
         # info: [n_total, m_used, counts_E[E_L], offsets_E1[E_L + 1], rowbase[W][E_L],
         # messages up to source s inclusive [W]]; every CTA writes the same values (benign),
-        # then reads the tables back with gathers
+        # then gathers row bases back from it
         tl.store(info_ptr, n_total)
-        tl.store(info_ptr + 1, tl.sum(aligned, axis=0))
+        tl.store(info_ptr + 1, m_used)
         tl.store(info_ptr + 2 + ee, tot, mask=em)
         tl.store(info_ptr + 2 + E_L + ee, offs, mask=em)
-        tl.store(info_ptr + 2 + 2 * E_L, tl.sum(aligned, axis=0))
+        tl.store(info_ptr + 2 + 2 * E_L, m_used)
         rb = info_ptr + 3 + 2 * E_L
         tl.store(rb + s[:, None] * E_L + ee[None, :], rowbase, mask=sm[:, None] & em[None, :])
-        incl = rb + W * E_L
-        tl.store(incl + s, tl.cumsum(nmsg, axis=0), mask=sm)
+        tl.store(rb + W * E_L + s, incl_s, mask=sm)
         tl.debug_barrier()
-        # pairs (received token n, slot k): each pair reads its token's row chunk (the K reads
-        # of one row hit the cache) and writes it to its layout row; no cross-lane reductions
-        pp = tl.arange(0, BT * KP)
-        k = pp % KP
+        kk = tl.arange(0, KP)
+        km = kk < K
+        cols = tl.arange(0, CH)
+        cm = cols < DW
+        scols = tl.arange(0, BSW)
         for n0 in range(pid * BT, n_total, G * BT):
-            n = n0 + pp // KP
+            n = n0 + tl.arange(0, BT)
             nm = n < n_total
-            src = tl.zeros((BT * KP,), dtype=tl.int32)
-            first = tl.zeros((BT * KP,), dtype=tl.int32)
-            for s_ in tl.static_range(W - 1):
-                upto = tl.load(incl + s_)
-                src += (n >= upto).to(tl.int32)
-                first = tl.where(n >= upto, upto, first)
-            slot = ((buf * W + src) * TMAX + n - first).to(tl.int64)
-            meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
-            pm = nm & (k < K)
-            le = tl.load(meta + 1 + k, mask=pm, other=-1)
-            valid = pm & (le >= 0) & (le < E_L)
-            r = tl.load(rb + src * E_L + le, mask=valid, other=0) \
-                + tl.load(meta + 1 + K + k, mask=valid, other=0)
-            valid = valid & (r >= 0) & (r < M_MAX)
-            r64 = r.to(tl.int64)
-            rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
-            for c0 in range(0, DW, CH):
-                cols = c0 + tl.arange(0, CH)
-                m2 = valid[:, None] & (cols < DW)[None, :]
-                row = tl.load(rows[:, None] + cols[None, :], mask=m2)
-                tl.store(xo_ptr + r64[:, None] * DW + cols[None, :], row, mask=m2)
-            if SW > 0:
-                scols = tl.arange(0, BSW)
-                m2 = valid[:, None] & (scols < SW)[None, :]
-                srow = tl.load(rows[:, None] + DW + scols[None, :], mask=m2)
-                tl.store(so_ptr + r64[:, None] * SW + scols[None, :], srow, mask=m2)
-            wk = tl.load((meta + 1 + 2 * K).to(tl.pointer_type(tl.float32)) + k, mask=valid,
-                         other=0.0)
             n64 = n.to(tl.int64)
-            tl.store(inv_ptr + n64 * K + k, tl.where(valid, r, -1), mask=pm)
-            tl.store(wo_ptr + n64 * K + k, tl.where(valid, wk, 0.0), mask=pm)
-            t = tl.load(meta, mask=nm & (k == 0), other=0)
-            tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm & (k == 0))
+            # received tokens lie source after source: n's source and its index there
+            src = tl.sum(((n[:, None] >= incl_s[None, :]) & sm[None, :]).to(tl.int32), axis=1)
+            first = tl.sum(tl.where(s[None, :] == src[:, None], excl_s[None, :], 0), axis=1)
+            slot = ((buf * W + src) * TMAX + n - first).to(tl.int64)
+            # the row as [BT, 1, CH]: stored to its K layout rows by one [BT, KP, CH] store
+            rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
+            row = tl.load(rows[:, None, None] + cols[None, None, :],
+                          mask=nm[:, None, None] & cm[None, None, :])
+            if SW > 0:
+                srow = tl.load(rows[:, None, None] + DW + scols[None, None, :],
+                               mask=nm[:, None, None] & (scols < SW)[None, None, :])
+            meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
+            pm = nm[:, None] & km[None, :]
+            le = tl.load(meta[:, None] + 1 + kk[None, :], mask=pm, other=-1)
+            pos = tl.load(meta[:, None] + 1 + K + kk[None, :], mask=pm, other=0)
+            wk = tl.load((meta + 1 + 2 * K).to(tl.pointer_type(tl.float32))[:, None]
+                         + kk[None, :], mask=pm, other=0.0)
+            t = tl.load(meta, mask=nm, other=0)
+            valid = pm & (le >= 0) & (le < E_L)
+            r = tl.load(rb + src[:, None] * E_L + le, mask=valid, other=0) + pos
+            valid = valid & (r >= 0) & (r < M_MAX)
+            r64 = r.to(tl.int64)[:, :, None]
+            tl.store(xo_ptr + r64 * DW + cols[None, None, :], row,
+                     mask=valid[:, :, None] & cm[None, None, :])
+            if SW > 0:
+                tl.store(so_ptr + r64 * SW + scols[None, None, :], srow,
+                         mask=valid[:, :, None] & (scols < SW)[None, None, :])
+            tl.store(inv_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, r, -1), mask=pm)
+            tl.store(wo_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, wk, 0.0), mask=pm)
+            tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm)
         # slots past the received tokens: no row, no source
         tail = tl.arange(0, BR)
         for n0 in range(n_total + pid * BR, W * TMAX, G * BR):
             n = (n0 + tail).to(tl.int64)
             nm = n < W * TMAX
             tl.store(src_tok_ptr + n, -1, mask=nm)
-            for kk in tl.static_range(K):
-                tl.store(inv_ptr + n * K + kk, -1, mask=nm)
-                tl.store(wo_ptr + n * K + kk, 0.0, mask=nm)
+            m2 = nm[:, None] & km[None, :]
+            tl.store(inv_ptr + n[:, None] * K + kk[None, :], -1, mask=m2)
+            tl.store(wo_ptr + n[:, None] * K + kk[None, :], 0.0, mask=m2)
         # row -> local expert for every row: expert e on the first counts[e] rows of its
         # group, -1 on the group's padding and past the last group (stores only)
         rr = tl.arange(0, BR)
@@ -298,7 +303,7 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             for r0 in range(start, end, BR):
                 r = r0 + rr
                 tl.store(row_expert_ptr + r, tl.where(r - start < used, le, -1), mask=r < end)
-        for r0 in range(tl.load(info_ptr + 1) + pid * BR, M_MAX, G * BR):
+        for r0 in range(m_used + pid * BR, M_MAX, G * BR):
             r = r0 + rr
             tl.store(row_expert_ptr + r, -1, mask=r < M_MAX)
     finish_recv(arena_ptr, delta_ptr, OP_D, e, me, W)
@@ -330,22 +335,16 @@ def max_rows(shape: HTShape, alignment: int) -> int:
     return max(a, (pairs + shape.num_local_experts * (a - 1) + a - 1) // a * a)
 
 
-def _chunk(words: int) -> int:
-    """Columns (int32 words) per loop step: the whole row under the interpreter (fewest
-    programs and steps), 512 on GPU (with 8-16 rows per step: small register tiles)."""
-    return next_pow2(words) if INTERPRET else min(512, next_pow2(words))
-
-
 def _consts(arena: RankArena, shape: HTShape) -> dict:
     lay = arena.layout
     e_l = shape.num_local_experts
     dw, sw = shape.data_bytes // 4, shape.scale_bytes // 4
     return dict(ROWS=lay.offset("ht_rows"), META=lay.offset("ht_meta"),
                 CNT=lay.offset("ht_counts"), TMAX=max(1, shape.max_tokens), W=shape.world,
-                K=shape.top_k, KP=next_pow2(shape.top_k), E_L=e_l, EP=next_pow2(e_l), DW=dw,
-                SW=sw, CH=_chunk(dw), BSW=next_pow2(max(sw, 1)), ROW_W=shape.row_words,
-                MW=shape.meta_words, CW=shape.count_words, USE_TIMER=USE_TIMER,
-                num_warps=8 if not INTERPRET else 1)
+                WP=next_pow2(shape.world), K=shape.top_k, KP=next_pow2(shape.top_k), E_L=e_l,
+                EP=next_pow2(e_l), DW=dw, SW=sw, CH=row_cols(dw), BSW=next_pow2(max(sw, 1)),
+                ROW_W=shape.row_words, MW=shape.meta_words, CW=shape.count_words,
+                USE_TIMER=USE_TIMER, num_warps=warps())
 
 
 def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
@@ -360,7 +359,8 @@ def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: tor
     _dispatch_send_kernel[(grid(opts, data.device),)](
         arena.base, arena.peer_delta_W, data, scale, topk_ids_TK.contiguous(),
         topk_weights_TK.float().contiguous(), rt.pos_TK, rt.msg_TW, rt.total_C, t,
-        arena.rank, opts.spin_limit, BT=64 if INTERPRET else 8, **_consts(arena, shape))
+        arena.rank, opts.spin_limit, BT=opts.tile(rows_per_step(row_cols(shape.data_bytes // 4))),
+        **_consts(arena, shape))
 
 
 def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: int,
@@ -378,10 +378,10 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     wo = torch.empty((n, k), dtype=torch.float32, device=dev)
     src_tok = torch.empty(n, dtype=torch.int32, device=dev)
     info = torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)
-    _dispatch_recv_kernel[(grid(opts, dev),)](
+    _dispatch_recv_kernel[(grid(opts, dev, recv=True),)](
         arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
-        arena.rank, opts.spin_limit, WP=next_pow2(w), M_MAX=m, BR=1024 if INTERPRET else 512,
-        BT=64 if INTERPRET else max(1, 16 // next_pow2(k)), **_consts(arena, shape))
+        arena.rank, opts.spin_limit, M_MAX=m, BR=1024 if INTERPRET else 2048,
+        BT=opts.tile(min(4, rows_per_step(row_cols(dw)))), **_consts(arena, shape))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
     x = QTensor(xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv,

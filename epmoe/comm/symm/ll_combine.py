@@ -7,7 +7,7 @@ the next dispatch waits for). Regions: see `ll_dispatch.py`.
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels._common import next_pow2
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -19,6 +19,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
                                   arrive_last, ctrl_ptr, epoch, publish, wait_acks)
+from epmoe.comm.symm.tiles import row_cols, warps  # noqa: E402
 
 OP_D = tl.constexpr(LL_DISPATCH)
 OP_C = tl.constexpr(LL_COMBINE)
@@ -37,23 +38,27 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, counts_ptr, me, limit,
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
+        # the rows of all experts as one list (expert after expert): equal shares per CTA
+        ee = tl.arange(0, EP)
+        cnt = tl.minimum(tl.load(counts_ptr + ee, mask=ee < E_L, other=0), C)
+        incl = tl.cumsum(cnt, axis=0)
+        total = tl.sum(cnt, axis=0)
         meta_p = (arena_ptr + META).to(tl.pointer_type(tl.int32))
-        for le in range(pid, E_L, G):
-            cnt = tl.minimum(tl.load(counts_ptr + le), C)
-            for c0 in range(0, cnt, BT):
-                c = c0 + tl.arange(0, BT)
-                rm = c < cnt
-                row = (le * C + c).to(tl.int64)
-                meta = tl.load(meta_p + row, mask=rm, other=0)
-                peer = arena_ptr + tl.multiple_of(
-                    tl.load(delta_ptr + meta // (TMAX * K), mask=rm, other=0), 128)
-                dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
-                    + (buf * TMAX * K + meta % (TMAX * K)).to(tl.int64) * D
-                for d0 in range(0, D, CH):
-                    cols = d0 + tl.arange(0, CH)
-                    m2 = rm[:, None] & (cols < D)[None, :]
-                    y = tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=m2)
-                    tl.store(dst[:, None] + cols[None, :], y, mask=m2)
+        cols = tl.arange(0, CH)
+        cm = cols < D
+        for f0 in range(pid * BT, total, G * BT):
+            f = f0 + tl.arange(0, BT)
+            fm = f < total
+            le = tl.sum((f[:, None] >= incl[None, :]).to(tl.int32), axis=1)
+            first = tl.sum(tl.where(ee[None, :] < le[:, None], cnt[None, :], 0), axis=1)
+            row = (le * C + f - first).to(tl.int64)
+            y = tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=fm[:, None] & cm[None, :])
+            meta = tl.load(meta_p + row, mask=fm, other=0)
+            peer = arena_ptr + tl.multiple_of(
+                tl.load(delta_ptr + meta // (TMAX * K), mask=fm, other=0), 128)
+            dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
+                + (buf * TMAX * K + meta % (TMAX * K)).to(tl.int64) * D
+            tl.store(dst[:, None] + cols[None, :], y, mask=fm[:, None] & cm[None, :])
     if arrive_last(arena_ptr, C_DONE_SEND + OP_C, G) != 0:
         ee = tl.arange(0, EP)
         tl.store((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + ee, 0, mask=ee < E_L)
@@ -69,9 +74,7 @@ def _consts(arena: RankArena, shape: LLShape) -> dict:
     d = shape.hidden
     return dict(COMB=arena.layout.offset("ll_comb"), TMAX=max(1, shape.max_tokens),
                 W=shape.world, K=shape.top_k, D=d,
-                CH=next_pow2(d) if INTERPRET else min(1024, next_pow2(d)),
-                BT=64 if INTERPRET else 8, USE_TIMER=USE_TIMER,
-                num_warps=1 if INTERPRET else 8)
+                CH=row_cols(d), USE_TIMER=USE_TIMER, num_warps=warps())
 
 
 def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E: torch.Tensor,
@@ -86,7 +89,7 @@ def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E
         arena.base, arena.peer_delta_W, y_ECD.contiguous(), counts_E, arena.rank,
         opts.spin_limit, SLOTS=lay.offset("ll_slots"), META=lay.offset("ll_meta"),
         E_L=shape.num_local_experts, EP=next_pow2(shape.num_local_experts), C=shape.capacity,
-        **_consts(arena, shape))
+        BT=opts.tile(8), **_consts(arena, shape))  # copies only: 8 rows fit the registers
 
 
 def combine_recv(arena: RankArena, shape: LLShape, topk_ids_TK: torch.Tensor,

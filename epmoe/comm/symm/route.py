@@ -10,9 +10,11 @@ per rank, -1 = empty slot):
                           to every rank holding one of its experts: dedup), -1 if not sent
   total_C   int32 [E + W] pairs per expert, then tokens sent per destination rank
 
-Two passes over token chunks (counts per chunk, torch's inclusive cumsum over chunks, then
-positions inside each chunk with `tl.cumsum`). Expert ids of one token must be distinct (top-k
-over experts; EPLB replicas are distinct physical slots).
+Three small kernels over token chunks (no host sync): counts per chunk and column, their
+inclusive scan over chunks, then per chunk the position of every (t, k) pair (its rank among the
+chunk's earlier pairs of the same expert: one [P, P] compare, P = pairs per chunk) and of every
+token among those sent to each rank. Expert ids of one token must be distinct (top-k over
+experts; EPLB replicas are distinct physical slots).
 """
 
 from __future__ import annotations
@@ -52,33 +54,51 @@ def _route_count_kernel(ids_ptr, cnt_ptr, T, K: tl.constexpr, E: tl.constexpr,
 
 
 @triton.jit
-def _route_pos_kernel(ids_ptr, incl_ptr, pos_ptr, msg_ptr, T, K: tl.constexpr,
+def _route_scan_kernel(cnt_ptr, incl_ptr, chunks, COLS: tl.constexpr, BC: tl.constexpr,
+                       RB: tl.constexpr):
+    """incl[c] = sum of cnt[0..c] over chunks (inclusive), BC columns per program."""
+    col = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = col < COLS
+    carry = tl.zeros((BC,), dtype=tl.int32)
+    for r0 in range(0, chunks, RB):
+        r = r0 + tl.arange(0, RB)
+        m = (r < chunks)[:, None] & cm[None, :]
+        x = tl.load(cnt_ptr + r[:, None] * COLS + col[None, :], mask=m, other=0)
+        tl.store(incl_ptr + r[:, None] * COLS + col[None, :],
+                 tl.cumsum(x, axis=0) + carry[None, :], mask=m)
+        carry += tl.sum(x, axis=0)
+
+
+@triton.jit
+def _route_pos_kernel(ids_ptr, incl_ptr, cnt_ptr, pos_ptr, msg_ptr, T, K: tl.constexpr,
                       E: tl.constexpr, E_L: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr,
-                      COLSP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
+                      KP: tl.constexpr, BT: tl.constexpr):
+    """Positions of one chunk: pairs are ranked by their flat index t * KP + k (token order:
+    one token's expert ids are distinct), base = pairs of earlier chunks (incl - cnt)."""
     pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
-    tm = t < T
-    hit = _hits(ids_ptr, t, tm, K, E, E_L, COLSP, BT)
-    c = tl.arange(0, COLSP)
-    incl = tl.load(incl_ptr + pid * COLS + c, mask=c < COLS, other=0)
-    # exclusive position: chunks before this one, then tokens before t inside the chunk
-    excl = incl[None, :] - tl.sum(hit, axis=0)[None, :] + tl.cumsum(hit, axis=0) - hit
-    kk = tl.arange(0, KP)
-    km = kk < K
+    f = tl.arange(0, BT * KP)
+    t = pid * BT + f // KP
+    k = f % KP
+    pm = (t < T) & (k < K)
     t64 = t.to(tl.int64)
-    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
-                  other=-1).to(tl.int32)
-    pos = tl.zeros((BT, KP), dtype=tl.int32) - 1
-    for k in tl.static_range(K):
-        e_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-        p_k = tl.sum(tl.where(c[None, :] == e_k[:, None], excl, 0), axis=1)
-        pos = tl.where((kk[None, :] == k) & (e_k >= 0)[:, None], p_k[:, None], pos)
-    tl.store(pos_ptr + t64[:, None] * K + kk[None, :], pos, mask=tm[:, None] & km[None, :])
+    e = tl.load(ids_ptr + t64 * K + k, mask=pm, other=-1).to(tl.int32)
+    v = e >= 0
+    before = (e[:, None] == e[None, :]) & (f[None, :] < f[:, None]) & v[None, :]
+    within = tl.sum(before.to(tl.int32), axis=1)
+    row = pid * COLS + e
+    base = tl.load(incl_ptr + row, mask=v, other=0) - tl.load(cnt_ptr + row, mask=v, other=0)
+    tl.store(pos_ptr + t64 * K + k, tl.where(v, base + within, -1), mask=pm)
+    tok = pid * BT + tl.arange(0, BT)
+    tm = tok < T
+    kk = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + tok.to(tl.int64)[:, None] * K + kk[None, :],
+                  mask=tm[:, None] & (kk < K)[None, :], other=-1).to(tl.int32)
     for d in tl.static_range(W):
-        col = c[None, :] == E + d
-        sent = tl.sum(tl.where(col, hit, 0), axis=1) > 0
-        m = tl.sum(tl.where(col, excl, 0), axis=1)
-        tl.store(msg_ptr + t64 * W + d, tl.where(sent, m, -1), mask=tm)
+        on_d = (ids >= d * E_L) & (ids < (d + 1) * E_L)
+        sent = tl.max(on_d.to(tl.int32), axis=1)
+        col = pid * COLS + E + d
+        m = tl.load(incl_ptr + col) - tl.load(cnt_ptr + col) + tl.cumsum(sent, axis=0) - sent
+        tl.store(msg_ptr + tok.to(tl.int64) * W + d, tl.where(sent > 0, m, -1), mask=tm)
 
 
 @dataclass(frozen=True)
@@ -103,12 +123,14 @@ def route(topk_ids_TK: torch.Tensor, num_experts: int, world: int) -> SendRoute:
     bt = 64 if INTERPRET else max(1, min(16, 8192 // colsp))
     chunks = max(1, triton.cdiv(t, bt))
     cnt = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
-    meta = dict(K=k, E=num_experts, E_L=e_l, COLS=cols, COLSP=colsp, BT=bt)
-    _route_count_kernel[(chunks,)](ids, cnt, t, **meta)
-    incl = torch.cumsum(cnt, 0, dtype=torch.int32)
+    meta = dict(K=k, E=num_experts, E_L=e_l, COLS=cols, BT=bt)
+    _route_count_kernel[(chunks,)](ids, cnt, t, COLSP=colsp, **meta)
+    incl = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
+    _route_scan_kernel[(triton.cdiv(cols, 128),)](cnt, incl, chunks, COLS=cols, BC=128,
+                                                  RB=2 if INTERPRET else 32)
     pos = torch.empty((t, k), dtype=torch.int32, device=dev)
     msg = torch.empty((t, world), dtype=torch.int32, device=dev)
-    _route_pos_kernel[(chunks,)](ids, incl, pos, msg, t, W=world, KP=next_pow2(k), **meta)
+    _route_pos_kernel[(chunks,)](ids, incl, cnt, pos, msg, t, W=world, KP=next_pow2(k), **meta)
     return SendRoute(pos, msg, incl[-1])
 
 

@@ -9,7 +9,7 @@ weighted, in k order), cast once. Rows sit in the arena's combine region, buffer
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, next_pow2, round_bf16
+from epmoe.kernels._common import INTERPRET, next_pow2
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,14 +18,18 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_recv, wait_ready  # noqa: E402
+from epmoe.comm.symm.tiles import ksum, row_cols, warps  # noqa: E402
 
 
 @triton.jit
 def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, limit,
                      OP: tl.constexpr, COMB: tl.constexpr, TMAX: tl.constexpr,
-                     W: tl.constexpr, S: tl.constexpr, SLOT_MAJOR: tl.constexpr,
-                     HAS_W: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr,
-                     PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
+                     W: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                     SLOT_MAJOR: tl.constexpr, HAS_W: tl.constexpr, D: tl.constexpr,
+                     CH: tl.constexpr, BT: tl.constexpr, PRE_ROUND: tl.constexpr,
+                     USE_TIMER: tl.constexpr):
+    """A step: BT own tokens, their S whole rows in one [BT, SP, CH] gather (in flight
+    together), summed in slot order inside each thread (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP)
@@ -33,31 +37,28 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
     ok = wait_ready(arena_ptr, OP, e, limit, W, USE_TIMER)
     if ok != 0:
         comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
+        cols = tl.arange(0, CH)
+        cm = cols < D
+        j = tl.arange(0, SP)
         for t0 in range(pid * BT, T, G * BT):
             t = t0 + tl.arange(0, BT)
             tm = t < T
             t64 = t.to(tl.int64)
-            for c0 in range(0, D, CH):
-                cols = c0 + tl.arange(0, CH)
-                cm = cols < D
-                acc = tl.zeros((BT, CH), dtype=tl.float32)
-                for j in tl.static_range(S):  # a fixed fp32 summation order
-                    v = tl.load(valid_ptr + t64 * S + j, mask=tm, other=-1) >= 0
-                    if SLOT_MAJOR:
-                        row = (buf * S + j) * TMAX + t64
-                    else:
-                        row = (buf * TMAX + t64) * S + j
-                    y = tl.load(comb + row[:, None] * D + cols[None, :],
-                                mask=v[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                    if HAS_W:
-                        wj = tl.load(w_ptr + t64 * S + j, mask=tm, other=0.0)
-                        acc = tl.where(v[:, None], acc + wj[:, None] * y, acc)
-                    else:
-                        acc = tl.where(v[:, None], acc + y, acc)
-                if PRE_ROUND:
-                    acc = round_bf16(acc)
-                tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
-                         mask=tm[:, None] & cm[None, :])
+            m2 = tm[:, None] & (j < S)[None, :]
+            v = tl.load(valid_ptr + t64[:, None] * S + j[None, :], mask=m2, other=-1) >= 0
+            if HAS_W:
+                wj = tl.load(w_ptr + t64[:, None] * S + j[None, :], mask=m2, other=0.0)
+            else:
+                wj = tl.full((BT, SP), 1.0, dtype=tl.float32)
+            if SLOT_MAJOR:
+                row = (buf * S + j[None, :]) * TMAX + t64[:, None]
+            else:
+                row = (buf * TMAX + t64[:, None]) * S + j[None, :]
+            y = tl.load(comb + row[:, :, None] * D + cols[None, None, :],
+                        mask=v[:, :, None] & cm[None, None, :], other=0.0)
+            acc = ksum(y, tl.where(v, wj, 0.0), PRE_ROUND)
+            tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
+                     mask=tm[:, None] & cm[None, :])
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)
 
 
@@ -68,13 +69,12 @@ def sum_back(arena: RankArena, op: int, region: str, valid_TS: torch.Tensor,
     t, s = valid_TS.shape
     out = torch.empty((t, hidden), dtype=torch.bfloat16, device=valid_TS.device)
     w = valid_TS if weights_TS is None else weights_TS.float().contiguous()
-    _sum_back_kernel[(grid(opts, out.device),)](
+    _sum_back_kernel[(grid(opts, out.device, recv=True),)](
         arena.base, arena.peer_delta_W, out, valid_TS.contiguous(), w, t, arena.rank,
         opts.spin_limit, OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens),
-        W=arena.world, S=s, SLOT_MAJOR=slot_major, HAS_W=weights_TS is not None, D=hidden,
-        CH=next_pow2(hidden) if INTERPRET else min(1024, next_pow2(hidden)),
-        BT=64 if INTERPRET else 8, PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER,
-        num_warps=1 if INTERPRET else 8,
+        W=arena.world, S=s, SP=next_pow2(s), SLOT_MAJOR=slot_major, HAS_W=weights_TS is not None, D=hidden,
+        CH=row_cols(hidden), BT=opts.tile(max(1, 4 // s)), PRE_ROUND=INTERPRET,
+        USE_TIMER=USE_TIMER, num_warps=warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
     return out
 
