@@ -19,7 +19,7 @@ from epmoe.comm.base import Comm
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
 from epmoe.overlap import LayerStreams
-from epmoe.parallel import LayerPlan
+from epmoe.plan.forms import LayerPlan
 from epmoe.router import ReplicaMap, Routing, route_tokens
 from epmoe.timing import StageTimer
 from epmoe.weights import LayerWeights

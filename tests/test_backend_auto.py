@@ -7,7 +7,7 @@ import torch
 
 from epmoe.comm import backend_class, resolve_backend
 from epmoe.launch.cli import build_run, parser
-from epmoe.runtime import RunConfig
+from epmoe.plan.run import RunConfig
 
 
 CASES = [(64, 256, "deepep-ll"), (256, 256, "deepep-ll"), (512, 256, "deepep-ht"),

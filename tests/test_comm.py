@@ -21,9 +21,9 @@ from epmoe.comm import CommContext, make_comm, resolve_backend
 from epmoe.comm.base import TokenBatch
 from epmoe.comm.wire import all_gather_rows, all_to_all_rows, as_wire, from_wire
 from epmoe.config import QuantConfig, get_preset
-from epmoe.parallel import LayerPlan
+from epmoe.plan.forms import LayerPlan
+from epmoe.plan.run import RunConfig
 from epmoe.quant import FP8_DTYPE, dequantize_act, quantize_act
-from epmoe.runtime import RunConfig
 
 CFG = get_preset("deepseek-v3-tiny")  # E=16, K=4, D=256
 QUANTS = (QuantConfig("bf16"), QuantConfig("fp8_block"), QuantConfig("fp8_block", "ue8m0_packed"),

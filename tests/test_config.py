@@ -3,8 +3,9 @@
 import pytest
 
 from epmoe.config import PRESETS, MoEConfig, QuantConfig, get_preset
-from epmoe.parallel import LayerPlan
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.plan.forms import LayerPlan
+from epmoe.plan.run import RunConfig
+from epmoe.runtime import Runtime
 
 TINY = dict(name="t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4)
 

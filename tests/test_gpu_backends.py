@@ -15,9 +15,9 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
 from epmoe.experts.select import make_experts
 from epmoe.launch.report import check_correctness
+from epmoe.plan.run import RunConfig
 from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
-from epmoe.runtime import RunConfig
 
 pytestmark = [pytest.mark.gpu]
 

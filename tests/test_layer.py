@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig
+from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.router import ReplicaMap, Routing
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.runtime import Runtime
 from epmoe.weights import dequantized_full_layer
 
 RECIPES = [("bf16", "fp32"), ("fp8_block", "fp32"), ("mxfp8", "fp32"), ("w4a8_mxfp4", "fp32"),

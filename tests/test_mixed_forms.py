@@ -16,9 +16,10 @@ import torch
 
 from dist import run_ranks
 from epmoe.config import QuantConfig
-from epmoe.parallel import LayerSpec
+from epmoe.plan.forms import LayerSpec
+from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.runtime import Runtime
 from epmoe.weights import dequantized_full_layer
 
 TOKENS = 8  # per rank

@@ -5,7 +5,8 @@ import torch
 
 from epmoe.config import QuantConfig
 from epmoe.ops import LayerRegistry, moe_forward
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.plan.run import RunConfig
+from epmoe.runtime import Runtime
 
 
 @pytest.fixture(scope="module")

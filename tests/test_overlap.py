@@ -7,9 +7,10 @@ import torch
 
 from epmoe.config import QuantConfig
 from epmoe.overlap import LayerStreams, overlap_fraction, tensors_of
+from epmoe.plan.run import RunConfig
 from epmoe.quant import QTensor
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.runtime import Runtime
 from epmoe.weights import dequantized_full_layer
 
 LAYERS = 2

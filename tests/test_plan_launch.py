@@ -277,3 +277,20 @@ def test_compare_ratio_and_noise_floor():
     assert _chosen("deepgemm: not installed (ImportError: x); triton: chosen") == "triton"
     with pytest.raises(ValueError, match="cannot tell the experts backend"):
         _chosen("torch: requested")
+
+
+def test_run_config_and_layer_plans_live_in_epmoe_plan():
+    from pathlib import Path
+
+    import epmoe
+    import epmoe.plan as plan
+    from epmoe.plan.forms import FORMS, LayerPlan, LayerSpec
+    from epmoe.plan.run import RunConfig
+
+    assert (plan.FORMS, plan.LayerPlan, plan.LayerSpec, plan.RunConfig) == \
+        (FORMS, LayerPlan, LayerSpec, RunConfig)
+    assert not (Path(epmoe.__file__).parent / "parallel.py").exists()  # moved, not aliased
+    run = RunConfig(world=2, layers=2, stack=(LayerSpec("ep_dp", "all2all", "torch"),
+                                              LayerSpec("tp", "local", "torch")))
+    run.validate()
+    assert run.layer_plan(1, 1, "local") == LayerPlan("tp", 1, 2, "local", "torch", 16)

@@ -4,15 +4,15 @@ construction; feasibility from the runtime's rules; plan files and LayerPlans.""
 import pytest
 
 from epmoe.config import MoEConfig, QuantConfig, get_preset
-from epmoe.parallel import LayerPlan
 from epmoe.plan.cost import Candidate
+from epmoe.plan.forms import LayerPlan
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import feasible, plan_stack
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec
+from epmoe.plan.run import RunConfig
 from epmoe.plan.synthetic import synthetic_profile
 from epmoe.plan.topology import Link, Topology
-from epmoe.runtime import RunConfig
 
 CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
                 num_moe_layers=2)

@@ -14,7 +14,7 @@ from epmoe.comm.local import LocalComm
 from epmoe.config import QuantConfig, get_preset
 from epmoe.experts.torch_experts import TorchExperts
 from epmoe.layer import MoELayer
-from epmoe.parallel import LayerPlan
+from epmoe.plan.forms import LayerPlan
 from epmoe.quant import FP8_DTYPE, QWeight, dequantize_weight, quantize_weight
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.router import route

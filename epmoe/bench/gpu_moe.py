@@ -154,7 +154,9 @@ def _step_case(quant, device, tokens: int = 4096, steps: int = 10):
     """One DeepSeek-V3 layer at ep 1: -> (build s, step us, stage ms, raw GEMMs us, layer)."""
     import time
 
-    from epmoe.runtime import RunConfig, Runtime
+    from epmoe.plan.run import RunConfig
+
+    from epmoe.runtime import Runtime
     from epmoe.timing import StageTimer
 
     run = RunConfig(model="deepseek-v3", quant=quant, experts="auto", tokens=tokens, layers=1,

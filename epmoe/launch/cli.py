@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
 def build_run(a: argparse.Namespace):
     """Flags -> RunConfig, with every rule checked here, before any worker exists."""
     from epmoe.config import get_preset
-    from epmoe.runtime import RunConfig
+    from epmoe.plan.run import RunConfig
 
     if a.ep < 1 or a.tp < 1:
         raise ValueError(f"--ep ({a.ep}) and --tp ({a.tp}) must be >= 1")

@@ -12,7 +12,8 @@ import time
 from contextlib import contextmanager
 
 from epmoe.env import RAY_TMPDIR, SAFETY_ENV, logger
-from epmoe.runtime import RunConfig, Runtime
+from epmoe.plan.run import RunConfig
+from epmoe.runtime import Runtime
 
 
 class LaunchError(RuntimeError):

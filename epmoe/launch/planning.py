@@ -33,8 +33,8 @@ from epmoe.config import DEFAULT_PRESET
 from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile, plan_stack
 from epmoe.plan.planner import rule_violation
 from epmoe.plan.routing import RoutingSpec
+from epmoe.plan.run import RunConfig
 from epmoe.plan.topology import LINK_SPECS
-from epmoe.runtime import RunConfig
 
 MODES = ("auto", "tp", "ep", "ep_dp", "sweep")
 # device-name substring -> shipped profile, most specific first ("gb200" contains "b200")

@@ -8,8 +8,8 @@ import statistics
 import torch
 
 from epmoe import __version__
+from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, reference_route
-from epmoe.runtime import RunConfig
 from epmoe.weights import synthetic_layer
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.

@@ -27,7 +27,7 @@ from epmoe.launch.planning import PlannedLaunch, Planning, context, make_plan, p
     planner_scope, routing_for_planner
 from epmoe.plan import Workload
 from epmoe.plan.planner import candidates, rank_layer
-from epmoe.runtime import RunConfig
+from epmoe.plan.run import RunConfig
 
 NEAR_BEST = 0.05  # the planner's pick counts as right within 5% of the best measured
 

@@ -1,4 +1,5 @@
-"""Planning: topology, hardware profiles, the cost model and the per-layer planner.
+"""Planning: the per-layer parallel forms and the run as data (LayerSpec / LayerPlan in
+forms.py, RunConfig in run.py), topology, hardware profiles, the cost model and the planner.
 
     from epmoe.plan import Topology, load_profile, plan_stack, predict_layer
     plan = plan_stack(cfg, quant, Topology.parse("2x8"), load_profile("h200"), (128, 4096))
@@ -8,6 +9,8 @@
 See README "Planning" and epmoe/plan/cost.py for the model.
 """
 
+from epmoe.plan.forms import FORMS, LayerPlan, LayerSpec
+from epmoe.plan.run import RunConfig
 from epmoe.plan.cost import (STAGES, TOP_STAGES, Candidate, LayerPrediction, Workload,
                              predict_layer)
 from epmoe.plan.planfile import Choice, LayerEntry, Plan
@@ -16,7 +19,7 @@ from epmoe.plan.profile import HardwareProfile, load_profile
 from epmoe.plan.routing import RoutingSpec, SlotMap, routing_stats
 from epmoe.plan.topology import Link, Topology
 
-__all__ = ["STAGES", "TOP_STAGES", "Candidate", "LayerPrediction", "Workload", "predict_layer",
+__all__ = ["FORMS", "LayerPlan", "LayerSpec", "RunConfig", "STAGES", "TOP_STAGES", "Candidate", "LayerPrediction", "Workload", "predict_layer",
            "Choice", "LayerEntry", "Plan", "feasible", "plan_stack", "rank_layer",
            "HardwareProfile", "load_profile", "RoutingSpec", "SlotMap", "routing_stats", "Link",
            "Topology"]

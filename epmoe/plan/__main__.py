@@ -14,7 +14,7 @@ import json
 import sys
 
 from epmoe.config import PRESETS, RECIPES, SCALE_FMTS, QuantConfig, get_preset
-from epmoe.parallel import FORMS
+from epmoe.plan.forms import FORMS
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass, field
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.parallel import FORMS, LayerPlan
 from epmoe.plan import traffic as tr
+from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.comm_cost import (BACKENDS, HT, LL, CommCase, collective_us, combine_cost,
                                   dispatch_cost, launch_us)
 from epmoe.plan.profile import HardwareProfile

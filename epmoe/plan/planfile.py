@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.config import QuantConfig
-from epmoe.parallel import LayerPlan, LayerSpec
+from epmoe.plan.forms import LayerPlan, LayerSpec
 
 PLAN_SCHEMA = 1
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.parallel import FORMS, LayerPlan
 from epmoe.plan.comm_cost import BACKENDS, HT, LL, CommCase, collective_us
+from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.cost import EXPERTS, TOP_STAGES, Candidate, LayerPrediction, Workload, \
     predict_layer
 from epmoe.plan.planfile import Choice, LayerEntry, Plan

@@ -1,4 +1,5 @@
-"""Parallel forms of one MoE layer, as data: the planner (or the CLI) picks one per layer.
+"""Parallel forms of one MoE layer, as data: the planner (or the CLI) picks one per layer
+(`LayerSpec`, a stack entry of RunConfig) and each rank runs it as a `LayerPlan`.
 
 | form  | tokens                   | experts                               | end of layer |
 |-------|--------------------------|---------------------------------------|--------------|
