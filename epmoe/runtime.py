@@ -211,7 +211,8 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:
-            dist.barrier(group=self.group)
+            with self.timer.stage("barrier", record=False):  # a heartbeat shows who waits here
+                dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for l, layer in enumerate(self.layers):
             r = self.routing_for(step, l, x)
@@ -287,8 +288,9 @@ class Runtime:
         moved = 0
         for l, layer in enumerate(self.layers):
             new_R = new[l].tolist()
-            moved += migrate_layer(layer.weights.experts, self.phy2log[l], new_R, self.rank,
-                                   self.world, self.group if grouped else None)
+            with self.timer.stage("eplb.migrate", record=False):  # heartbeat / fault point
+                moved += migrate_layer(layer.weights.experts, self.phy2log[l], new_R,
+                                       self.rank, self.world, self.group if grouped else None)
             if new_R != self.phy2log[l]:
                 self.phy2log[l] = new_R
                 layer.experts = self._make_experts(layer.weights.experts)

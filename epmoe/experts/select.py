@@ -2,7 +2,7 @@
 
 | name     | picks                                                                           |
 | auto     | DeepGEMM if CUDA, importable and it supports the config; else Triton on CUDA;   |
-|          | else torch (CPU)                                                                |
+|          | else torch (CPU), or Triton's interpreter for what torch cannot run             |
 | torch    | the plain-torch reference (runs everywhere)                                     |
 | triton   | Triton kernels (CUDA, or the CPU interpreter)                                   |
 | deepgemm | DeepGEMM (CUDA, SM90/SM100)                                                     |
@@ -39,49 +39,62 @@ def _triton_class():
     return TritonExperts
 
 
-def make_experts(name: str, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
-                 device) -> tuple[Experts, str]:
-    """-> (experts, reason), reason one line, e.g.
-    "deepgemm: not installed (ImportError: ...); triton: chosen"."""
+def resolve_experts(name: str, cfg: MoEConfig, quant: QuantConfig,
+                    device) -> tuple[type[Experts], str]:
+    """-> (the Experts class that `name` picks here, reason), or ValueError saying why the
+    requested backend cannot run. No weights needed: the launcher asks before any rank starts.
+    Reason: one line, e.g. "deepgemm: not installed (ImportError: ...); triton: chosen"."""
     if name not in NAMES:
         raise ValueError(f"experts backend ({name!r}) must be one of {NAMES}")
     device = torch.device(device)
-    if name == "torch":
-        from epmoe.experts.torch_experts import TorchExperts
+    from epmoe.experts.torch_experts import TorchExperts
 
-        return TorchExperts(weights, cfg, quant), "torch: chosen"
+    if name == "torch":
+        why = TorchExperts.supports(cfg, quant, device)
+        if why:
+            raise ValueError(f"experts backend 'torch' cannot run here: {why}; pick 'triton' "
+                             f"or 'auto'")
+        return TorchExperts, "torch: chosen"
     if name == "deepgemm":
         cls, why = _deepgemm_class()
         why = why or (cls.supports(cfg, quant, device) or "")
         if why:
             raise ValueError(f"experts backend 'deepgemm' cannot run here: {why}; pick "
                              f"'triton', 'torch' or 'auto'")
-        return cls(weights, cfg, quant), "deepgemm: chosen"
+        return cls, "deepgemm: chosen"
     if name == "triton":
         cls = _triton_class()
         why = cls.supports(cfg, quant, device)
         if why:
             raise ValueError(f"experts backend 'triton' cannot run here: {why}; pick 'torch' "
                              f"or 'auto'")
-        return cls(weights, cfg, quant), "triton: chosen"
+        return cls, "triton: chosen"
     # auto
     notes = []
     if device.type == "cuda":
         cls, why = _deepgemm_class()
         why = why or (cls.supports(cfg, quant, device) or "")
         if not why:
-            return cls(weights, cfg, quant), "deepgemm: chosen"
+            return cls, "deepgemm: chosen"
         notes.append(f"deepgemm: {why}")
-        tcls = _triton_class()
-        why = tcls.supports(cfg, quant, device)
-        if not why:
-            return tcls(weights, cfg, quant), "; ".join(notes + ["triton: chosen"])
-        notes.append(f"triton: {why}")
+        candidates = [_triton_class(), TorchExperts]
     else:
-        notes.append(f"deepgemm, triton: device {device} is not CUDA")
-    from epmoe.experts.torch_experts import TorchExperts
+        notes.append(f"deepgemm: device {device} is not CUDA")
+        candidates = [TorchExperts, _triton_class()]  # triton: the CPU interpreter
+    for cls in candidates:
+        why = cls.supports(cfg, quant, device)
+        if not why:
+            return cls, "; ".join(notes + [f"{cls.name}: chosen"])
+        notes.append(f"{cls.name}: {why}")
+    raise ValueError(f"no experts backend can run {quant.recipe} with scale_fmt "
+                     f"{quant.scale_fmt} on {device}: {'; '.join(notes)}")
 
-    return TorchExperts(weights, cfg, quant), "; ".join(notes + ["torch: chosen"])
+
+def make_experts(name: str, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
+                 device) -> tuple[Experts, str]:
+    """-> (experts, reason): `resolve_experts`'s choice, built on these weights."""
+    cls, reason = resolve_experts(name, cfg, quant, device)
+    return cls(weights, cfg, quant), reason
 
 
-__all__ = ["make_experts", "NAMES"]
+__all__ = ["make_experts", "resolve_experts", "NAMES"]
