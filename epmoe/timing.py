@@ -42,6 +42,7 @@ class StageTimer:
         self._entered = 0
         self._since = time.monotonic()
         self.on_enter: Callable[[str], None] | None = None
+        self.failed_in: str | None = None  # the innermost stage an exception left (if any)
 
     @contextmanager
     def stage(self, name: str, record: bool = True):
@@ -63,6 +64,10 @@ class StageTimer:
                 t0 = time.perf_counter()
                 yield
                 self._ms[name].append((time.perf_counter() - t0) * 1e3)
+        except BaseException:
+            if self.failed_in is None:
+                self.failed_in = name
+            raise
         finally:
             self._open.pop()
             self._since = time.monotonic()

@@ -13,6 +13,7 @@ Every other rank that had not finished is "waiting".
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 # Text of errors that mean "a peer went away / did not come", not "this rank broke".
@@ -32,6 +33,26 @@ def is_collective_error(e: BaseException) -> bool:
         pass
     text = f"{type(e).__name__}: {e}".lower()
     return any(h in text for h in _COLLECTIVE_HINTS)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Fault|Exit|Interrupt)\b.*: ")
+
+
+def death_detail(message: str) -> str:
+    """One line out of Ray's multi-line "actor died" message: the error of a failed
+    constructor, else the process id and Ray's exit detail."""
+    message = _ANSI.sub("", message)
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if "creation task" in message:
+        for ln in reversed(lines):  # the constructor's exception, as Ray quotes it
+            if _EXC_LINE.match(ln):
+                return f"its constructor raised {ln[:200]}"
+    pid = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("pid:")), "?")
+    detail = ""
+    if "Worker exit detail:" in message:
+        detail = message.split("Worker exit detail:", 1)[1].strip().split(". ")[0]
+    return f"its process (pid {pid}) died" + (f" ({detail})" if detail else "")
 
 
 class RankFailure(RuntimeError):
@@ -98,6 +119,7 @@ class Failure:
     detail: str
     where: dict  # rank -> where it was ("step 0 at stage experts")
     timeout_s: float | None = None
+    stage_seconds: float | None = None  # from the stage's start to this verdict
 
     def message(self) -> str:
         def ranks(rs):
@@ -119,7 +141,8 @@ class Failure:
                 text += f" ({self.detail})"
         if self.waiting:
             places = sorted({self.where.get(r, "") for r in self.waiting} - {""})
-            verb = "are" if self.kind == "hung" else "were"
+            one = len(self.waiting) == 1
+            verb = ("is" if one else "are") if self.kind == "hung" else ("was" if one else "were")
             text += f"; {ranks(self.waiting)} {verb} waiting"
             if places:
                 text += f" in {', '.join(places)}"
@@ -151,7 +174,8 @@ def _behind(states: list[RankState]) -> list[RankState]:
     return [s for s in beats if s.heartbeat.key == low]
 
 
-def attribute(stage: str, states: list[RankState], timeout_s: float | None = None) -> Failure:
+def attribute(stage: str, states: list[RankState], timeout_s: float | None = None,
+              stage_seconds: float | None = None) -> Failure:
     by_order = sorted(states, key=lambda s: (s.order, s.rank))
     died = [s for s in by_order if s.outcome == "died"]
     own = [s for s in by_order if s.outcome == "error" and not s.collective]
@@ -179,4 +203,4 @@ def attribute(stage: str, states: list[RankState], timeout_s: float | None = Non
         waiting=tuple(sorted(s.rank for s in states
                              if s.outcome in ("pending", "error") and s.rank not in blamed_ranks)),
         finished=tuple(sorted(s.rank for s in states if s.outcome == "ok")),
-        detail=detail, where=where, timeout_s=timeout_s)
+        detail=detail, where=where, timeout_s=timeout_s, stage_seconds=stage_seconds)

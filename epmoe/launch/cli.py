@@ -103,6 +103,7 @@ def main(argv=None) -> int:
                 (reports, where), extra = d.execute(), None
             phases("checking against the float64 oracle" if run.check else "summarizing")
             summary = summarize(run, reports, where, extra)
+            summary["timing"]["launch_s"] = dict(d.seconds)
             if d.on_ray:  # while connected: Ray's metrics go through this process
                 from epmoe.launch.metrics import RunMetrics
 

@@ -194,6 +194,7 @@ class RayCluster:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.tmp: str | None = None
         self._env = _Env()
+        self._connected = False
 
     @property
     def private(self) -> bool:
@@ -207,9 +208,12 @@ class RayCluster:
     def connect(self, init_kwargs: dict) -> None:
         import ray
 
+        if not (sys.stdout.isatty() and sys.stderr.isatty()):  # Ray colours raylet lines
+            self._env.set(RAY_COLOR_PREFIX=os.environ.get("RAY_COLOR_PREFIX", "0"))
         if ray.is_initialized():
             raise LaunchError("this process is already connected to Ray: a run starts or "
                               "joins its own cluster (call ray.shutdown() first)")
+        self._connected = True  # from here on, close() shuts Ray down
         if self.private:
             self._start_private(init_kwargs)
         else:
@@ -257,7 +261,7 @@ class RayCluster:
         import ray
 
         try:
-            if ray.is_initialized():
+            if self._connected and ray.is_initialized():
                 ray.shutdown()  # stops the cluster if private, else only disconnects
         finally:
             self._env.restore()
@@ -268,3 +272,4 @@ class RayCluster:
             if self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 self.tmp = None
+            self._connected = False

@@ -18,7 +18,7 @@ from typing import Callable
 
 from epmoe.env import SAFETY_ENV, forwarded_env, logger
 from epmoe.launch.blame import Failure, Heartbeat, RankFailure, RankState, attribute
-from epmoe.launch.blame import is_collective_error
+from epmoe.launch.blame import death_detail, is_collective_error
 from epmoe.launch.cluster import ClusterAddress, RayCluster
 from epmoe.launch.console import Phases
 from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
@@ -42,6 +42,7 @@ class InProcessDriver:
 
     def __init__(self, run: RunConfig, phases: Phases, device: str | None = None):
         self.run, self.phases, self.device = run, phases, device
+        self.seconds: dict[str, float] = {}  # wall time of each stage of the launch
 
     def _fail(self, stage: str, e: Exception) -> LaunchError:
         f = Failure(stage=stage, kind="failed", ranks=(0,), waiting=(), finished=(),
@@ -50,18 +51,23 @@ class InProcessDriver:
 
     def start(self) -> list[dict]:
         self.phases("building the layers (1 rank, in this process)")
+        t0 = time.monotonic()
         try:
             self.rt = Runtime(self.run, device=self.device)
         except Exception as e:
             raise self._fail("build", e) from None
+        self.seconds["build"] = round(time.monotonic() - t0, 3)
         return [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(self.rt.device),
                      pid=os.getpid())]
 
     def call_all(self, stage: str, method: str, *args) -> list:
+        t0 = time.monotonic()
         try:
-            return [self.rt.call(method, *args)]
+            out = [self.rt.call(method, *args)]
         except Exception as e:
             raise self._fail(stage, e) from None
+        self.seconds[stage] = round(time.monotonic() - t0, 3)
+        return out
 
     def execute(self) -> tuple[list[dict], list[dict]]:
         return run_steps(self)
@@ -86,6 +92,7 @@ class RayDriver:
         self._last_beat: dict[int, Heartbeat] = {}
         self._beat_refs: dict[int, object] = {}
         self._next_beat = 0.0
+        self.seconds: dict[str, float] = {}  # wall time of each stage of the launch
 
     # ------------------------------------------------------------------ cluster
     def _connect(self):
@@ -164,7 +171,7 @@ class RayDriver:
         try:
             return ray.get(ref), None
         except RayActorError as e:
-            return None, RankState(r, "died", error=_first_line(e), order=order)
+            return None, RankState(r, "died", error=death_detail(str(e)), order=order)
         except RayTaskError as e:
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, RankFailure):
@@ -179,7 +186,8 @@ class RayDriver:
         import ray
 
         timeout = self.run.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         pending = {ref: r for r, ref in enumerate(refs)}
         results: list = [None] * len(refs)
         failed: dict[int, RankState] = {}
@@ -199,9 +207,9 @@ class RayDriver:
             self._poll_heartbeats()
         if not failed and not pending:
             return results
-        raise self._blame(stage, method, timeout, failed, sorted(pending.values()))
+        raise self._blame(stage, method, timeout, failed, sorted(pending.values()), t0)
 
-    def _blame(self, stage, method, timeout, failed, pending) -> LaunchError:
+    def _blame(self, stage, method, timeout, failed, pending, t0) -> LaunchError:
         beats = self._probe([r for r in range(len(self.actors))
                              if failed.get(r) is None or failed[r].outcome != "died"])
         order = len(failed)
@@ -224,7 +232,7 @@ class RayDriver:
                 states.append(RankState(r, "pending", heartbeat=hb_, answered=hb is not None))
             else:
                 states.append(RankState(r, "ok", heartbeat=hb_))
-        failure = attribute(stage, states, timeout)
+        failure = attribute(stage, states, timeout, round(time.monotonic() - t0, 2))
         return LaunchError(failure.message(), failure)
 
     def call_all(self, stage: str, method: str, *args) -> list:
@@ -236,7 +244,8 @@ class RayDriver:
         call = args[0] if method == "call" else self.CALLS.get(method, method)
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         out = self._wait(stage, call, refs, timeout)
-        logger.info("stage %s: %.2f s", stage, time.monotonic() - t0)
+        self.seconds[stage] = round(time.monotonic() - t0, 3)
+        logger.info("stage %s: %.2f s", stage, self.seconds[stage])
         return out
 
     # ------------------------------------------------------------------ run
@@ -244,7 +253,9 @@ class RayDriver:
         return run_steps(self)
 
     def start(self) -> list[dict]:
+        t0 = time.monotonic()
         ray = self._connect()
+        self.seconds["connect"] = round(time.monotonic() - t0, 3)
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

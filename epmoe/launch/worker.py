@@ -9,6 +9,7 @@ EPMOE_FAULT (tests only) injects a failure: see epmoe.launch.faults.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -66,11 +67,15 @@ class Worker:
         self._calls += 1
         self._thread = threading.get_ident()
         self._busy = True
+        if self.runtime is not None:
+            self.runtime.timer.failed_in = None
         try:
             self._faults.hit(call)
             return fn(*args)
         except Exception as e:
-            where = self.progress().where
+            hb = self.progress()
+            failed_in = self.runtime.timer.failed_in if self.runtime is not None else None
+            where = dataclasses.replace(hb, stage=failed_in or hb.stage).where
             first = (str(e).strip().splitlines() or [""])[0]
             raise RankFailure(self.rank, where, is_collective_error(e),
                               f"{type(e).__name__}: {first}".rstrip(": ")) from None
