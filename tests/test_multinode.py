@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_launch_failures import RayNodes, describe, run_launch, new_tag, wait_gone
+from tests.launch_util import RayNodes, describe, new_tag, run_launch, wait_gone
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -30,8 +30,9 @@ def two_nodes():
         assert not left, f"cluster processes left behind: {describe(left)}"
 
 
-def _wait_for_nodes(address: str, n: int, within: float) -> int:
+def _wait_for_nodes(nodes: RayNodes, n: int, within: float) -> int:
     """Alive nodes as the GCS sees them (the second raylet registers asynchronously)."""
+    import os
     import subprocess
     import sys
 
@@ -40,8 +41,8 @@ def _wait_for_nodes(address: str, n: int, within: float) -> int:
     deadline = time.monotonic() + within
     alive = 0
     while time.monotonic() < deadline:
-        r = subprocess.run([sys.executable, "-c", code, address], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code, nodes.address], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, **nodes.auth))
         alive = int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else 0
         if alive >= n:
             return alive
@@ -51,12 +52,13 @@ def _wait_for_nodes(address: str, n: int, within: float) -> int:
 
 @pytest.mark.timeout(420)
 def test_ep4_over_two_nodes(two_nodes, tmp_path):
-    assert _wait_for_nodes(two_nodes.address, 2, within=60) == 2
+    assert _wait_for_nodes(two_nodes, 2, within=60) == 2
     out = tmp_path / "summary.json"
     tag = new_tag()
-    rc, err, wall, seen = run_launch(["--ep", "4", "--tokens", "8", "--steps", "2",
-                                      "--address", two_nodes.address, "--timeout", "120",
-                                      "--out", str(out)], tag, timeout=360)
+    rc, _, err, wall, seen = run_launch(["--ep", "4", "--tokens", "8", "--steps", "2",
+                                         "--address", two_nodes.address, "--timeout", "120",
+                                         "--out", str(out)], tag, timeout=360,
+                                        auth=two_nodes.auth)
     print(f"{wall=:.1f}s rc={rc} {err[-500:]}")
     assert rc == 0, err
     s = json.loads(out.read_text())
