@@ -33,6 +33,7 @@ def load_heatmap(s: dict, path: Path) -> Path:
     im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xlabel("logical expert")
     ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(load)))
     ax.set_title(f"(token, k) pairs routed per layer x expert\n{_title(s)}", fontsize=9)
     fig.colorbar(im, ax=ax, label="pairs")
     fig.savefig(path)
@@ -69,7 +70,10 @@ def eplb_balancedness(s: dict, path: Path) -> Path:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
                     label=key.split("_", 1)[1])
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_ylim(0, 1.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rebalance after step")
     ax.set_ylabel("mean / max pairs per rank")
     ax.set_title(f"EPLB balancedness around each rebalance\n{_title(s)}", fontsize=9)

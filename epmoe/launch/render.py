@@ -6,14 +6,23 @@ is not a terminal (no ANSI codes in a pipe or a file)."""
 from __future__ import annotations
 
 BAR_WIDTH = 16
+WIDTH = 80  # the terminal width every table fits
 
 
 def table(title: str, columns: list[tuple[str, str]], rows: list[list[str]], **kw):
-    """A rich Table whose cells wrap instead of being cut ("rou…"). columns: (header, justify)."""
+    """A rich Table whose cells wrap instead of being cut ("rou…"), without vertical rules (room
+    for the content in 80 columns). columns: (header, justify)."""
+    from rich import box
     from rich.table import Table
 
+    kw.setdefault("box", box.SIMPLE_HEAD)
+    kw.setdefault("show_edge", False)
     t = Table(title=title, title_justify="left", **kw)
+    natural = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, (h, _) in
+                  enumerate(columns))
     for header, justify in columns:
+        if natural > WIDTH:  # one word per line: the column is as wide as its longest word
+            header = header.replace(" ", "\n")
         t.add_column(header, justify=justify, overflow="fold")
     for row in rows:
         t.add_row(*row)
