@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -237,6 +238,22 @@ class RayNodes:
     def stop(self) -> None:
         kill_tagged(self.tag)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def ray_nodes(num_cpus: int, extra_nodes: int = 0):
+    """A head (and `extra_nodes` more nodes) of `num_cpus` CPUs each for a test module; at the
+    end every process of it is gone."""
+    nodes = RayNodes()
+    try:
+        nodes.start_head(num_cpus=num_cpus)
+        for _ in range(extra_nodes):
+            nodes.add_node(num_cpus=num_cpus)
+        yield nodes
+    finally:
+        nodes.stop()
+        left = wait_gone(nodes.tag, within=15)
+        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 def run_launch(args: list[str], tag: str, timeout: float, auth: dict | None = None,

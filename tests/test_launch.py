@@ -10,7 +10,7 @@ import time
 import pytest
 
 from epmoe.launch.cli import main
-from tests.launch_util import RayNodes, describe, new_tag, wait_gone
+from tests.launch_util import describe, new_tag, ray_nodes, wait_gone
 
 TINY = dict(model="deepseek-v3-tiny", experts=16, top_k=4, layers=2)
 
@@ -84,14 +84,8 @@ def test_no_check_exits_0_and_reports_unchecked(tmp_path):
 def cluster():
     """One Ray cluster (token auth, loopback) for every Ray run of this module, joined with
     --address: each run pays for its ranks, not for a cluster."""
-    nodes = RayNodes()
-    try:
-        nodes.start_head(num_cpus=4)
+    with ray_nodes(num_cpus=4) as nodes:
         yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from epmoe.launch.cli import main
-from tests.launch_util import (RayNodes, cmdline, describe, new_tag, run_launch, tagged_procs,
+from tests.launch_util import (cmdline, describe, new_tag, ray_nodes, run_launch, tagged_procs,
                                wait_gone)
 
 
@@ -197,14 +197,8 @@ def test_errors_at_ep1_are_one_line_exit_3(capsys, monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def small_cluster():
     """A 2-CPU Ray head of our own (joined with --address)."""
-    nodes = RayNodes()
-    try:
-        nodes.start_head(num_cpus=2)
+    with ray_nodes(num_cpus=2) as nodes:
         yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 @pytest.mark.ray

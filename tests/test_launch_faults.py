@@ -21,7 +21,7 @@ import pytest
 import math
 
 from epmoe.launch.cli import main
-from tests.launch_util import RayNodes, describe, new_tag, tagged_procs, wait_gone
+from tests.launch_util import describe, new_tag, ray_nodes, tagged_procs, wait_gone
 
 pytestmark = pytest.mark.ray
 
@@ -39,14 +39,9 @@ EPLB = ["--eplb", "--rebalance-every", "1", "--routing", "zipf:1.5"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    nodes = RayNodes()
-    try:
-        nodes.start_head(num_cpus=4)
+    """The module's Ray cluster (token auth, loopback), joined by every case."""
+    with ray_nodes(num_cpus=4) as nodes:
         yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +79,8 @@ def cases():
 def test_fault_exit_3_blames_rank_and_stage(cluster, hang_timeout, ep, rank, stage, kind,
                                             tmp_path, monkeypatch, capsys):
     tag = new_tag()
-    for k, v in dict(cluster.auth, EPMOE_TEST_TAG=tag, EPMOE_FAULT=f"{rank}:{stage}:{kind}").items():
+    fault = f"{rank}:{stage}:{kind}"
+    for k, v in dict(cluster.auth, EPMOE_TEST_TAG=tag, EPMOE_FAULT=fault).items():
         monkeypatch.setenv(k, v)
     timeout = hang_timeout if kind == "hang" else 60
     out = tmp_path / "failure.json"

@@ -18,21 +18,15 @@ from pathlib import Path
 import pytest
 
 from epmoe.launch.cli import main
-from tests.launch_util import (RayNodes, cmdline, describe, environ, is_loopback, listening,
+from tests.launch_util import (cmdline, describe, environ, is_loopback, listening, ray_nodes,
                                new_tag, run_launch, tagged_procs, wait_gone)
 
 
 @pytest.fixture(scope="module")
 def other_cluster():
     """Another Ray cluster on the machine (as a user's `ray start --head` would be)."""
-    nodes = RayNodes()
-    try:
-        nodes.start_head(num_cpus=2)
+    with ray_nodes(num_cpus=2) as nodes:
         yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
 
 
 @pytest.mark.ray

@@ -9,25 +9,18 @@ import time
 
 import pytest
 
-from tests.launch_util import RayNodes, describe, new_tag, run_launch, wait_gone
+from tests.launch_util import RayNodes, describe, new_tag, ray_nodes, run_launch, wait_gone
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    nodes = RayNodes()
     try:
-        try:
-            nodes.start_head(num_cpus=2)
-            nodes.add_node(num_cpus=2)
-        except RuntimeError as e:
-            pytest.skip(f"Ray cannot form two nodes on this machine: {e}")
-        yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
+        with ray_nodes(num_cpus=2, extra_nodes=1) as nodes:
+            yield nodes
+    except RuntimeError as e:
+        pytest.skip(f"Ray cannot form two nodes on this machine: {e}")
 
 
 def _wait_for_nodes(nodes: RayNodes, n: int, within: float) -> int:

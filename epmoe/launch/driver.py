@@ -153,8 +153,10 @@ class RayDriver:
 
         refs = {self.actors[r].progress.options(concurrency_group=PROBE_GROUP).remote(): r
                 for r in ranks}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S) if refs else ([], [])
         out: dict[int, Heartbeat | str | None] = {r: None for r in ranks}
+        if not refs:
+            return out
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S)
         for ref in ready:
             try:
                 out[refs[ref]] = ray.get(ref)
@@ -215,23 +217,20 @@ class RayDriver:
         order = len(failed)
         states = []
         for r in range(len(self.actors)):
-            hb = beats.get(r)
-            last = self._last_beat.get(r)
-            stale = last if last is not None and last.call == method else None
-            if isinstance(hb, Heartbeat):
-                hb_ = hb
-            else:
-                hb_ = stale
+            answer = beats.get(r)
+            last = self._last_beat.get(r)  # from the polls while waiting (this call's only)
+            last = last if last is not None and last.call == method else None
+            beat = answer if isinstance(answer, Heartbeat) else last
             if r in failed:
-                states.append(dataclasses.replace(failed[r], heartbeat=hb_))
-            elif hb == "dead":
+                states.append(dataclasses.replace(failed[r], heartbeat=beat))
+            elif answer == "dead":
                 states.append(RankState(r, "died", error="its process died", order=order,
-                                        heartbeat=stale))
+                                        heartbeat=last))
                 order += 1
             elif r in pending:
-                states.append(RankState(r, "pending", heartbeat=hb_, answered=hb is not None))
+                states.append(RankState(r, "pending", heartbeat=beat, answered=answer is not None))
             else:
-                states.append(RankState(r, "ok", heartbeat=hb_))
+                states.append(RankState(r, "ok", heartbeat=beat))
         failure = attribute(stage, states, timeout, round(time.monotonic() - t0, 2))
         return LaunchError(failure.message(), failure)
 

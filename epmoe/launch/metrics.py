@@ -1,13 +1,13 @@
 """A run's metrics through Ray's metrics API (`ray.util.metrics`): on a cluster with Ray's
 metrics agent (`ray[default]`), Ray's Prometheus endpoint exposes them during and after a run.
 
-| name                    | kind      | tags             | value                                    |
-| epmoe_step_time_ms      | histogram | rank             | wall time of one step (all layers)       |
-| epmoe_stage_time_ms     | gauge     | rank, stage      | ms per step in a stage (median per call) |
-| epmoe_routed_pairs      | gauge     | rank             | (token, k) pairs routed to the rank's    |
-|                         |           |                  | experts, summed over layers and steps    |
-| epmoe_eplb_balancedness | gauge     | rebalance, phase | mean/max pairs per rank; phase: before,  |
-|                         |           |                  | predicted, after (the rebalance's window)|
+| name                    | kind      | tags             | value                                 |
+| epmoe_step_time_ms      | histogram | rank             | wall time of one step (all layers)    |
+| epmoe_stage_time_ms     | gauge     | rank, stage      | ms per step in a stage (median/call)  |
+| epmoe_routed_pairs      | gauge     | rank             | (token, k) pairs routed to the rank's |
+|                         |           |                  | experts, over all layers and steps    |
+| epmoe_eplb_balancedness | gauge     | rebalance, phase | mean/max pairs per rank; phase:       |
+|                         |           |                  | before, predicted, after              |
 Every metric also carries the tag `model`. Workers record step times as they happen; the driver
 records the rest from the run's summary.
 """

@@ -38,9 +38,10 @@ def correctness_line(c: dict) -> str:
     if not c.get("checked"):
         return "not checked (--no-check)"
     what = f"(max|out-ref|/max|ref|, float64 oracle, {c['tokens_checked']} tokens)"
+    err, tol = f"{c['max_rel_err']:.2e}", f"{c['tolerance']:.0e}"
     if c["passed"]:
-        return f"[green]PASS[/green] max rel err {c['max_rel_err']:.2e} <= tol {c['tolerance']:.0e} {what}"
-    return f"[red]FAIL[/red] max rel err {c['max_rel_err']:.2e} > tol {c['tolerance']:.0e} {what}"
+        return f"[green]PASS[/green] max rel err {err} <= tol {tol} {what}"
+    return f"[red]FAIL[/red] max rel err {err} > tol {tol} {what}"
 
 
 def run_table(s: dict):

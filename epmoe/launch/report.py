@@ -102,7 +102,8 @@ def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dic
     return out
 
 
-def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dict | None = None) -> dict:
+def summarize(run: RunConfig, reports: list[dict], where: list[dict],
+              extra: dict | None = None) -> dict:
     world = run.world
     steps = len(reports[0]["step_ms"])
     step_ms = [max(r["step_ms"][s] for r in reports) for s in range(steps)]
