@@ -9,9 +9,9 @@ on with a fresh token written to a file only the user can read (never to the env
 logs or the run's outputs). The ranks' gloo/NCCL sockets go to loopback too.
 
 Joining with `--address` uses whatever authentication that cluster has (RAY_AUTH_MODE /
-RAY_AUTH_TOKEN_PATH in the user's environment, see README "Security"). Connecting is bounded
-by the run's timeout: an unresolvable host fails at once, a port nothing answers at fails at
-the deadline (both InputError: nothing was started).
+RAY_AUTH_TOKEN_PATH in the user's environment, see README "Security"). Failing to connect is an
+InputError (nothing was started): an unresolvable host at once, a port nothing answers at after
+the run's timeout, a cluster that refuses this driver (its token) when Ray gives up (~20 s).
 """
 
 from __future__ import annotations
@@ -229,6 +229,8 @@ class RayCluster:
 
     def _start_private(self, init_kwargs: dict) -> None:
         parent = RAY_TMPDIR or tempfile.gettempdir()
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise InputError(f"EPMOE_RAY_TMPDIR ({parent!r}) must be a writable folder")
         if len(parent) > SOCKET_PATH_ROOM:
             raise InputError(f"EPMOE_RAY_TMPDIR ({parent!r}, {len(parent)} characters) is too "
                              f"long for Ray's socket paths (at most {SOCKET_PATH_ROOM}): pick a "
@@ -244,8 +246,8 @@ class RayCluster:
                       RAY_AUTH_TOKEN=None, RAY_ADDRESS=None, **loopback_env())
         _ray_rereads_env()
         if not _token_auth_on():
-            raise LaunchError("this Ray has no token authentication (Ray >= 2.52 has it): "
-                              "upgrade Ray, or run on a cluster you secured with --address")
+            raise InputError("this Ray has no token authentication (Ray >= 2.52 has it): "
+                             "upgrade Ray, or run on a cluster you secured with --address")
         init_ray(LaunchError, "starting a private Ray cluster", address="local",
                  num_cpus=self.num_cpus, num_gpus=self.num_gpus,
                  _temp_dir=os.path.join(self.tmp, "ray"), _node_ip_address=LOOPBACK,
