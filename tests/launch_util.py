@@ -184,11 +184,13 @@ def launch_env(tag: str, auth: dict[str, str] | None = None, **extra: str) -> di
 
 
 class RayNodes:
-    """Ray nodes started with `ray start` on this machine (head first), loopback only, token
-    authentication with a token of their own; `stop()` kills exactly their processes.
-    `auth` is what a driver needs to join them."""
+    """Ray nodes started with `ray start` on this machine (head first), token authentication
+    with a token of their own; `stop()` kills exactly their processes. `auth` is what a driver
+    needs to join them. One node listens on loopback only (a single-machine cluster); Ray
+    refuses a second node in that mode, so multi-node clusters listen on the machine's address
+    (behind their token)."""
 
-    def __init__(self, tag: str | None = None):
+    def __init__(self, tag: str | None = None, loopback: bool = True):
         self.tag = tag or new_tag()
         self.temp_dir = f"/tmp/rt{self.tag[:8]}"  # short: Ray's socket paths are length-limited
         os.makedirs(self.temp_dir, mode=0o700)
@@ -196,8 +198,9 @@ class RayNodes:
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token,
-                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
+        if loopback:
+            self.auth["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         self.address = None
         # Worker ports come from a fixed block below the kernel's ephemeral range, where the
         # free ports of the other components come from, so the two can never overlap.
@@ -244,7 +247,7 @@ class RayNodes:
 def ray_nodes(num_cpus: int, extra_nodes: int = 0):
     """A head (and `extra_nodes` more nodes) of `num_cpus` CPUs each for a test module; at the
     end every process of it is gone."""
-    nodes = RayNodes()
+    nodes = RayNodes(loopback=extra_nodes == 0)
     try:
         nodes.start_head(num_cpus=num_cpus)
         for _ in range(extra_nodes):

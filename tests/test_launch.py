@@ -10,7 +10,7 @@ import time
 import pytest
 
 from epmoe.launch.cli import main
-from tests.launch_util import describe, new_tag, ray_nodes, wait_gone
+from tests.launch_util import describe, new_tag, ray_nodes, tagged_procs, wait_gone
 
 TINY = dict(model="deepseek-v3-tiny", experts=16, top_k=4, layers=2)
 
@@ -206,3 +206,19 @@ def test_trace_replay_over_ranks_gives_the_recorded_runs_loads(joined, tmp_path)
     assert rep["load"]["tokens_per_layer_expert"] == rec["load"]["tokens_per_layer_expert"]
     assert rep["load"]["tokens_per_rank"] == rec["load"]["tokens_per_rank"]
     assert_load(rep, ranks=2, tokens=8, steps=2, layers=2)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_backend_the_joined_cluster_cannot_run_is_exit_2_before_any_rank(joined, capsys):
+    """With --address the ranks' device is known only once connected (here: a CPU cluster):
+    DeepEP is refused then, before any actor starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the machine has CUDA: the ranks decide")
+    cluster, tag = joined
+    rc = main(["--ep", "2", "--backend", "deepep-ll", "--address", cluster.address, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: backend 'deepep-ll' cannot run here"), err
+    assert len(err.strip().splitlines()) == 1 and not tagged_procs(tag)

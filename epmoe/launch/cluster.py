@@ -167,6 +167,19 @@ def _ray_rereads_env() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def _listens_beyond_loopback(port: int) -> bool:
+    """Whether something answers at this machine's network address on `port` (a Ray head
+    started as a cluster listens on every interface; a loopback-only one does not)."""
+    from ray._private.services import node_ip_address_from_perspective
+
+    try:
+        ip = node_ip_address_from_perspective()
+        with socket.create_connection((ip, port), timeout=1):
+            return not is_loopback(ip)
+    except OSError:
+        return False
+
+
 def _token_auth_on() -> bool:
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
@@ -221,10 +234,12 @@ class RayCluster:
 
     def _join(self, init_kwargs: dict) -> None:
         addr = self.address
-        if addr.loopback:  # keep 127.0.0.1 as given (Ray rewrites it to the machine's address)
+        wait_reachable(addr, self.timeout_s)
+        if addr.loopback and not _listens_beyond_loopback(addr.port):
+            # a single-machine cluster on loopback: keep 127.0.0.1 (Ray would rewrite it to the
+            # machine's address, where that cluster does not listen)
             self._env.set(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         _ray_rereads_env()
-        wait_reachable(addr, self.timeout_s)
         init_ray(InputError, f"joining {addr.for_ray}", address=addr.for_ray, **init_kwargs)
 
     def _start_private(self, init_kwargs: dict) -> None:
