@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?= --ep 8
 
-.PHONY: venv run test clean
+.PHONY: venv run test clean gpu-deps
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,13 @@ run: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# DeepEP v1 + DeepGEMM built against the installed torch (CUDA machine; see README "GPU").
+# Sources from git by default; offline: GPU_DEPS_ARGS="--src DIR --cutlass-wheel WHL".
+GPU_SITE ?= .gpu/site
+GPU_DEPS_ARGS ?=
+gpu-deps:
+	bash tools/build_gpu_deps.sh --target $(GPU_SITE) --check --strip $(GPU_DEPS_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -58,3 +58,18 @@ SAFETY_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+# Single node over NVLink (no remote transport), NVLink multicast off: NVSHMEM (DeepEP's
+# low-latency buffers, the symmetric arena) reads these when it initializes.
+NVSHMEM_SINGLE_NODE_ENV = {
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def use_single_node_nvshmem() -> None:
+    """The one place epmoe writes the process environment: before NVSHMEM initializes in a
+    single-node CUDA process (the Runtime calls it), unless the user set the variables."""
+    for k, v in NVSHMEM_SINGLE_NODE_ENV.items():
+        os.environ.setdefault(k, v)

@@ -3,6 +3,11 @@
 Everything that varies is injected: the parallel form (`LayerPlan`), the comm backend, the
 experts backend, and an optional EPLB `ReplicaMap` (logical -> physical slots). The layer
 itself is the same code on one rank and on many.
+
+Overlap (epmoe.overlap): on CUDA the shared experts run on a side stream concurrently with
+dispatch -> experts -> combine (`overlap_shared`, default on); `micro_batches=2` splits the
+tokens in two so that one half's dispatch/combine overlaps the other half's expert GEMMs
+(meant for ep >= 2). Both give the same result as the plain order (tested on CPU).
 """
 
 from __future__ import annotations
@@ -10,12 +15,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.base import Comm
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
+from epmoe.overlap import LayerStreams
 from epmoe.parallel import LayerPlan
-from epmoe.quant import quantize_act
-from epmoe.router import ReplicaMap, Routing, route
+from epmoe.router import ReplicaMap, Routing, route_tokens
 from epmoe.timing import StageTimer
 from epmoe.weights import LayerWeights
 
@@ -24,7 +29,8 @@ class MoELayer:
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, weights: LayerWeights,
                  plan: LayerPlan, comm: Comm, experts: Experts,
                  shared_experts: Experts | None = None, replica_map: ReplicaMap | None = None,
-                 group=None, timer: StageTimer | None = None):
+                 group=None, timer: StageTimer | None = None, overlap_shared: bool = True,
+                 micro_batches: int = 1):
         self.cfg, self.quant, self.weights, self.plan = cfg, quant, weights, plan
         self.comm, self.experts, self.shared_experts = comm, experts, shared_experts
         self.replica_map = replica_map
@@ -34,10 +40,20 @@ class MoELayer:
         comm.timer = self.timer
         self.last_routing: Routing | None = None  # logical routing of the last call (for stats)
         self.last_physical_ids: torch.Tensor | None = None
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches ({micro_batches}) must be 1 or 2")
+        self.overlap_shared, self.micro_batches = overlap_shared, micro_batches
+        self.streams = LayerStreams(weights.gate_ED.device)
+        # the fused router's bf16 gate (CUDA); on CPU the fp32 gate and the torch router
+        self._gate_bf16 = weights.gate_ED.to(torch.bfloat16) if weights.gate_ED.is_cuda \
+            else None
 
     def route(self, x_TD: torch.Tensor) -> Routing:
-        logits = x_TD.float() @ self.weights.gate_ED.T
-        return route(logits, self.cfg, self.weights.bias_E)
+        """Gate GEMM + top-k: one fused Triton launch on CUDA (bf16 GEMM, fp32 accumulation),
+        the fp32 torch reference elsewhere (`epmoe.router.route_tokens`)."""
+        gate = self._gate_bf16 if self._gate_bf16 is not None and x_TD.is_cuda \
+            else self.weights.gate_ED
+        return route_tokens(x_TD, gate, self.cfg, self.weights.bias_E)
 
     def forward(self, x_TD: torch.Tensor, routing: Routing | None = None,
                 token_offset: int = 0) -> torch.Tensor:
@@ -59,27 +75,63 @@ class MoELayer:
             # top_k == 1 (checked by the config): scale the token, combine with weight 1
             x_in = (x_TD.float() * w[:, :1]).to(x_TD.dtype)
             w = torch.ones_like(w)
-        with t.stage("dispatch"):
-            batch, handle = self.comm.dispatch(x_in, ids, w)
-        with t.stage("experts"):
-            y = self._run_experts(batch)
-        with t.stage("combine"):
-            out = self.comm.combine(y, handle)
-        if self.weights.shared is not None and self.shared_experts is not None:
-            with t.stage("shared"):
-                out = out + self._shared(x_TD)
+        has_shared = self.weights.shared is not None and self.shared_experts is not None
+        st = self.streams
+        side = has_shared and self.overlap_shared and st.cuda
+        if side:  # forked now: runs while the routed path below is issued and runs
+            with st.on(st.shared, reads=x_TD), t.stage("shared"):
+                shared_out = self._shared(x_TD)
+            shared_done = st.mark(st.shared)
+        if self.micro_batches == 2 and x_in.shape[0] >= 2:
+            out = self._routed_micro_batches(x_in, ids, w)
+        else:
+            with t.stage("dispatch"):
+                batch, handle = self.comm.dispatch(x_in, ids, w)
+            with t.stage("experts"):
+                y = self.experts.run(batch)
+            with t.stage("combine"):
+                out = self.comm.combine(y, handle)  # bf16 [T, D], fp32-reduced, cast once
+        if has_shared:
+            if side:
+                st.wait(shared_done, reads=shared_out)
+            else:
+                with t.stage("shared"):
+                    shared_out = self._shared(x_TD)
+            out = out.float() + shared_out.float()
         if self.plan.needs_all_reduce:
+            # replicated forms: each rank holds a partial sum; summed in fp32
             with t.stage("all_reduce"):
+                out = out.float()
                 dist.all_reduce(out, group=self.group)
         return out.to(x_TD.dtype)
 
-    def _run_experts(self, batch: ExpertBatch) -> torch.Tensor:
-        if batch.form == "tokens":
-            return self.experts.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
-        return self.experts.run_masked(batch.x, batch.counts_E)
-
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
-        n = x_TD.shape[0]
-        ids = torch.zeros(n, 1, dtype=torch.int32, device=x_TD.device)
-        w = torch.ones(n, 1, dtype=torch.float32, device=x_TD.device)
-        return self.shared_experts.apply(quantize_act(x_TD, self.quant), ids, w)
+        """The shared MLP over every token: plain GEMMs (no permute / gather), bf16 [T, D]."""
+        ex = self.shared_experts
+        return ex.run_dense(ex.quantize_input(x_TD))
+
+    def _routed_micro_batches(self, x_TD, ids_TK, w_TK) -> torch.Tensor:
+        """Two halves: dispatch/combine on the comm stream, experts on this one, each half in
+        its own experts slot (its buffers live until its combine has read them)."""
+        st, t = self.streams, self.timer
+        h = x_TD.shape[0] // 2
+        parts = [(x_TD[:h], ids_TK[:h], w_TK[:h]), (x_TD[h:], ids_TK[h:], w_TK[h:])]
+        comm = st.comm if st.cuda else None
+        dispatched, outs = [], []
+        with st.on(comm, reads=(x_TD, ids_TK, w_TK)), t.stage("dispatch"):
+            dispatched.append(self.comm.dispatch(*parts[0]))
+        ready = st.mark(comm)
+        for i in range(2):
+            batch, handle = dispatched[i]
+            st.wait(ready, reads=batch)
+            with self.experts.use_slot(i), t.stage("experts"):
+                y = self.experts.run(batch)
+            done = st.mark()
+            if i == 0:  # the second half's dispatch overlaps the first half's GEMMs
+                with st.on(comm, after=ready), t.stage("dispatch"):
+                    dispatched.append(self.comm.dispatch(*parts[1]))
+                ready = st.mark(comm)
+            with st.on(comm, after=done, reads=y), t.stage("combine"):
+                outs.append(self.comm.combine(y, handle))
+        st.wait(st.mark(comm), reads=outs)
+        return torch.cat(outs)

@@ -21,6 +21,20 @@ FORMS = ("tp", "ep", "ep_dp")
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What one layer of a stack asks for (a plan file entry, or the planner's choice): the
+    parallel form, the comm backend and the experts backend ("auto" = resolved per rank)."""
+
+    form: Form
+    backend: str = "auto"
+    experts: str = "auto"
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"form ({self.form!r}) must be one of {FORMS}")
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """How one layer runs on one rank.
 

@@ -98,6 +98,17 @@ def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq):
     return w2_DI @ a
 
 
+def expert_mlp_ref(x_ND: torch.Tensor, w13_FD: torch.Tensor, w2_DI: torch.Tensor,
+                   cfg: MoEConfig, quant: QuantConfig, fake_quant: bool = True) -> torch.Tensor:
+    """float64 [N, D]: one expert's MLP on rows that already hold their quantized values
+    (e.g. `dequantize_act(x_q)`), with the recipe's intermediate rounding as in `reference_moe`."""
+    x = x_ND.double()
+    if not x.shape[0]:
+        return x.new_zeros(0, w2_DI.shape[0])
+    return torch.stack([_mlp(x[n], w13_FD, w2_DI, cfg, quant, fake_quant)
+                        for n in range(x.shape[0])])
+
+
 def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig,
                   topk_ids_TK: torch.Tensor | None = None, topk_weights_TK=None,
                   fake_quant: bool = True) -> torch.Tensor:

@@ -43,12 +43,35 @@ def _check_logits(logits_TE: torch.Tensor, cfg: MoEConfig) -> None:
         raise ValueError(f"router logits must be floating point, got {logits_TE.dtype}")
 
 
+def _fast_path(t: torch.Tensor, cfg: MoEConfig, backend: str) -> bool:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend ({backend!r}) must be 'auto', 'triton' or 'torch'")
+    if backend == "torch" or (backend == "auto" and not t.is_cuda):
+        return False
+    from epmoe.kernels.gate_topk import unsupported
+
+    why = unsupported(cfg)
+    if why is not None and backend == "triton":
+        raise ValueError(f"the Triton router cannot run this config: {why}; use "
+                         f"backend='torch'")
+    return why is None
+
+
 def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
-          id_dtype: torch.dtype = torch.int32) -> Routing:
-    """Select top_k experts per token. Computation in fp32 whatever the logits dtype."""
+          id_dtype: torch.dtype = torch.int32, backend: str = "auto") -> Routing:
+    """Select top_k experts per token. Computation in fp32 whatever the logits dtype.
+
+    backend: 'auto' = the Triton kernel (`epmoe.kernels.gate_topk`) on CUDA when it supports
+    the config, else this module's torch code (the reference); 'triton'; 'torch'."""
     _check_logits(logits_TE, cfg)
     if id_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")
+    if _fast_path(logits_TE, cfg, backend):
+        from epmoe.kernels.gate_topk import triton_route_logits
+
+        logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
+        ids, w = triton_route_logits(logits, cfg, bias_E)
+        return Routing(ids.to(id_dtype), w)
     logits = logits_TE.float()
     k = cfg.top_k
     if cfg.router == "softmax":
@@ -72,6 +95,32 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
     w = w * cfg.routed_scaling_factor
     return Routing(ids.to(id_dtype), w.float())
+
+
+def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
+                 bias_E: torch.Tensor | None = None, id_dtype: torch.dtype = torch.int32,
+                 backend: str = "auto") -> Routing:
+    """Gate GEMM + routing: logits = x [T, D] @ gate [E, D].T, then `route`.
+
+    On CUDA ('auto', when the kernel supports the config) one Triton launch: a bf16 GEMM with
+    fp32 accumulation whose logits never reach memory (keep gate_ED in bf16 to skip a cast per
+    call). Elsewhere, or backend='torch': fp32 logits `x.float() @ gate.float().T` and the
+    torch router, the reference. The bf16 GEMM moves logits by ~1e-3 relative to the fp32
+    product, so ids can differ from the fp32 path where two candidates are that close."""
+    if x_TD.dim() != 2 or gate_ED.dim() != 2 or x_TD.shape[1] != gate_ED.shape[1]:
+        raise ValueError(f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be "
+                         f"[T, D] and [E, D]")
+    if gate_ED.shape[0] != cfg.num_experts:
+        raise ValueError(f"gate has {gate_ED.shape[0]} rows but num_experts is "
+                         f"{cfg.num_experts}")
+    if id_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")
+    if _fast_path(x_TD, cfg, backend):
+        from epmoe.kernels.gate_topk import triton_gate_route
+
+        ids, w = triton_gate_route(x_TD, gate_ED, cfg, bias_E)
+        return Routing(ids.to(id_dtype), w)
+    return route(x_TD.float() @ gate_ED.float().T, cfg, bias_E, id_dtype, backend="torch")
 
 
 @dataclass(frozen=True)

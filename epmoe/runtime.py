@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from epmoe.comm import make_comm
+from epmoe.comm import CommContext, make_comm
+from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.config import MoEConfig, QuantConfig, get_preset
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
-from epmoe.parallel import LayerPlan
-from epmoe.router import ReplicaMap, Routing
+from epmoe.parallel import LayerPlan, LayerSpec
+from epmoe.router import Routing
 from epmoe.timing import StageTimer
 from epmoe.weights import synthetic_layer
 
@@ -47,6 +48,12 @@ class RunConfig:
     timeout_s: float = 120.0
     check: bool = True  # keep last-step tensors for the oracle
     model_overrides: tuple = ()  # ((field, value), ...) applied to the preset
+    micro_batches: int = 1  # 2: one half's dispatch/combine overlaps the other's GEMMs
+    # per-layer LayerSpec (a mixed stack: plan file or planner); () = every layer runs
+    # `form` with `backend` and `experts`
+    stack: tuple = ()
+    eplb_migration: str = "sync"  # sync | async (weights staged in the background)
+    eplb_link_gbps: float | None = None  # rebalance cost model; None: NVLink / RDMA figures
 
     @property
     def cfg(self) -> MoEConfig:
@@ -62,11 +69,53 @@ class RunConfig:
             raise ValueError(f"layers ({n}) must be >= 1")
         return n
 
-    def plan(self, rank: int, backend: str) -> LayerPlan:
-        return LayerPlan(form=self.form, rank=rank, world=self.world,
-                         backend=backend if self.form == "ep_dp" or self.world == 1 else "local",
-                         experts=self.experts,
+    # ------------------------------------------------------------ the stack, layer by layer
+    def layer_spec(self, l: int) -> LayerSpec:
+        if self.stack:
+            return self.stack[l]
+        return LayerSpec(self.form, self.backend, self.experts)
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return tuple(self.layer_spec(l).form for l in range(self.num_layers))
+
+    @property
+    def mixed(self) -> bool:
+        return len(set(self.forms)) > 1
+
+    # The one owner of the token-layout rule: when any layer is ep_dp, every rank holds its own
+    # `tokens` rows and a replicated layer (tp / ep) sees all ranks' rows gathered; when no layer
+    # is, `tokens` is the one batch every rank holds.
+    @property
+    def own_tokens(self) -> bool:
+        return "ep_dp" in self.forms
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens of one step over all ranks."""
+        return self.tokens * self.world if self.own_tokens else self.tokens
+
+    def holds_own_rows(self, l: int) -> bool:
+        """Layer l runs on this rank's own rows (ep_dp, or one rank), not the gathered batch."""
+        return self.world == 1 or self.layer_spec(l).form == "ep_dp"
+
+    def layer_tokens(self, l: int) -> int:
+        return self.tokens if self.holds_own_rows(l) and self.own_tokens else self.global_tokens
+
+    def token_offset(self, l: int, rank: int) -> int:
+        """Global index of the first row layer l sees on `rank`."""
+        return rank * self.tokens if self.holds_own_rows(l) and self.own_tokens else 0
+
+    def layer_plan(self, l: int, rank: int, backend: str) -> LayerPlan:
+        spec = self.layer_spec(l)
+        return LayerPlan(form=spec.form, rank=rank, world=self.world,
+                         backend=backend if spec.form == "ep_dp" or self.world == 1 else "local",
+                         experts=spec.experts,
                          num_slots=self.cfg.num_experts + self.redundant_experts)
+
+    def plan(self, rank: int, backend: str) -> LayerPlan:
+        """The plan of layer 0 (every layer's, unless the stack mixes forms)."""
+        return self.layer_plan(0, rank, backend)
 
     def validate(self) -> None:
         if self.world < 1:
@@ -75,16 +124,24 @@ class RunConfig:
             raise ValueError(f"tokens ({self.tokens}) must be >= 1")
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
-        self.num_layers  # noqa: B018  (validates)
-        self.plan(0, "local").validate(self.cfg, self.quant)
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches ({self.micro_batches}) must be 1 or 2")
+        n = self.num_layers
+        if self.stack:
+            if len(self.stack) != n:
+                raise ValueError(f"the stack plan has {len(self.stack)} layer entries but the run "
+                                 f"has {n} layers; give one entry per layer (or set --layers)")
+            for spec in self.stack:
+                if not isinstance(spec, LayerSpec):
+                    raise ValueError(f"stack entries must be LayerSpec, got {spec!r}")
+            if self.eplb and "tp" in self.forms:
+                raise ValueError("--eplb places experts across EP ranks, but the plan has tp "
+                                 "layers; plan those layers as ep or ep_dp")
+        for l in range(n):
+            self.layer_plan(l, 0, "local").validate(self.cfg, self.quant)
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
-
-
-# A rebalance keeps the incremental placement when its predicted balancedness is within this
-# of the full re-placement's: moving fewer slots is worth a little balance.
-INCREMENTAL_SLACK = 0.02
 
 
 def _device_for(rank: int) -> torch.device:
@@ -104,20 +161,34 @@ class Runtime:
         self.timer = StageTimer(enabled=True, device=self.device)
         from epmoe.comm import resolve_backend
 
-        self.backend, self.backend_reason = resolve_backend(
-            backend or run.backend, run, self.device)
-        self.plan = run.plan(rank, self.backend)
-        # placement: slot s of layer l holds logical expert phy2log[l][s]; initially s mod E
-        slots = self.plan.slots(self.cfg)
-        self.phy2log = [[s % self.cfg.num_experts for s in range(slots)]
-                        for _ in range(run.num_layers)]
-        self.replica_maps = [self._replica_map(p) for p in self.phy2log]
-        self.layers = [self._build_layer(l, self.phy2log[l]) for l in range(run.num_layers)]
-        self.recorder = None
-        if run.eplb:
-            from epmoe.eplb.recorder import LoadRecorder
+        # per layer: (backend, one-line reason) and the LayerPlan; `backend` overrides the run's
+        self.layer_backends = []
+        for l in range(run.num_layers):
+            spec = run.layer_spec(l)
+            self.layer_backends.append(resolve_backend(
+                backend or spec.backend, run.replace(form=spec.form, stack=()), self.device))
+        self.plans = [run.layer_plan(l, rank, b) for l, (b, _) in enumerate(self.layer_backends)]
+        self.backend, self.backend_reason = self._summary_backend()
+        if self.device.type == "cuda":
+            from epmoe.env import use_single_node_nvshmem
 
-            self.recorder = LoadRecorder(run.num_layers, slots, run.eplb_window, self.device)
+            use_single_node_nvshmem()  # before any NVSHMEM (DeepEP LL, symmetric arena) starts
+        # shared by every layer's comm: the group, the worst case that sizes preallocated
+        # buffers, and the buffers themselves (freed collectively by close())
+        self.comm_ctx = CommContext(group, rank, self.world, self.device,
+                                    max_tokens_per_rank=run.tokens)
+        # the rebalancer owns the placement (slot s of layer l holds logical expert
+        # phy2log[l][s]; initially s mod E), the replica maps and, with run.eplb, rebalancing
+        slots = self.plans[0].slots(self.cfg)
+        self.rebalancer = Rebalancer(
+            self.cfg, run.quant, run.num_layers, slots, rank=rank,
+            world=self.world, group=group, device=self.device, forms=run.forms,
+            own_tokens=run.own_tokens, token_offset=self.token_offset,
+            options=RebalanceOptions(enabled=run.eplb, window=run.eplb_window,
+                                     migration=run.eplb_migration, link_gbps=run.eplb_link_gbps),
+            make_experts=self._make_experts, timer=self.timer)
+        self.layers = [self._build_layer(l, self.rebalancer.phy2log[l])
+                       for l in range(run.num_layers)]
         self.experts_reason = getattr(self, "_experts_reason", "")
         self.step_ms: list[float] = []
         self._last: list[dict] = []  # last step's per-layer tensors, still on the device
@@ -128,31 +199,29 @@ class Runtime:
         self.load_LE = torch.zeros(run.num_layers, self.cfg.num_experts, dtype=torch.long,
                                    device=self.device)
 
+    @property
+    def plan(self) -> LayerPlan:
+        """Layer 0's plan (every layer's unless the stack mixes forms)."""
+        return self.plans[0]
+
+    def _summary_backend(self) -> tuple[str, str]:
+        names = [b for b, _ in self.layer_backends]
+        if len(set(names)) == 1:
+            return self.layer_backends[0]
+        return "mixed", ", ".join(f"layer {l}: {b}" for l, b in enumerate(names))
+
     # ---------------------------------------------------------------- building
-    def _replica_map(self, phy2log_R: list[int]) -> ReplicaMap | None:
-        e = self.cfg.num_experts
-        if phy2log_R == list(range(e)):
-            return None  # identity: logical id == physical slot
-        from epmoe.eplb.placement import Placement
+    def _make_experts(self, weights, name: str | None = None) -> Experts:
+        """The experts backend `name` (default: the run's) for these weights."""
+        from epmoe.experts.select import make_experts
 
-        p = Placement.from_phy2log([phy2log_R], e, self.world if self.plan.form != "tp" else 1)
-        return ReplicaMap(p.log2phy[0].to(self.device), p.logcnt[0].to(self.device))
-
-    def _make_experts(self, weights) -> Experts:
-        try:
-            from epmoe.experts.select import make_experts
-        except ImportError:  # pragma: no cover (select ships with the package)
-            from epmoe.experts.torch_experts import TorchExperts
-
-            self._experts_reason = "torch: selector unavailable"
-            return TorchExperts(weights, self.cfg, self.run.quant)
-        experts, reason = make_experts(self.run.experts, weights, self.cfg, self.run.quant,
-                                       self.device)
+        experts, reason = make_experts(name or self.run.experts, weights, self.cfg,
+                                       self.run.quant, self.device)
         self._experts_reason = reason
         return experts
 
     def _build_layer(self, l: int, slot_to_logical=None) -> MoELayer:
-        run, cfg, plan = self.run, self.cfg, self.plan
+        run, cfg, plan = self.run, self.cfg, self.plans[l]
         slots = plan.local_slots(cfg)
         logical = [slot_to_logical[s] if slot_to_logical is not None else s % cfg.num_experts
                    for s in slots]
@@ -161,53 +230,69 @@ class Runtime:
                             sslice, with_shared, self.device)
         w = dataclasses.replace(w, experts=dataclasses.replace(
             w.experts, expert_ids_E=torch.as_tensor(slots, dtype=torch.long, device=self.device)))
-        experts = self._make_experts(w.experts)
-        shared = self._make_experts(w.shared) if w.shared is not None else None
-        comm = make_comm(self.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
-                         group=self.group, rank=self.rank, world=self.world, run=run,
-                         device=self.device)
+        experts = self._make_experts(w.experts, plan.experts)
+        shared = self._make_experts(w.shared, plan.experts) if w.shared is not None else None
+        comm = make_comm(plan.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
+                         self.comm_ctx)
+        comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
-                        replica_map=self.replica_maps[l], group=self.group, timer=self.timer)
+                        replica_map=self.rebalancer.replica_maps[l], group=self.group,
+                        timer=self.timer, micro_batches=run.micro_batches)
 
     # ---------------------------------------------------------------- stepping
     def tokens_for(self, step: int) -> torch.Tensor:
-        """This rank's input tokens: own tokens under ep_dp, the shared batch under tp/ep."""
-        src = self.rank if self.run.form == "ep_dp" else 0
+        """This rank's input tokens: its own rows when the stack has ep_dp layers, else the one
+        batch every rank holds (generated from the same seed everywhere)."""
+        src = self.rank if self.run.own_tokens else 0
         g = torch.Generator().manual_seed(self.run.seed * 7919 + step * 131 + src + 1)
         x = torch.randn(self.run.tokens, self.cfg.hidden, generator=g)
         return x.to(torch.bfloat16).to(self.device)
 
-    def routing_for(self, step: int, l: int, x: torch.Tensor) -> Routing | None:
+    def routing_for(self, step: int, l: int) -> Routing | None:
         """Synthetic / replayed routing (None = the model's router). One global stream per step
         over every rank's tokens (generated once for all layers), so replicas, the oracle and
-        EPLB see the same routing whatever the rank count; each rank takes its own rows."""
+        EPLB see the same routing whatever the rank count; each layer takes the rows it runs."""
         if self.run.routing == "router":
             return None
         cfg = self.cfg
         if getattr(self, "_routing_step", None) != step:
             from epmoe.eplb.routing import make_routing
 
-            n = self.run.tokens * (self.world if self.run.form == "ep_dp" else 1)
             self._routing_ids = make_routing(self.run.routing, self.run.num_layers,
-                                             cfg.num_experts, cfg.top_k, n, step, self.run.seed)
+                                             cfg.num_experts, cfg.top_k, self.run.global_tokens,
+                                             step, self.run.seed)
             self._routing_step = step
         ids = self._routing_ids[l]
         g = torch.Generator().manual_seed(self.run.seed + step * 17 + l)
         w = torch.softmax(torch.randn(ids.shape[0], cfg.top_k, generator=g), -1)
-        own = slice(self.token_offset, self.token_offset + self.run.tokens)
-        return Routing(ids[own].to(torch.int32).to(self.device),
-                       (w[own] * cfg.routed_scaling_factor).to(self.device))
+        first = self.run.token_offset(l, self.rank)
+        rows = slice(first, first + self.run.layer_tokens(l))
+        return Routing(ids[rows].to(torch.int32).to(self.device),
+                       (w[rows] * cfg.routed_scaling_factor).to(self.device))
 
     @property
     def token_offset(self) -> int:
-        return self.rank * self.run.tokens if self.run.form == "ep_dp" else 0
+        """Global index of this rank's first own row (layer 0's view)."""
+        return self.run.token_offset(0, self.rank)
+
+    def _relayout(self, x: torch.Tensor, gathered: bool) -> torch.Tensor:
+        """Between layers of different forms: own rows -> every rank's rows (all-gather, rank
+        order) or back (this rank's slice of the gathered batch, no communication)."""
+        with self.timer.stage("relayout"):
+            if gathered:
+                from epmoe.comm.wire import all_gather_rows
+
+                return all_gather_rows(x, self.world, self.group)
+            n = self.run.tokens
+            return x[self.rank * n:(self.rank + 1) * n]
 
     def step(self, step: int) -> float:
         """Run all layers once; returns this rank's step time in ms."""
+        run = self.run
         x = self.tokens_for(step)
+        gathered = not run.own_tokens  # x holds every rank's rows (replicated forms)
         keep = []
-        if self.recorder is not None:
-            self.recorder.begin_step()
+        self.rebalancer.begin_step(self.layers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:
@@ -215,20 +300,28 @@ class Runtime:
                 dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for l, layer in enumerate(self.layers):
-            r = self.routing_for(step, l, x)
-            out = layer.forward(x, r, token_offset=self.token_offset)
-            if self.recorder is not None:
-                self.recorder.record(l, layer.last_physical_ids)
+            want = not run.holds_own_rows(l)
+            if self.world > 1 and want != gathered:
+                x, gathered = self._relayout(x, want), want
+            r = self.routing_for(step, l)
+            offset = run.token_offset(l, self.rank)
+            out = layer.forward(x, r, token_offset=offset)
+            self.rebalancer.record(l, layer.last_routing.topk_ids_TK, layer.last_physical_ids)
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
-            if self.run.check:  # device tensors; report() moves them to the host
-                keep.append(dict(x=x, out=out, ids=None if r is None else r.topk_ids_TK,
-                                 w=None if r is None else r.topk_weights_TK,
+            if run.check:  # device tensors; report() moves them to the host
+                # the routing the layer used (its own router's when r is None): the oracle
+                # replays it, and checks the router separately (routed=True)
+                used = layer.last_routing
+                keep.append(dict(x=x, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
+                                 routed=torch.tensor(r is None),
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
+        for layer in self.layers:  # after the sync the step already has: device-side timeouts
+            layer.comm.check_errors()
         self.step_ms.append(ms)
         self._last = keep
         self._last_host = None
@@ -248,74 +341,25 @@ class Runtime:
         stages = self.timer.collect()
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
                     stages_ms=stages, last=self.last, load_LS=self.load_LS.cpu().clone(),
-                    load_LE=self.load_LE.cpu().clone(), phy2log=[list(p) for p in self.phy2log],
+                    load_LE=self.load_LE.cpu().clone(),
+                    phy2log=[list(p) for p in self.rebalancer.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,
-                    experts_reason=self.experts_reason)
+                    layer_backends=[list(b) for b in self.layer_backends],
+                    forms=list(self.run.forms), experts_reason=self.experts_reason)
 
     # ---------------------------------------------------------------- EPLB
-    def rebalance(self, policy: str = "auto") -> dict:
-        """Re-place replicas from the recorded window: one all-reduce of the load, placement on
-        rank 0 (broadcast), weight migration of the changed slots, new replica maps."""
-        from epmoe.eplb.migrate import migrate_layer
-        from epmoe.eplb.placement import Placement, rebalance, rebalance_incremental
-        from epmoe.eplb.recorder import balancedness_per_layer
-
-        if self.recorder is None:
-            raise RuntimeError("rebalance needs RunConfig(eplb=True)")
-        t0 = time.perf_counter()
-        grouped = self.group is not None and self.world > 1
-        load = self.recorder.window_load(self.group if grouped else None,
-                                         reduce=self.run.form == "ep_dp").cpu()
-        before = balancedness_per_layer(load, self.world)
-        e, slots = self.cfg.num_experts, load.shape[1]
-        weight_LE = torch.zeros(load.shape[0], e, dtype=torch.float64)
-        for l, p in enumerate(self.phy2log):
-            weight_LE[l].index_add_(0, torch.tensor(p), load[l].double())
-        groups = self.cfg.n_group if e % self.cfg.n_group == 0 else 1
-        full = rebalance(weight_LE, slots, groups, 1, self.world, policy=policy)
-        # Prefer the incremental placement (fewer slots move) when it balances nearly as well.
-        old = Placement.from_phy2log(self.phy2log, e, self.world)
-        incr, _ = rebalance_incremental(weight_LE, old, groups, 1, self.world)
-        bal_full = float(full.balancedness(weight_LE).mean())
-        bal_incr = float(incr.balancedness(weight_LE).mean())
-        mode = "incremental" if bal_incr >= bal_full - INCREMENTAL_SLACK else "full"
-        new = (incr if mode == "incremental" else full).phy2log
-        if grouped:  # rank 0's placement is the one everybody applies
-            new = new.to(self.device)
-            dist.broadcast(new, 0, group=self.group)
-            new = new.cpu()
-        predicted = self._predicted_balancedness(weight_LE, new)
-        moved = 0
-        for l, layer in enumerate(self.layers):
-            new_R = new[l].tolist()
-            with self.timer.stage("eplb.migrate", record=False):  # heartbeat / fault point
-                moved += migrate_layer(layer.weights.experts, self.phy2log[l], new_R,
-                                       self.rank, self.world, self.group if grouped else None)
-            if new_R != self.phy2log[l]:
-                self.phy2log[l] = new_R
-                layer.experts = self._make_experts(layer.weights.experts)
-                layer.experts.timer = self.timer
-                layer.replica_map = self.replica_maps[l] = self._replica_map(new_R)
-        self.recorder.clear()
-        return dict(balancedness_before=float(before.mean()),
-                    balancedness_predicted=float(predicted), slots_moved=moved, mode=mode,
-                    rebalance_ms=(time.perf_counter() - t0) * 1e3,
-                    window_steps=int(load.sum() > 0) and self.run.eplb_window)
-
-    def _predicted_balancedness(self, weight_LE, phy2log_LR) -> float:
-        from epmoe.eplb.placement import Placement
-
-        p = Placement.from_phy2log(phy2log_LR, self.cfg.num_experts, self.world)
-        return float(p.balancedness(weight_LE).mean())
+    def rebalance(self, steps_until_next: int | None = None) -> dict:
+        return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next)
 
     def window_balancedness(self) -> float:
-        """Measured balancedness of the steps recorded since the last rebalance (all ranks)."""
-        from epmoe.eplb.recorder import balancedness_per_layer
+        return self.rebalancer.window_balancedness()
 
-        grouped = self.group is not None and self.world > 1
-        load = self.recorder.window_load(self.group if grouped else None,
-                                         reduce=self.run.form == "ep_dp").cpu()
-        return float(balancedness_per_layer(load, self.world).mean())
+    def eplb_status(self) -> dict:
+        return self.rebalancer.status()
+
+    def close(self) -> None:
+        """Free the comm buffers (collective: every rank calls it)."""
+        self.comm_ctx.close()
 
     def call(self, method: str, *args, **kwargs):
         """The one entry the driver uses (Ray actors forward to it)."""

@@ -1,8 +1,12 @@
 """Layer weights: deterministic synthetic weights and Hugging Face safetensors checkpoints.
 
-Every expert's synthetic weights come from its own seed (seed, layer, expert), so a rank builds
-exactly the experts it owns and any rank (or the oracle) can rebuild any expert bit-identically.
-Scales keep activations O(1): w13 ~ N(0, 1/D), w2 ~ N(0, 1/I), gate ~ N(0, 1/D).
+Every expert's synthetic weights come from its own key (seed, layer, expert, tensor), so a rank
+builds exactly the experts it owns and any rank (or the oracle) can rebuild any expert
+bit-identically. The generator is counter-based (`counter_normal`: a 32-bit integer hash of
+(key, element index) in exact int64 arithmetic, four 16-bit uniforms summed, one fp32
+multiply), so the same values come out on the CPU and on a GPU: a rank generates its experts
+on its own device (a full-size model starts in seconds) and the CPU oracle rebuilds them.
+Scales keep activations O(1): w13, gate ~ (0, 1/D), w2 ~ (0, 1/I) (mean, variance).
 
 Slicing for TP: `inter_slice=(start, length)` keeps gate/up rows [start, start+length) and the
 same columns of down; slices must fall on quant-block boundaries (checked by QuantConfig).
@@ -37,29 +41,99 @@ class LayerWeights:
     shared: ExpertWeights | None
 
 
-def _gen(seed: int, layer: int, expert: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + layer * 10_007 + expert + 1) % (2**63))
-    return g
+# --------------------------------------------------------------------------------------------
+# Counter-based generator (identical on every device: integer ops, then one IEEE fp32 multiply)
+
+_M32 = 0xFFFFFFFF
+# A 32-bit integer hash (H. Wellons' hash-prospector family); both multipliers are < 2**31, so
+# every product of a 32-bit state fits in int64 without overflow on any device.
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3}
+_SHARED, _ROUTER = -1, -7  # the expert numbers of the shared MLP and of the router
+# std of the sum of four uniforms on {0..65535}: sqrt(4 * (65536**2 - 1) / 12)
+_SUM4_MEAN, _SUM4_STD = 2 * 65535, ((65536 ** 2 - 1) / 3) ** 0.5
+
+
+def weight_key(seed: int, layer: int, expert: int, tensor: str) -> tuple[int, int]:
+    """Two 32-bit keys of one synthetic tensor (splitmix64 of its coordinates, in Python)."""
+    z = (seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + (expert + 8) * 0x94D049BB133111EB
+         + _TAGS[tensor] + 1) % 2 ** 64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+    z ^= z >> 31
+    return z & _M32, z >> 32
+
+
+def _hash32_(x: torch.Tensor, k2: int, tmp: torch.Tensor) -> torch.Tensor:
+    """In place on int64 values in [0, 2**32): the keyed hash (k2 mixed in between rounds).
+    `tmp`: a buffer like x (out= ops: a fresh large tensor costs more than the op on CPU)."""
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_MUL1).bitwise_and_(_M32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp)).bitwise_xor_(k2)
+    x.mul_(_MUL2).bitwise_and_(_M32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+
+
+def _sum4_(a: torch.Tensor, b: torch.Tensor, key: tuple[int, int], tmp: torch.Tensor):
+    """a, b: int64 counters 2i, 2i + 1 -> a = the centred sum of the four 16-bit halves of
+    their hashes (exact integers, |a| < 2**18); b and tmp are clobbered."""
+    k1, k2 = key
+    for x in (a, b):
+        _hash32_(x.bitwise_xor_(k1), k2, tmp)
+    a.add_(torch.bitwise_right_shift(a, 16, out=tmp)).sub_(tmp.bitwise_left_shift_(16))
+    a.add_(torch.bitwise_right_shift(b, 16, out=tmp)).add_(b.bitwise_and_(0xFFFF))
+    return a.sub_(_SUM4_MEAN)
+
+
+# elements per pass on the CPU: three int64 buffers stay in cache (several times faster than
+# whole-tensor passes there); a GPU takes the tensor in one pass
+_CPU_BLOCK = 1 << 16
+
+
+def counter_normal(shape, key: tuple[int, int], std: float, device=None) -> torch.Tensor:
+    """fp32 tensor of `shape`, mean 0 and standard deviation `std` (a sum of four uniforms,
+    support +-3.46 std), element i a pure function of (key, i): the same bits on every device."""
+    n = 1
+    for d in shape:
+        n *= d
+    if n >= 2 ** 31:
+        raise ValueError(f"counter_normal draws at most 2**31 - 1 values per tensor, asked {n}")
+    device = torch.device("cpu" if device is None else device)
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    block = _CPU_BLOCK if device.type == "cpu" else max(n, 1)
+    a = torch.empty(min(block, n), dtype=torch.int64, device=device)
+    b, tmp = torch.empty_like(a), torch.empty_like(a)
+    scale = torch.tensor(std / _SUM4_STD, dtype=torch.float32)  # rounded to fp32 once, here
+    for s0 in range(0, n, block):
+        m = min(block, n - s0)
+        am, bm, tm = a[:m], b[:m], tmp[:m]
+        torch.arange(2 * s0, 2 * (s0 + m), 2, out=am)
+        torch.add(am, 1, out=bm)
+        dst = out[s0:s0 + m]
+        dst.copy_(_sum4_(am, bm, key, tm))
+        dst.mul_(scale)
+    return out.reshape(shape)
 
 
 def synthetic_expert_fp32(cfg: MoEConfig, layer: int, expert: int, seed: int,
-                          intermediate: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w13 [2I, D], w2 [D, I]) fp32 for one expert; expert -1 is the shared MLP."""
+                          intermediate: int | None = None,
+                          device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [2I, D], w2 [D, I]) fp32 for one expert, on `device`; expert -1 is the shared MLP."""
     i = cfg.moe_intermediate if intermediate is None else intermediate
     d = cfg.hidden
-    g = _gen(seed, layer, expert)
-    w13 = torch.randn(2 * i, d, generator=g) / d ** 0.5
-    w2 = torch.randn(d, i, generator=g) / i ** 0.5
+    w13 = counter_normal((2 * i, d), weight_key(seed, layer, expert, "w13"), d ** -0.5, device)
+    w2 = counter_normal((d, i), weight_key(seed, layer, expert, "w2"), i ** -0.5, device)
     return w13, w2
 
 
-def synthetic_router(cfg: MoEConfig, layer: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    g = _gen(seed, layer, -7)
-    gate = torch.randn(cfg.num_experts, cfg.hidden, generator=g) / cfg.hidden ** 0.5
+def synthetic_router(cfg: MoEConfig, layer: int, seed: int,
+                     device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gate = counter_normal((cfg.num_experts, cfg.hidden), weight_key(seed, layer, _ROUTER, "gate"),
+                          cfg.hidden ** -0.5, device)
     bias = None
     if cfg.router != "softmax":
-        bias = torch.randn(cfg.num_experts, generator=g) * 0.1
+        bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), 0.1,
+                              device)
     return gate, bias
 
 
@@ -82,34 +156,59 @@ def build_expert_weights(w13_EFD: torch.Tensor, w2_EDI: torch.Tensor, quant: Qua
     return ExpertWeights(qw13, qw2, ids.to(device) if device else ids)
 
 
+# fp32 bytes generated at a time before they are quantized (quantization is per expert, so the
+# chunking changes no bit of the result)
+_CHUNK_BYTES = 1 << 28
+
+
+def _synthetic_experts(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, ids,
+                       inter: int, inter_slice, device) -> ExpertWeights:
+    """The experts `ids` ([-1] = the shared MLP at width `inter`), generated on `device` a few
+    experts at a time and quantized into preallocated [E, ...] weights."""
+    ids = list(ids)
+    n_i = inter_slice[1] if inter_slice else inter
+    per_expert = 3 * inter * cfg.hidden * 4
+    step = max(1, _CHUNK_BYTES // per_expert)
+    out13 = out2 = None
+    for c0 in range(0, len(ids), step):
+        chunk = ids[c0:c0 + step]
+        pairs = [_slice_inter(*synthetic_expert_fp32(cfg, layer, e, seed, inter, device),
+                              inter_slice) for e in chunk]
+        q13 = quantize_weight(torch.stack([a for a, _ in pairs]), quant)
+        q2 = quantize_weight(torch.stack([b for _, b in pairs]), quant)
+        if out13 is None:
+            out13, out2 = _alloc_like(q13, len(ids)), _alloc_like(q2, len(ids))
+        for out, q in ((out13, q13), (out2, q2)):
+            out.data[c0:c0 + len(chunk)].copy_(q.data)
+            if q.scale is not None:
+                out.scale[c0:c0 + len(chunk)].copy_(q.scale)
+    if out13 is None:  # no experts: empty weights of the recipe's types
+        z13 = torch.zeros(0, 2 * n_i, cfg.hidden, device=device)
+        z2 = torch.zeros(0, cfg.hidden, n_i, device=device)
+        out13, out2 = quantize_weight(z13, quant), quantize_weight(z2, quant)
+    return ExpertWeights(out13, out2, torch.as_tensor(ids, dtype=torch.long, device=device))
+
+
+def _alloc_like(q: QWeight, e: int) -> QWeight:
+    data = q.data.new_empty((e, *q.data.shape[1:]))
+    scale = None if q.scale is None else q.scale.new_empty((e, *q.scale.shape[1:]))
+    return QWeight(data, scale, q.recipe, q.scale_fmt)
+
+
 def synthetic_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int,
                     expert_ids, inter_slice=None, shared_slice=None, with_shared=True,
                     device=None) -> LayerWeights:
     """The rank's share of one layer: routed experts `expert_ids` (global ids), each sliced by
-    inter_slice (TP), and the shared MLP sliced by shared_slice (or whole / absent)."""
+    inter_slice (TP), and the shared MLP sliced by shared_slice (or whole / absent). Generated
+    and quantized on `device` (default CPU): the same bits on every device."""
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
-    ids = list(expert_ids)
-    w13s, w2s = [], []
-    for e in ids:
-        a, b = _slice_inter(*synthetic_expert_fp32(cfg, layer, e, seed), inter_slice)
-        w13s.append(a)
-        w2s.append(b)
-    n_i = inter_slice[1] if inter_slice else cfg.moe_intermediate
-    if not ids:
-        w13 = torch.zeros(0, 2 * n_i, cfg.hidden)
-        w2 = torch.zeros(0, cfg.hidden, n_i)
-    else:
-        w13, w2 = torch.stack(w13s), torch.stack(w2s)
-    experts = build_expert_weights(w13, w2, quant, ids, device)
+    experts = _synthetic_experts(cfg, quant, layer, seed, expert_ids, cfg.moe_intermediate,
+                                 inter_slice, device)
     shared = None
     if with_shared and cfg.num_shared_experts:
-        sw13, sw2 = synthetic_expert_fp32(cfg, layer, -1, seed, cfg.shared_intermediate)
-        sw13, sw2 = _slice_inter(sw13, sw2, shared_slice)
-        shared = build_expert_weights(sw13[None], sw2[None], quant, [-1], device)
-    gate, bias = synthetic_router(cfg, layer, seed)
-    if device is not None:
-        gate = gate.to(device)
-        bias = None if bias is None else bias.to(device)
+        shared = _synthetic_experts(cfg, quant, layer, seed, [_SHARED], cfg.shared_intermediate,
+                                    shared_slice, device)
+    gate, bias = synthetic_router(cfg, layer, seed, device)
     return LayerWeights(gate, bias, experts, shared)
 
 

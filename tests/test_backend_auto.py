@@ -1,23 +1,60 @@
 """`--backend auto`: LL below the token threshold, HT above, all2all with the reason when DeepEP
-cannot run (always the case on this CPU machine)."""
+cannot run. True with and without DeepEP installed: the DeepEP answer is either the machine's
+own (asked through the explicit-request path) or stubbed both ways."""
 
 import pytest
 import torch
 
-from epmoe.comm import resolve_backend
+from epmoe.comm import backend_class, resolve_backend
 from epmoe.launch.cli import build_run, parser
 from epmoe.runtime import RunConfig
 
 
-@pytest.mark.parametrize("tokens,ll_max,first", [(64, 256, "deepep-ll"), (256, 256, "deepep-ll"),
-                                                 (512, 256, "deepep-ht"), (64, 32, "deepep-ht")])
+CASES = [(64, 256, "deepep-ll"), (256, 256, "deepep-ll"), (512, 256, "deepep-ht"),
+         (64, 32, "deepep-ht")]
+OTHER = {"deepep-ll": "deepep-ht", "deepep-ht": "deepep-ll"}
+
+
+def _why_not(name, run, device) -> str | None:
+    """None if the explicitly requested backend can run here, else its reason."""
+    try:
+        resolve_backend(name, run, device)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _check_choice(name, reason, first, run, runnable):
+    if runnable:
+        assert name == first, (name, reason)
+        assert reason.startswith(f"auto: {first} ({run.tokens} tokens/rank"), reason
+    else:
+        assert name == "all2all", (name, reason)
+        assert reason.startswith("auto: all2all (") and f"; {first}: " in reason, reason
+    assert OTHER[first] not in reason
+
+
+@pytest.mark.parametrize("tokens,ll_max,first", CASES)
 def test_auto_tries_ll_then_ht_by_threshold_and_falls_back(tokens, ll_max, first):
     run = RunConfig(world=2, tokens=tokens, ll_max_tokens=ll_max)
+    dev = torch.device("cuda")
+    name, reason = resolve_backend("auto", run, dev)
+    _check_choice(name, reason, first, run, _why_not(first, run, dev) is None)
+
+
+@pytest.mark.parametrize("runnable", [True, False], ids=["deepep-runs", "deepep-cannot"])
+@pytest.mark.parametrize("tokens,ll_max,first", CASES)
+def test_auto_choice_with_deepep_stubbed(tokens, ll_max, first, runnable, monkeypatch):
+    """Both worlds on every machine: DeepEP's capability answer stubbed to yes / no."""
+    for backend in OTHER:
+        monkeypatch.setattr(backend_class(backend), "supports",
+                            classmethod(lambda cls, *a, **k: None if runnable else "stubbed out"))
+    run = RunConfig(world=2, tokens=tokens, ll_max_tokens=ll_max)
     name, reason = resolve_backend("auto", run, torch.device("cuda"))
-    assert name == "all2all"  # no DeepEP here
-    assert reason.startswith(f"auto: all2all ({first}: "), reason
-    other = {"deepep-ll": "deepep-ht", "deepep-ht": "deepep-ll"}[first]
-    assert other not in reason
+    _check_choice(name, reason, first, run, runnable)
+    if not runnable:
+        assert reason.startswith("auto: all2all (") and \
+            reason.endswith(f"; {first}: stubbed out)"), reason
 
 
 def test_auto_on_cpu_is_all2all_without_trying_deepep():

@@ -2,8 +2,9 @@
 
 The identity expert returns, per received row, dequant(x) * sum of its local top-k weights, so
 combine must give back sum_k w_k * dequant(x) for each own token (the weights of -1 slots
-excluded). Every rank rebuilds every rank's inputs from the case seed, so it also knows exactly
-which rows it must receive, and checks them byte for byte.
+excluded), in bf16 (reduced in fp32, cast once). Every rank rebuilds every rank's inputs from
+the case seed, so it also knows exactly which rows it must receive, and checks them byte for
+byte.
 
 Legend: T own tokens, N received rows, K top-k, D hidden, E physical expert slots.
 """
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from dist import RankError, RankTimeout, run_ranks
-from epmoe.comm import make_comm, resolve_backend
-from epmoe.comm.base import ExpertBatch
+from epmoe.comm import CommContext, make_comm, resolve_backend
+from epmoe.comm.base import TokenBatch
 from epmoe.comm.wire import all_gather_rows, all_to_all_rows, as_wire, from_wire
 from epmoe.config import QuantConfig, get_preset
 from epmoe.parallel import LayerPlan
@@ -29,8 +30,9 @@ QUANTS = (QuantConfig("bf16"), QuantConfig("fp8_block"), QuantConfig("fp8_block"
           QuantConfig("mxfp8"), QuantConfig("w4a8_mxfp4"))
 SCENARIOS = ("uneven", "zero_tokens", "one_owner", "empty_slots", "all_empty", "no_tokens")
 BACKENDS = ("allgather", "all2all")
-# all2all returns partial sums in bf16 (as DeepEP): 2^-8 relative per partial
-COMBINE_TOL = {"allgather": 1e-6, "all2all": 8e-3}
+# combine casts to bf16 once (2^-9 relative); all2all also sends its partial sums in bf16 (as
+# DeepEP): one more rounding per partial
+COMBINE_TOL = {"allgather": 4e-3, "all2all": 8e-3}
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,9 +67,9 @@ def case_inputs(scenario: str, src: int, world: int, seed: int = 0):
     return x, ids, w
 
 
-def identity_experts(batch: ExpertBatch, num_local_experts: int) -> torch.Tensor:
+def identity_experts(batch: TokenBatch, num_local_experts: int) -> torch.Tensor:
     """fp32 [N, D]: dequant(x[n]) * sum of w[n, k] over the slots on this rank."""
-    assert batch.form == "tokens"
+    assert isinstance(batch, TokenBatch), type(batch)
     ids = batch.topk_ids_NK
     assert ids.shape == batch.topk_weights_NK.shape == (batch.x.data.shape[0], CFG.top_k)
     if ids.numel():
@@ -126,7 +128,7 @@ def _contract_rank(rank: int, world: int, group) -> list[tuple]:
                 what = f"{backend=}, {quant=}, {scenario=}, {rank=}, {world=}"
                 inputs = [case_inputs(scenario, src, world) for src in range(world)]
                 x, ids, w = inputs[rank]
-                comm = make_comm(backend, CFG, quant, emap, group=group, rank=rank, world=world)
+                comm = make_comm(backend, CFG, quant, emap, CommContext(group, rank, world))
                 batch, handle = comm.dispatch(x, ids, w)
                 try:
                     check_received(backend, batch, rank, world, quant, inputs, emap)
@@ -135,8 +137,9 @@ def _contract_rank(rank: int, world: int, group) -> list[tuple]:
                 y = identity_experts(batch, comm.num_local_experts)
                 out = comm.combine(y, handle)
                 want = expected_out(x, ids, w, quant)
-                assert out.dtype == torch.float32 and out.shape == want.shape, (what, out.shape)
-                err = ((out - want).abs().max() / want.abs().max().clamp(min=1e-30)).item() \
+                assert out.dtype == torch.bfloat16 and out.shape == want.shape, (what, out.shape)
+                err = ((out.float() - want).abs().max()
+                       / want.abs().max().clamp(min=1e-30)).item() \
                     if want.numel() else 0.0
                 assert err <= COMBINE_TOL[backend], f"{what}: combine error {err:.2e}"
                 report.append((backend, quant.recipe + "/" + quant.scale_fmt, scenario,
@@ -212,12 +215,15 @@ def test_local_comm_contract(quant, scenario):
     batch, handle = comm.dispatch(x, ids, w)
     assert torch.equal(batch.topk_ids_NK.long(), ids.long())
     out = comm.combine(identity_experts(batch, comm.num_local_experts), handle)
-    torch.testing.assert_close(out, expected_out(x, ids, w, quant), rtol=1e-6, atol=1e-6)
+    want = expected_out(x, ids, w, quant).to(torch.bfloat16)  # same fp32 values, one cast
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_local_comm_maps_ids_of_a_partial_expert_map():
     plan = LayerPlan("ep", 1, 4)  # slots 4..7 local as 0..3
-    comm = make_comm("local", CFG, QuantConfig(), plan.expert_map(CFG), rank=1, world=4)
+    comm = make_comm("local", CFG, QuantConfig(), plan.expert_map(CFG),
+                     CommContext(rank=1, world=4))
     ids = torch.tensor([[0, 4, 7, -1], [5, 6, 15, 3]], dtype=torch.int32)
     got = comm.to_local(ids)
     assert got.dtype == ids.dtype
@@ -227,7 +233,7 @@ def test_local_comm_maps_ids_of_a_partial_expert_map():
 def test_all2all_refuses_slots_not_divisible_by_world():
     emap = torch.full((15,), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"physical experts \(15\) must be divisible by ep \(4\)"):
-        make_comm("all2all", CFG, QuantConfig(), emap, rank=0, world=4)
+        make_comm("all2all", CFG, QuantConfig(), emap, CommContext(rank=0, world=4))
 
 
 def test_resolve_backend_moves_tokens_only_under_ep_dp():
@@ -251,8 +257,8 @@ def _mismatched_rank(rank: int, world: int, group):
         return None
     x, ids, w = case_inputs("uneven", 0, world)
     comm = make_comm("all2all", CFG, QuantConfig("fp8_block"),
-                     LayerPlan("ep_dp", rank, world).expert_map(CFG), group=group, rank=rank,
-                     world=world)
+                     LayerPlan("ep_dp", rank, world).expert_map(CFG),
+                     CommContext(group, rank, world))
     t0 = time.monotonic()
     try:
         comm.dispatch(x, ids, w)

@@ -1,5 +1,6 @@
 """Every GPU comm backend x experts backend x recipe at ep=2 against the float64 oracle, and the
-DeepEP low-latency path captured in a CUDA graph. Needs 2 GPUs (skipped otherwise).
+DeepEP low-latency path captured in a CUDA graph (2 GPUs, skipped otherwise); each experts
+backend x recipe on one GPU against the oracle, and `auto` choosing DeepGEMM where it runs.
 
 One pair of rank processes runs every case (NVSHMEM initializes once per process); a case whose
 backend cannot run here (deep_ep / deep_gemm not built) is skipped with the backend's reason.
@@ -10,11 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.config import QuantConfig
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.experts.base import ExpertWeights
+from epmoe.experts.select import make_experts
 from epmoe.launch.report import check_correctness
+from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.runtime import RunConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+pytestmark = [pytest.mark.gpu]
 
 BACKENDS = ("deepep-ht", "deepep-ll", "all2all", "allgather")
 EXPERTS = ("deepgemm", "triton")
@@ -107,6 +112,7 @@ def _case(gpu_results, key):
     return [rec for _, rec in per_rank]
 
 
+@pytest.mark.multigpu
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,7 +127,85 @@ def test_backend_matches_oracle(gpu_results, backend, experts, recipe):
     assert res["passed"], res
 
 
+@pytest.mark.multigpu
 def test_deepep_ll_cuda_graph_replays(gpu_results):
     reports = _case(gpu_results, ("deepep-ll", "triton", "fp8_block"))
     for rec in reports:
         assert rec["graph_err"] <= 1e-2, rec["graph_err"]
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU: the experts backends alone (routing given), against the float64 oracle.
+
+ONE_GPU_CFG = MoEConfig("one-gpu", hidden=512, moe_intermediate=256, num_experts=8, top_k=4)
+
+
+@pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
+                                        ("fp8_block", "ue8m0_packed")])
+@pytest.mark.parametrize("experts", ("auto", *EXPERTS))
+def test_one_gpu_experts_match_oracle(experts, recipe, fmt, seed):
+    """auto must pick a backend that runs the recipe and scale format (packed UE8M0 is not
+    DeepGEMM's on SM90: Triton then)."""
+    cfg, quant, dev = ONE_GPU_CFG, QuantConfig(recipe, fmt), torch.device("cuda")
+    e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 200
+    w13 = torch.randn(e, 2 * i, d, device=dev) / d ** 0.5
+    w2 = torch.randn(e, d, i, device=dev) / i ** 0.5
+    weights = ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
+                            torch.arange(e, device=dev))
+    try:
+        ex, reason = make_experts(experts, weights, cfg, quant, dev)
+    except ValueError as exc:  # deepgemm not built / not this arch: the backend says why
+        pytest.skip(str(exc))
+    if experts == "auto":  # auto takes DeepGEMM wherever DeepGEMM can run this recipe
+        from epmoe.experts.deepgemm_experts import DeepGemmExperts
+
+        why = DeepGemmExperts.supports(cfg, quant, dev)
+        assert reason.startswith("deepgemm: chosen" if why is None else "deepgemm: "), reason
+    x_f = torch.randn(n, d, device=dev)
+    ids = torch.rand(n, e, device=dev).topk(cfg.top_k, dim=1).indices.to(torch.int32)
+    ids[torch.rand(n, cfg.top_k, device=dev) < 0.15] = -1  # slots of other ranks
+    w = torch.rand(n, cfg.top_k, device=dev)
+    y = ex.apply(quantize_act(x_f, quant), ids, w)
+    oracle = (None, None, dequantize_weight(weights.w13).double().cpu(),
+              dequantize_weight(weights.w2).double().cpu(), None)
+    ref = reference_moe(x_f.cpu(), oracle, cfg, quant, ids.cpu().long(), w.cpu())
+    err = max_rel_err(y.float().cpu(), ref)
+    print(f"{experts=} ({reason}) {recipe=} {fmt=}: max rel err {err:.2e}")
+    assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+def test_one_gpu_hot_path_makes_no_host_sync(experts):
+    """After a warm-up call, apply (routed) and quantize_input + run_dense (shared) run with
+    torch's sync debug mode set to error: any device->host sync raises."""
+    cfg, quant, dev = ONE_GPU_CFG, QuantConfig("fp8_block"), torch.device("cuda")
+    e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 256
+
+    def weights(num):
+        w13 = torch.randn(num, 2 * i, d, device=dev) / d ** 0.5
+        w2 = torch.randn(num, d, i, device=dev) / i ** 0.5
+        return ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
+                             torch.arange(num, device=dev))
+
+    try:
+        ex, _ = make_experts(experts, weights(e), cfg, quant, dev)
+        sh, _ = make_experts(experts, weights(1), cfg.replace(num_experts=1, top_k=1), quant,
+                             dev)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    x = torch.randn(n, d, device=dev).to(torch.bfloat16)
+    ids = torch.rand(n, e, device=dev).topk(cfg.top_k, dim=1).indices.to(torch.int32)
+    w = torch.rand(n, cfg.top_k, device=dev)
+
+    def hot():
+        return ex.apply(ex.quantize_input(x), ids, w), sh.run_dense(sh.quantize_input(x))
+
+    hot()
+    allocs = (ex.ws.allocations, sh.ws.allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hot()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (ex.ws.allocations, sh.ws.allocations) == allocs

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig
-from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
+from epmoe.kernels.grouped_gemm import (GemmConfig, triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
-from epmoe.layout import make_contiguous_layout, permute_qtensor
+from epmoe.layout import contiguous_rows_upper_bound, make_contiguous_layout, permute_qtensor
 from epmoe.quant import dequantize_act, dequantize_weight, quantize_act, quantize_weight
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,3 +73,106 @@ def test_contiguous_rejects_block_m_straddling_experts():
     with pytest.raises(ValueError, match=r"activation recipe \('fp8_block'\) must match"):
         xq = quantize_act(torch.randn(lay.num_rows, 128, device=DEV), QuantConfig("fp8_block"))
         triton_m_grouped_gemm_nt_contiguous(xq, w, lay)
+
+
+TMA_CONFIGS = [GemmConfig(32, 128, 4, 3), GemmConfig(32, 256, 8, 3, group_m=2),
+               GemmConfig(16, 128, 4, 3, persistent=False, tma_store=True)]
+
+
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=["bn128", "bn256_split", "plain_tma_store"])
+@pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
+                                        ("fp8_block", "ue8m0_packed")])
+def test_tma_kernel_configs_on_a_worst_case_layout(cfg, recipe, fmt, seed):
+    """The TMA kernel in each tiling (128-wide, two 128-wide halves, non-persistent with a TMA
+    store) on a layout sized for the worst case (rows past offsets[E] are never computed)
+    against the dequantized reference; the output is poisoned first."""
+    n_tok, top_k, e, n, k, align = 24, 2, 3, 256, 384, 32
+    quant = QuantConfig(recipe, fmt)
+    w = _weights(e, n, k, quant)
+    ids = torch.randint(0, e, (n_tok, top_k), dtype=torch.int32, device=DEV)
+    bound = contiguous_rows_upper_bound(n_tok * top_k, e, align)
+    lay = make_contiguous_layout(ids, e, align, num_rows=bound)
+    xq = quantize_act(torch.randn(lay.num_rows, k, device=DEV), quant)
+    out = torch.full((lay.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = triton_m_grouped_gemm_nt_contiguous(xq, w, lay, config=cfg, out=out, kernel="tma")
+    assert y is out
+    valid = lay.row_expert_M >= 0
+    ref = torch.einsum("mk,mnk->mn", dequantize_act(xq)[valid],
+                       dequantize_weight(w)[lay.row_expert_M.long()[valid]])
+    assert _rel_err(y[valid], ref) <= 1e-2
+    tail = int(lay.offsets_E1[-1])
+    assert tail < lay.num_rows and bool(y[tail:].isnan().all()), "padding tiles were computed"
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_masked_tma_equals_pointer_kernel(recipe, seed):
+    e, cap, n, k = 3, 40, 256, 256  # capacity not a multiple of BLOCK_M: 3-D TMA clips rows
+    quant = QuantConfig(recipe)
+    w = _weights(e, n, k, quant)
+    counts = torch.tensor([40, 0, 23], dtype=torch.int32, device=DEV)
+    x = quantize_act(torch.randn(e, cap, k, device=DEV), quant)
+    cfg = GemmConfig(32, 256, 8, 3, tma_store=True)
+    y_t = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=32, config=cfg, kernel="tma")
+    y_p = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=32, kernel="pointer")
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            assert _rel_err(y_t[j, :c], y_p[j, :c].float()) <= 1e-2
+
+
+def test_tma_kernel_refuses_mx_recipes():
+    w = _weights(2, 128, 128, QuantConfig("mxfp8"))
+    lay = make_contiguous_layout(torch.tensor([[0], [1]], dtype=torch.int32, device=DEV), 2, 16)
+    x = quantize_act(torch.randn(lay.num_rows, 128, device=DEV), QuantConfig("mxfp8"))
+    with pytest.raises(ValueError, match=r"the TMA kernel takes recipes bf16 / fp8_block"):
+        triton_m_grouped_gemm_nt_contiguous(x, w, lay, kernel="tma")
+
+
+def _per_expert_ref(x2d, w, row_expert):
+    """fp32 reference from the dequantized operands, one matmul per expert (GPU-sized)."""
+    xf, ref = dequantize_act(x2d), None
+    ref = torch.zeros(x2d.data.shape[0], w.shape[1], device=DEV)
+    for e in range(w.shape[0]):
+        rows = (row_expert == e).nonzero().flatten()
+        if rows.numel():
+            ref[rows] = xf[rows] @ dequantize_weight(w.select([e]))[0].T
+    return ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)], ids=["gemm1", "gemm2"])
+def test_tma_kernel_at_deepseek_shapes(recipe, n, k, seed):
+    """The tuned TMA kernel at DeepSeek-V3 GEMM shapes (32 experts, 1024 tokens x top-8) on a
+    worst-case (no-sync) layout, output poisoned, against the dequantized fp32 reference."""
+    e, t = 32, 1024
+    quant = QuantConfig(recipe)
+    w = _weights(e, n, k, quant)
+    ids = torch.rand(t, e, device=DEV).argsort(1)[:, :8].to(torch.int32)
+    lay = make_contiguous_layout(ids, e, 128, num_rows=contiguous_rows_upper_bound(t * 8, e,
+                                                                                  128))
+    x = quantize_act(torch.randn(lay.num_rows, k, device=DEV), quant)
+    out = torch.full((lay.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = triton_m_grouped_gemm_nt_contiguous(x, w, lay, out=out)
+    valid = lay.row_expert_M >= 0
+    ref = _per_expert_ref(x, w, lay.row_expert_M)
+    assert _rel_err(y[valid], ref[valid]) <= 1e-2, f"{seed=}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+def test_masked_tma_store_at_deepseek_shape(recipe, seed):
+    """Masked layout on CUDA (3-D descriptors clip each expert's rows at the capacity; the
+    tuned configs store through TMA) against the dequantized fp32 reference."""
+    e, cap, n, k = 8, 200, 4096, 7168
+    quant = QuantConfig(recipe)
+    w = _weights(e, n, k, quant)
+    counts = torch.tensor([200, 0, 1, 129, 64, 77, 200, 5], dtype=torch.int32, device=DEV)
+    x = quantize_act(torch.randn(e, cap, k, device=DEV), quant)
+    y = triton_m_grouped_gemm_nt_masked(x, w, counts)
+    flat = type(x)(x.data.view(e * cap, k), None if x.scale is None else
+                   x.scale.reshape(e * cap, -1), x.recipe, x.group, x.scale_fmt)
+    row_expert = torch.arange(e, device=DEV).repeat_interleave(cap)
+    ref = _per_expert_ref(flat, w, row_expert).view(e, cap, n)
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            assert _rel_err(y[j, :c], ref[j, :c]) <= 1e-2, f"expert {j} ({seed=})"

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig
-from epmoe.kernels.permute import (triton_make_contiguous_layout, triton_permute,
+from epmoe.kernels.permute import (PermuteWorkspace, _count_and_offsets,
+                                   triton_make_contiguous_layout, triton_permute,
                                    triton_permute_rows)
 from epmoe.layout import contiguous_rows_upper_bound, make_contiguous_layout, permute_qtensor
-from epmoe.quant import quantize_act, unpack_ue8m0
+from epmoe.quant import QTensor, quantize_act, unpack_ue8m0
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -129,3 +130,74 @@ def test_permute_rejects_bad_inputs():
         triton_permute(x, torch.zeros(5, 2, dtype=torch.int32, device=DEV), 4)
     with pytest.raises(ValueError, match=r"alignment \(0\) must be a positive int"):
         triton_permute(x, torch.zeros(4, 2, dtype=torch.int32, device=DEV), 4, alignment=0)
+
+
+@pytest.mark.parametrize("recipe,fmt,mn_major", [("fp8_block", "fp32", True),
+                                                 ("fp8_block", "ue8m0_packed", False),
+                                                 ("bf16", "fp32", False)])
+def test_permute_workspace_reused_without_sync(recipe, fmt, mn_major, seed):
+    """One workspace, three calls of different sizes: no allocation, the counting accumulator
+    resets itself (a stale count would shift every offset), outputs are views into it."""
+    e, d, k = 5, 128, 4
+    quant = QuantConfig(recipe, fmt)
+    ws = PermuteWorkspace.create(max_tokens=24, top_k=k, num_experts=e, alignment=16,
+                                 hidden=d, quant=quant, device=DEV, mn_major=mn_major)
+    ws.data_flat.view(torch.uint8).fill_(0xFF)  # poison
+    for n in (24, 5):
+        x = quantize_act(torch.randn(n, d, device=DEV), quant)
+        if mn_major:
+            col = torch.empty_strided(x.scale.shape, (1, (n + 3) // 4 * 4), device=DEV)
+            x = type(x)(x.data, col.copy_(x.scale), x.recipe, x.group, x.scale_fmt)
+        ids = _ids(n, k, e)
+        out, lay = triton_permute(x, ids, e, alignment=16, workspace=ws)
+        assert lay.num_rows == contiguous_rows_upper_bound(n * k, e, 16)
+        assert out.data.data_ptr() == ws.data_flat.data_ptr()
+        assert lay.counts_E.data_ptr() == ws.counts_E.data_ptr()
+        _check_layout(lay, make_contiguous_layout(ids, e, 16), x, out, ids)
+        assert int(ws.hist_B.abs().sum()) == 0 and int(ws.ticket_1) == 0
+
+
+def test_permute_counts_over_many_histogram_programs(seed):
+    """Counting split over 5 programs that meet through the atomic ticket, twice on one
+    workspace (the last program must leave the accumulator and the ticket at zero)."""
+    n, k, e = 40, 8, 7
+    ids = _ids(n, k, e)
+    ws = PermuteWorkspace.create(n, k, e, 16, 128, QuantConfig("bf16"), DEV)
+    bufs = (ws.hist_B, ws.ticket_1, ws.counts_E, ws.offsets_E1, ws.cursor_E)
+    ref = make_contiguous_layout(ids, e, 16)
+    for _ in range(2):
+        ws.counts_E.fill_(-7)
+        _count_and_offsets(ids, e, 16, None, bufs, chunk=64)
+        assert torch.equal(ws.counts_E.cpu(), ref.counts_E.cpu())
+        assert torch.equal(ws.offsets_E1.cpu(), ref.offsets_E1.cpu())
+        assert torch.equal(ws.cursor_E.cpu(), ref.offsets_E1[:-1].cpu())
+        assert int(ws.hist_B.abs().sum()) == 0 and int(ws.ticket_1) == 0
+
+
+def test_permute_workspace_rejects_mismatches():
+    ws = PermuteWorkspace.create(8, 2, 4, 16, 256, QuantConfig("fp8_block"), DEV)
+    x = quantize_act(torch.randn(8, 256, device=DEV), QuantConfig("fp8_block", "ue8m0_packed"))
+    ids = torch.zeros(8, 2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"does not match the workspace \(fp8_block/fp32"):
+        triton_permute(x, ids, 4, alignment=16, workspace=ws)
+    x8 = quantize_act(torch.randn(8, 256, device=DEV), QuantConfig("fp8_block"))
+    x = quantize_act(torch.randn(9, 256, device=DEV), QuantConfig("fp8_block"))
+    with pytest.raises(ValueError, match=r"18 \(token, slot\) pairs exceed the workspace's "):
+        triton_permute(x, torch.zeros(9, 2, dtype=torch.int32, device=DEV), 4, alignment=16,
+                       workspace=ws)
+    with pytest.raises(ValueError, match=r"workspace was made for 4 experts at alignment 16"):
+        triton_permute(x8, ids, 4, alignment=32, workspace=ws)
+
+
+@pytest.mark.gpu
+def test_permute_workspace_at_deepseek_shape(seed):
+    t, k, e, d = 4096, 8, 32, 7168
+    quant = QuantConfig("fp8_block")
+    ws = PermuteWorkspace.create(t, k, e, 128, d, quant, DEV)
+    x = quantize_act(torch.randn(t, d, device=DEV), quant)
+    for n in (t, 1000):
+        ids = _ids(n, k, e, empty_frac=0.05)
+        out, lay = triton_permute(QTensor(x.data[:n], x.scale[:n], x.recipe, x.group),
+                                  ids, e, alignment=128, workspace=ws)
+        _check_layout(lay, make_contiguous_layout(ids, e, 128),
+                      QTensor(x.data[:n], x.scale[:n], x.recipe, x.group), out, ids)

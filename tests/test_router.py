@@ -8,7 +8,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.reference import reference_route
-from epmoe.router import ReplicaMap, route
+from epmoe.router import ReplicaMap, route, route_tokens
 
 ROUTERS = {
     "softmax_renorm": dict(router="softmax", renormalize=True),
@@ -177,3 +177,113 @@ def test_two_replica_map_spreads_evenly_and_deterministically():
     # the choice is a function of the global token index: offsets shift it
     assert torch.equal(rm.to_physical(ids[1:], token_offset=8), phys[1:])
     assert not torch.equal(rm.to_physical(ids, token_offset=0), rm.to_physical(ids, 1))
+
+
+# --------------------------------------------------------------------- Triton router kernel
+# The kernel (backend='triton'; the CPU interpreter here) against the torch path. Ids are
+# compared on tokens whose decisions have a margin: every two biased scores, and every two
+# group scores, at least MARGIN apart in float64 (the kernel's fast exp / sigmoid and the
+# fp32 accumulation of the fused GEMM move scores by ~1e-6); at least 90% of tokens qualify.
+MARGIN = 1e-4
+KERNEL_CASES = {**ROUTERS,
+                "dsv3_like": dict(router="sigmoid_grouped", n_group=8, topk_group=4,
+                                  routed_scaling_factor=2.5, num_experts=64, top_k=6),
+                "softmax_odd_e": dict(router="softmax", num_experts=24, top_k=3)}
+
+
+def _kcfg(kind: str) -> MoEConfig:
+    kw = dict(KERNEL_CASES[kind])
+    e, k = kw.pop("num_experts", 16), kw.pop("top_k", 4)
+    return MoEConfig(kind, hidden=128, moe_intermediate=128, num_experts=e, top_k=k, **kw)
+
+
+def _separated(logits64, cfg, bias):
+    """Tokens whose two decisions have a margin: the topk_group-th vs the next group score,
+    and the top_k-th vs the next biased score among the kept groups (float64)."""
+    lg = logits64.double()
+    if cfg.router == "softmax":
+        b = lg
+    else:
+        s = torch.sigmoid(lg) if cfg.router == "sigmoid_grouped" else \
+            torch.sqrt(torch.nn.functional.softplus(lg))
+        b = s + (0 if bias is None else bias.double())
+    ok = torch.ones(b.shape[0], dtype=torch.bool)
+    if cfg.router != "softmax" and cfg.n_group > 1:
+        g = b.view(b.shape[0], cfg.n_group, -1).topk(2, -1).values.sum(-1)
+        gs, gi = g.sort(-1, descending=True)
+        ok &= gs[:, cfg.topk_group - 1] - gs[:, cfg.topk_group] > MARGIN
+        keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, gi[:, :cfg.topk_group], True)
+        b = b.masked_fill(~keep.repeat_interleave(b.shape[1] // cfg.n_group, 1), -1e9)
+    sb = b.sort(-1, descending=True).values
+    return ok & (sb[:, cfg.top_k - 1] - sb[:, cfg.top_k] > MARGIN)
+
+
+def _compare_routings(got, want, ok, tol):
+    assert float(ok.float().mean()) >= 0.9, "too few well-separated tokens to compare"
+    gi, gw = got.topk_ids_TK.long().cpu(), got.topk_weights_TK.cpu()
+    wi, ww = want.topk_ids_TK.long().cpu(), want.topk_weights_TK.cpu()
+    for n in ok.nonzero().flatten().tolist():
+        g, w = dict(zip(gi[n].tolist(), gw[n].tolist())), dict(zip(wi[n].tolist(),
+                                                                   ww[n].tolist()))
+        assert set(g) == set(w), f"token {n}: {sorted(g)} != {sorted(w)}"
+        assert all(abs(g[e] - w[e]) <= tol for e in g), f"token {n}: {g} vs {w}"
+
+
+@pytest.mark.parametrize("kind", sorted(KERNEL_CASES))
+def test_triton_route_logits_matches_torch(kind, seed):
+    cfg = _kcfg(kind)
+    t = 40
+    logits = torch.randn(t, cfg.num_experts) * 2
+    bias = None if cfg.router == "softmax" else torch.randn(cfg.num_experts) * 0.1
+    got = route(logits, cfg, bias, backend="triton")
+    assert got.topk_ids_TK.dtype == torch.int32 and got.topk_weights_TK.dtype == torch.float32
+    want = route(logits, cfg, bias, backend="torch")
+    _compare_routings(got, want, _separated(logits, cfg, bias), 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sigmoid_grouped", "dsv3_like", "softmax_renorm",
+                                  "sqrtsoftplus"])
+def test_fused_gate_route_matches_float64_logits(kind, seed):
+    """The fused bf16 gate GEMM (fp32 accumulation) against the float64 product of the same
+    bf16 values, routed by the torch path; weights within 1e-5 of the float64 oracle."""
+    cfg = _kcfg(kind)
+    t, d = 40, 200  # D not a multiple of the K step: the masked tail
+    x = torch.randn(t, d).to(torch.bfloat16)
+    gate = (torch.randn(cfg.num_experts, d) / d ** 0.5 * 3).to(torch.bfloat16)
+    bias = None if cfg.router == "softmax" else torch.randn(cfg.num_experts) * 0.1
+    logits64 = x.double() @ gate.double().T
+    got = route_tokens(x, gate, cfg, bias, id_dtype=torch.int64, backend="triton")
+    assert got.topk_ids_TK.dtype == torch.int64
+    ok = _separated(logits64, cfg, bias)
+    _compare_routings(got, route(logits64.float(), cfg, bias, backend="torch"), ok, 1e-4)
+    ref_ids, ref_w = reference_route(logits64, cfg, bias)
+    _compare_routings(got, type(got)(ref_ids, ref_w.float()), ok, 1e-5)
+
+
+def test_triton_router_refusals_and_fallback():
+    cfg = MoEConfig("g", hidden=64, moe_intermediate=64, num_experts=24, top_k=2,
+                    router="sigmoid_grouped", n_group=4, topk_group=2)
+    logits = torch.randn(4, 24)
+    with pytest.raises(ValueError, match=r"group-limited routing needs a power-of-two "
+                                         r"num_experts \(24\)"):
+        route(logits, cfg, backend="triton")
+    with pytest.raises(ValueError, match=r"backend \('cuda'\) must be"):
+        route(logits, cfg, backend="cuda")
+    r = route_tokens(torch.randn(4, 64), torch.randn(24, 64), cfg)  # CPU: the torch path
+    assert r.topk_ids_TK.shape == (4, 2)
+
+
+@pytest.mark.gpu
+def test_fused_gate_route_at_deepseek_shape(seed):
+    """4096 tokens x 256 experts x hidden 7168 (DeepSeek-V3 routing) on CUDA: the fused kernel
+    against the torch router on the float64 product of the same bf16 values."""
+    cfg = MoEConfig("dsv3", hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8,
+                    router="sigmoid_grouped", n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5)
+    x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
+    gate = (torch.randn(256, 7168, device="cuda") / 7168 ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.01
+    got = route_tokens(x, gate, cfg, bias)
+    logits64 = x.double() @ gate.double().T
+    want = route(logits64.float(), cfg, bias, backend="torch")
+    _compare_routings(got, want, _separated(logits64.cpu(), cfg, bias.cpu()), 1e-4)

@@ -109,3 +109,60 @@ def test_triton_supports_reports_bad_shapes():
     bad = MoEConfig("b", hidden=200, moe_intermediate=128, num_experts=4, top_k=2)
     why = TritonExperts.supports(bad, QuantConfig("fp8_block"), torch.device(DEV))
     assert why is not None and "hidden (200)" in why
+
+
+# ------------------------------------------------------------------ hot path: no allocation
+# of its own in steady state, dense shared-expert path
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_run_dense_matches_the_oracle(recipe, seed):
+    """run_dense (every row through the one expert, no permute) against the float64 oracle."""
+    from epmoe.quant import dequantize_weight
+    from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+
+    cfg, quant = CFG.replace(num_experts=1, top_k=1), QuantConfig(recipe)
+    weights = _weights(cfg, quant)
+    n = 40
+    x_f = torch.randn(n, cfg.hidden, device=DEV)
+    oracle = (None, None, dequantize_weight(weights.w13).double().cpu(),
+              dequantize_weight(weights.w2).double().cpu(), None)
+    ones = torch.ones(n, 1)
+    ref = reference_moe(x_f.cpu(), oracle, cfg, quant, torch.zeros(n, 1, dtype=torch.long), ones)
+    for ex in (TritonExperts(weights, cfg, quant, block_m=32), TorchExperts(weights, cfg, quant)):
+        y = ex.run_dense(quantize_act(x_f, quant))
+        err = max_rel_err(y.float().cpu(), ref)
+        assert y.shape == (n, cfg.hidden) and y.dtype == torch.bfloat16
+        assert err <= TOLERANCE[recipe], f"{ex.name} {recipe=} {err=:.2e} {seed=}"
+    with pytest.raises(ValueError, match="run_dense takes one expert"):
+        TritonExperts(_weights(CFG, quant), CFG, quant).run_dense(quantize_act(x_f, quant))
+
+
+def test_dense_buffers_are_reused_and_poison_does_not_leak(seed):
+    """A second call (same or fewer rows) allocates no workspace buffer; buffers poisoned with
+    NaN between calls do not reach the output (padding is never read)."""
+    quant = QuantConfig("fp8_block")
+    cfg = CFG.replace(num_experts=1, top_k=1)
+    tri = TritonExperts(_weights(cfg, quant), cfg, quant, block_m=32)
+    x = quantize_act(torch.randn(40, cfg.hidden, device=DEV), quant)
+    y0 = tri.run_dense(x).clone()
+    allocs = tri.ws.allocations
+    assert allocs >= 1
+    for buf in tri.ws._bufs.values():
+        if buf.is_floating_point():
+            buf.fill_(float("nan"))
+    y1 = tri.run_dense(x)
+    assert tri.ws.allocations == allocs and torch.equal(y1, y0)
+    tri.run_dense(quantize_act(torch.randn(24, cfg.hidden, device=DEV), quant))
+    assert tri.ws.allocations == allocs
+
+
+def test_use_slot_restores_and_separates_buffers():
+    quant = QuantConfig("bf16")
+    cfg = CFG.replace(num_experts=1, top_k=1)
+    tri = TritonExperts(_weights(cfg, quant), cfg, quant)
+    a = tri.ws.take("h", (4, 8), torch.bfloat16, tri.slot)
+    with tri.use_slot(1):
+        assert tri.slot == 1
+        b = tri.ws.take("h", (4, 8), torch.bfloat16, tri.slot)
+    assert tri.slot == 0 and a.data_ptr() != b.data_ptr()
+    assert tri.ws.take("h", (2, 8), torch.bfloat16, 0).data_ptr() == a.data_ptr()

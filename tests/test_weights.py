@@ -18,8 +18,10 @@ from epmoe.parallel import LayerPlan
 from epmoe.quant import FP8_DTYPE, QWeight, dequantize_weight, quantize_weight
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.router import route
+import epmoe.weights as weights_mod
 from epmoe.weights import (
-    SafetensorsCheckpoint, dequantized_full_layer, layer_to_oracle, load_layer, synthetic_layer,
+    SafetensorsCheckpoint, counter_normal, dequantized_full_layer, layer_to_oracle, load_layer,
+    synthetic_layer, weight_key,
 )
 
 RECIPES = [("bf16", "fp32"), ("fp8_block", "fp32"), ("mxfp8", "fp32"), ("w4a8_mxfp4", "fp32"),
@@ -101,6 +103,61 @@ def test_shared_slices_concatenate_to_the_whole(seed):
     assert torch.equal(torch.cat([h13[0][:64], h13[1][:64], h13[0][64:], h13[1][64:]]), w13)
     assert torch.equal(torch.cat([dequantize_weight(h.shared.w2)[0] for h in halves], 1),
                        dequantize_weight(whole.shared.w2)[0])
+
+
+def _py_counter_normal(i: int, key, std: float) -> float:
+    """Element i of counter_normal, in Python integers (the generator's definition)."""
+    k1, k2 = key
+    m = 0xFFFFFFFF
+
+    def h(x):
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & m
+        x ^= (x >> 15) ^ k2
+        x = (x * 0x735A2D97) & m
+        return x ^ (x >> 15)
+
+    h1, h2 = h((2 * i) ^ k1), h((2 * i + 1) ^ k1)
+    s = (h1 & 0xFFFF) + (h1 >> 16) + (h2 & 0xFFFF) + (h2 >> 16) - 2 * 65535
+    scale = torch.tensor(std / ((65536 ** 2 - 1) / 3) ** 0.5, dtype=torch.float32)
+    return float(torch.tensor(float(s), dtype=torch.float32) * scale)
+
+
+def test_counter_normal_is_its_integer_definition_at_any_block_size(monkeypatch, seed):
+    key, shape, std = weight_key(seed, 2, 5, "w13"), (37, 29), 0.3
+    whole = counter_normal(shape, key, std)
+    monkeypatch.setattr(weights_mod, "_CPU_BLOCK", 100)  # blocks end mid-row, last one short
+    assert torch.equal(counter_normal(shape, key, std), whole)
+    flat = whole.reshape(-1)
+    g = torch.Generator().manual_seed(seed)
+    for i in [0, 99, 100, flat.numel() - 1, *torch.randint(flat.numel(), (20,), generator=g)]:
+        assert float(flat[int(i)]) == _py_counter_normal(int(i), key, std), f"{i=} {seed=}"
+    assert weight_key(seed, 2, 5, "w2") != key and weight_key(seed, 2, 6, "w13") != key
+
+
+def test_counter_normal_moments_and_range(seed):
+    x = counter_normal((256, 1024), weight_key(seed, 0, 0, "w13"), 2.0).double()
+    assert abs(float(x.mean())) < 0.02 and abs(float(x.std()) / 2.0 - 1) < 0.01
+    assert float(x.abs().max()) <= 2.0 * 12 ** 0.5 * 1.0001  # four uniforms: +-2 sqrt(3) std
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,fmt", RECIPES)
+def test_synthetic_layer_on_gpu_is_bit_identical_to_cpu(recipe, fmt, seed):
+    """What a rank generates on its device is what the CPU oracle rebuilds."""
+    cfg, quant = get_preset("deepseek-v3-tiny"), QuantConfig(recipe, fmt)
+    ids = [0, 5, cfg.num_experts - 1]
+    cpu = synthetic_layer(cfg, quant, 1, seed, ids)
+    gpu = synthetic_layer(cfg, quant, 1, seed, ids, device="cuda")
+    assert gpu.experts.w13.data.is_cuda
+    for a, b in ((cpu.experts.w13, gpu.experts.w13), (cpu.experts.w2, gpu.experts.w2),
+                 (cpu.shared.w13, gpu.shared.w13), (cpu.shared.w2, gpu.shared.w2)):
+        assert _same_qweight(a, b.to("cpu")), f"{recipe=} {fmt=} {seed=}"
+    assert torch.equal(cpu.gate_ED, gpu.gate_ED.cpu()) and torch.equal(cpu.bias_E, gpu.bias_E.cpu())
+    full = (2048, 7168)  # a DeepSeek-V3-sized tensor (float32 ops, one pass on the GPU)
+    key = weight_key(seed, 0, 3, "w13")
+    assert torch.equal(counter_normal(full, key, 0.01),
+                       counter_normal(full, key, 0.01, device="cuda").cpu())
 
 
 def test_bad_slice_raises():

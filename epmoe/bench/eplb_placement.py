@@ -1,11 +1,14 @@
-"""Replica placement: ours ("auto") against DeepSeek EPLB, quality and speed.
+"""Replica placement, same mode against same mode: ours against DeepSeek EPLB's hierarchical
+policy, and ours against DeepSeek's global policy; quality, traffic and speed.
 
     python -m epmoe.bench.eplb_placement [--json FILE]
 
-One line per case: shape, balancedness (mean/max GPU load, averaged over layers) of ours and
-DeepSeek's, ours/DeepSeek max GPU load, and time (median of 20 runs, 1 thread; wall and CPU)
-with the ratio to DeepSeek's time (our vectorized reimplementation of its algorithm). The drift
-case also times `rebalance_incremental` from the previous step's placement and counts moved slots.
+One line per case and mode: balancedness (mean/max GPU load, averaged over layers) of ours and
+of DeepSeek's same-mode placement, our max GPU load / DeepSeek's (mean and worst layer; never
+above 1 by construction), the expected nodes a token reaches (DeepSeek-V3 routing: top 8 of 256
+experts within 4 of 8 groups, sampled from the loads) and CPU time (median of `--reps` runs,
+1 thread) with DeepSeek's (our vectorized reimplementation of its algorithm). The drift case
+also times `rebalance_incremental` from the previous step's placement and counts moved slots.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import time
 
 import torch
 
-from epmoe.eplb import deepseek_rebalance, make_routing, rebalance, rebalance_incremental
+from epmoe.eplb import (MODES, deepseek_rebalance, make_routing, rebalance,
+                        rebalance_incremental)
+from epmoe.eplb.traffic import routing_from_loads, traffic_from_routing
 
-NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_GROUPS = 61, 256, 8, 8  # DeepSeek-V3-like
+NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUP = 61, 256, 8, 8, 4  # DeepSeek-V3-like
+TOKEN_BYTES = 7168 * 3  # fp8 dispatch row + bf16 combine row
+TOKENS_PER_GPU = 4096
 
 
 def zipf_weight(L, E, s, seed, scale=1e5):
@@ -35,7 +42,7 @@ def routed_weight(spec, step, num_tokens=4096, seed=0):
     return w.scatter_add_(1, ids.flatten(1), torch.ones(ids.flatten(1).shape, dtype=w.dtype))
 
 
-def median_ms(fn, reps=20):
+def median_ms(fn, reps):
     """Median milliseconds of `reps` calls: (wall, this thread's CPU time; the latter is the
     honest figure on a shared machine)."""
     fn()
@@ -48,28 +55,34 @@ def median_ms(fn, reps=20):
     return statistics.median(ts) * 1e3, statistics.median(cs) * 1e3
 
 
-def run_case(name, w, num_replicas, num_nodes, num_gpus, old=None):
-    args = (w, num_replicas, NUM_GROUPS, num_nodes, num_gpus)
+def run_case(name, w, num_replicas, num_nodes, num_gpus, mode, reps, old=None):
+    args = (w, num_replicas, NUM_GROUPS, num_nodes, num_gpus, mode)
     ours, ds = rebalance(*args), deepseek_rebalance(*args)
-    (t_ours, c_ours), (t_ds, c_ds) = (median_ms(lambda: rebalance(*args)),
-                                      median_ms(lambda: deepseek_rebalance(*args)))
-    ratio = (ours.gpu_loads(w).max(1).values / ds.gpu_loads(w).max(1).values).mean().item()
-    row = dict(case=name, layers=w.shape[0], experts=w.shape[1], replicas=num_replicas,
-               gpus=num_gpus, nodes=num_nodes, bal_ours=ours.balancedness(w).mean().item(),
-               bal_deepseek=ds.balancedness(w).mean().item(), max_load_ratio=ratio,
-               ms_ours=t_ours, ms_deepseek=t_ds, cpu_ms_ours=c_ours, cpu_ms_deepseek=c_ds)
-    line = (f"{name:<14} L={w.shape[0]} E={w.shape[1]} R={num_replicas} G={num_gpus} "
-            f"nodes={num_nodes}: balancedness ours {row['bal_ours']:.4f} vs deepseek "
-            f"{row['bal_deepseek']:.4f}, max load ours/ds {ratio:.3f}; "
-            f"{t_ours:.1f} ms vs {t_ds:.1f} ms ({t_ours / t_ds:.2f}x), cpu {c_ours:.1f} vs "
-            f"{c_ds:.1f} ms")
+    (_, c_ours), (_, c_ds) = median_ms(lambda: rebalance(*args), reps), \
+        median_ms(lambda: deepseek_rebalance(*args), reps)
+    ratio = ours.max_load(w) / ds.max_load(w)
+    ids = routing_from_loads(w, TOP_K, NUM_GROUPS, TOPK_GROUP, num_tokens=512, seed=1)
+    kw = dict(token_bytes=TOKEN_BYTES, tokens_per_step=TOKENS_PER_GPU * num_gpus)
+    t_ours, t_ds = (traffic_from_routing(p, ids, num_nodes, **kw).summary() for p in (ours, ds))
+    row = dict(case=name, mode=mode, layers=w.shape[0], experts=w.shape[1],
+               replicas=num_replicas, gpus=num_gpus, nodes=num_nodes,
+               bal_ours=ours.balancedness(w).mean().item(),
+               bal_deepseek=ds.balancedness(w).mean().item(),
+               max_load_ratio_mean=ratio.mean().item(), max_load_ratio_worst=ratio.max().item(),
+               traffic_ours=t_ours, traffic_deepseek=t_ds, cpu_ms_ours=c_ours,
+               cpu_ms_deepseek=c_ds)
+    line = (f"{name:<10} {num_replicas}/{num_gpus} n{num_nodes} {mode[:4]}: bal "
+            f"{row['bal_ours']:.3f} vs {row['bal_deepseek']:.3f}, max/DS "
+            f"{row['max_load_ratio_mean']:.3f} (<= {row['max_load_ratio_worst']:.3f}), nodes/tok "
+            f"{t_ours['nodes_per_token']:.2f}, {c_ours:.0f}/{c_ds:.0f} ms")
     if old is not None:
-        inc, moves = rebalance_incremental(w, old, NUM_GROUPS, num_nodes, num_gpus)
-        t_inc, _ = median_ms(lambda: rebalance_incremental(w, old, NUM_GROUPS, num_nodes,
-                                                            num_gpus))
-        row.update(bal_incremental=inc.balancedness(w).mean().item(), moves=moves, ms_inc=t_inc)
-        line += (f"; incremental bal {row['bal_incremental']:.4f}, {moves} of "
-                 f"{w.shape[0] * num_replicas} slots moved, {t_inc:.1f} ms")
+        inc, moves = rebalance_incremental(w, old, NUM_GROUPS, num_nodes, num_gpus, mode)
+        _, c_inc = median_ms(lambda: rebalance_incremental(w, old, NUM_GROUPS, num_nodes,
+                                                            num_gpus, mode), reps)
+        row.update(bal_incremental=inc.balancedness(w).mean().item(), moves=moves,
+                   cpu_ms_incremental=c_inc)
+        line += (f"\n{'':<10} incremental: bal {row['bal_incremental']:.3f}, {moves} of "
+                 f"{w.shape[0] * num_replicas} slots moved, {c_inc:.0f} ms")
     print(line, flush=True)
     return row
 
@@ -78,20 +91,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=10, help="timed runs per placement")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     L, E = NUM_LAYERS, NUM_EXPERTS
-    rows = []
     zipf = zipf_weight(L, E, 1.2, seed=0)
-    # 288 slots (32 redundant) need a GPU count dividing 288: 32 GPUs of 4 nodes
-    rows.append(run_case("zipf1.2", zipf, 288, 4, 32))
-    rows.append(run_case("zipf1.2", zipf, 320, 8, 64))
-    rows.append(run_case("zipf1.2", zipf, 384, 8, 64))
-    rows.append(run_case("zipf0.6", zipf_weight(L, E, 0.6, seed=1), 320, 8, 64))
-    rows.append(run_case("uniform", routed_weight("uniform", 0), 320, 8, 64))
-    rows.append(run_case("routed zipf1.2", routed_weight("zipf:1.2", 0), 288, 4, 32))
-    prev = rebalance(routed_weight("drift:1.2:1", 0), 288, NUM_GROUPS, 4, 32)
-    rows.append(run_case("drift1.2 step1", routed_weight("drift:1.2:1", 1), 288, 4, 32, old=prev))
+    cases = [("zipf1.2", zipf, 288, 4, 32), ("zipf1.2", zipf, 320, 8, 64),
+             ("zipf1.2", zipf, 384, 8, 64), ("zipf0.6", zipf_weight(L, E, 0.6, seed=1), 320, 8, 64),
+             ("uniform", routed_weight("uniform", 0), 320, 8, 64),
+             ("routed1.2", routed_weight("zipf:1.2", 0), 288, 4, 32)]
+    rows = []
+    for mode in MODES:
+        for name, w, R, nodes, G in cases:
+            rows.append(run_case(name, w, R, nodes, G, mode, a.reps))
+        prev = rebalance(routed_weight("drift:1.2:1", 0), 288, NUM_GROUPS, 4, 32, mode)
+        rows.append(run_case("drift1", routed_weight("drift:1.2:1", 1), 288, 4, 32, mode,
+                             a.reps, old=prev))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -10,7 +10,13 @@
     deepep-ht (ours) vs raw DeepEP vs all2all (NCCL), GB/s
 (d) LL dispatch (fp8) / combine at 128 tokens/rank: ours vs raw DeepEP, us
 (e) one layer step at ep=2 (HT and LL, DeepGEMM experts) vs the sum of its parts
-Needs CUDA; (c)-(e) need 2 GPUs, deep_ep and deep_gemm. Prints one line per case.
+(t) Triton experts path (same shapes as (b)) vs its own raw Triton GEMM1 + GEMM2   <= 1.15x
+(s) whole one-rank layer step, DeepSeek-V3 at ep 1 (256 local experts, router + routed +
+    shared, 4096 tokens, DeepGEMM) vs the sum of its raw GEMMs (routed + shared)   <= 1.25x;
+    fp8 step vs bf16 step (< 1); overlap = (sum of stage times - step) / sum; weights
+    generated on the device (seconds to build the layer)
+Needs CUDA; (a), (b), (t), (s) one GPU; (c)-(e) 2 GPUs, deep_ep and deep_gemm. One line per
+case. `--only a,b,t,s` on one GPU (the default there).
 """
 
 from __future__ import annotations
@@ -121,7 +127,94 @@ def bench_gemm(rows, device):
     raw = _bench(raw_pair)
     ours = _bench(lambda: ex.apply(x, ids, w))
     _line(rows, "(b) experts.apply (1 GPU)", f"T={t} K={topk} E={e} M={lay.num_rows}", ours,
-          "raw GEMM1+GEMM2", raw, "goal <= 1.15x")
+          "raw GEMM1+GEMM2", raw, "goal <= 1.10x")
+
+
+def bench_triton(rows, device):
+    """(t) the Triton experts path against its own GEMMs at the rows of (b)."""
+    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous as tgemm
+    from epmoe.kernels.permute import triton_permute
+    from epmoe.quant import quantize_act
+
+    e, t, topk = 32, 4096, 8
+    ex = TritonExperts(_experts(e, device).weights, DSV3, FP8)
+    x = quantize_act(torch.randn(t, DSV3.hidden, device=device), FP8)
+    ids, w = _routing(t, e, topk, device)
+    ids = ids.to(torch.int32)
+    xp, lay = triton_permute(x, ids, e, alignment=ex.alignment)
+    h_in = quantize_act(torch.randn(lay.num_rows, DSV3.moe_intermediate, device=device), FP8)
+    raw = _bench(lambda: (tgemm(xp, ex.weights.w13, lay), tgemm(h_in, ex.weights.w2, lay)))
+    ours = _bench(lambda: ex.apply(x, ids, w))
+    _line(rows, "(t) TritonExperts.apply (1 GPU)", f"T={t} K={topk} E={e} M={lay.num_rows}",
+          ours, "raw Triton GEMM1+GEMM2", raw, "goal <= 1.15x")
+
+
+def _step_case(quant, device, tokens: int = 4096, steps: int = 10):
+    """One DeepSeek-V3 layer at ep 1: -> (build s, step us, stage ms, raw GEMMs us, layer)."""
+    import time
+
+    from epmoe.runtime import RunConfig, Runtime
+    from epmoe.timing import StageTimer
+
+    run = RunConfig(model="deepseek-v3", quant=quant, experts="auto", tokens=tokens, layers=1,
+                    steps=1, check=False)
+    t0 = time.perf_counter()
+    rt = Runtime(run, device=device)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    layer, x = rt.layers[0], rt.tokens_for(0)
+    step = _bench(lambda: layer.forward(x), iters=steps)
+    timer = StageTimer(enabled=True, device=device)
+    layer.timer = layer.experts.timer = layer.comm.timer = timer
+    for _ in range(steps):
+        layer.forward(x)
+    stage_ms = {k: sorted(v)[len(v) // 2] for k, v in timer.collect().items() if "." not in k}
+    layer.timer = layer.experts.timer = layer.comm.timer = StageTimer(enabled=False)
+    return build_s, step, stage_ms, _raw_layer_gemms(layer, x), layer
+
+
+def _raw_layer_gemms(layer, x) -> float:
+    """The layer's GEMMs alone at its real routing: routed GEMM1 + GEMM2 over the exact layout
+    rows, shared GEMM1 + GEMM2 over the tokens (the experts' own GEMM wrappers, same buffers)."""
+    ex, sh = layer.experts, layer.shared_experts
+    r = layer.route(x)
+    xq = ex.quantize_input(x)
+    lay = ex.make_layout(r.topk_ids_TK.to(torch.int32))
+    xp = ex.permute(xq, lay)
+    i, d = ex.weights.intermediate, ex.weights.hidden
+    a = ex._act_quant(ex.gemm_contiguous(xp, ex.w13, lay.row_expert_M, 2 * i, name="h"))
+    xs = sh.quantize_input(x)
+    a_s = sh._act_quant(sh.gemm_dense(xs, sh.w13, 2 * sh.weights.intermediate, name="h"))
+
+    def gemms():
+        ex.gemm_contiguous(xp, ex.w13, lay.row_expert_M, 2 * i, name="h")
+        ex.gemm_contiguous(a, ex.w2, lay.row_expert_M, d, name="y")
+        sh.gemm_dense(xs, sh.w13, 2 * sh.weights.intermediate, name="h")
+        sh.gemm_dense(a_s, sh.w2, d, name="y")
+    return _bench(gemms)
+
+
+def bench_layer_step(rows, device):
+    """(s) the whole one-rank DeepSeek-V3 layer step, fp8 then bf16 (same tokens)."""
+    from epmoe.overlap import overlap_fraction
+
+    steps = {}
+    for quant in (FP8, BF16):
+        build_s, step, stage_ms, raw, layer = _step_case(quant, device)
+        if layer.experts.name != "deepgemm":
+            print(f"(s) skipped: experts backend is {layer.experts.name}, not deepgemm")
+            return
+        steps[quant.recipe] = step
+        ov = overlap_fraction(stage_ms, step / 1e3)
+        stages = " ".join(f"{k} {v:.2f}" for k, v in stage_ms.items())
+        _line(rows, f"(s) layer step {quant.recipe} ep=1", f"DSV3 T=4096 E=256 build "
+              f"{build_s:.0f}s", step, "raw GEMMs", raw, f"goal <= 1.25x; overlap {ov:.2f}; "
+              f"ms: {stages}", overlap=ov, stage_ms=stage_ms, build_s=build_s)
+        del layer
+        torch.cuda.empty_cache()
+    _line(rows, "(s) fp8 step vs bf16 step", "DSV3 T=4096 ep=1", steps["fp8_block"],
+          "bf16 step", steps["bf16"], "goal < 1")
 
 
 def _expert_map(rank, world, num_experts, device):
@@ -147,14 +240,16 @@ def _two_gpu(rank, world, port, only, out_path):
     import deep_ep
 
     from epmoe.comm.all2all import All2AllComm
+    from epmoe.comm.context import CommContext
     from epmoe.comm.deepep import DeepEPHighThroughputComm, DeepEPLowLatencyComm
 
     emap = _expert_map(rank, world, DSV3.num_experts, dev)
     t, k, d = 4096, DSV3.top_k, DSV3.hidden
     ids, w = _routing(t, DSV3.num_experts, k, dev, seed=rank)
     x = torch.randn(t, d, device=dev).to(torch.bfloat16)
+    ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=128)
     if "c" in only or "e" in only:
-        ht = DeepEPHighThroughputComm(DSV3, BF16, emap, group, rank, world, num_sms=48)
+        ht = DeepEPHighThroughputComm(DSV3, BF16, emap, ctx, num_sms=48)
     if "c" in only:
         buf = ht.buffer
 
@@ -177,7 +272,7 @@ def _two_gpu(rank, world, port, only, out_path):
         y = batch.x.data  # bf16 rows [N, D]
         t_d = _bench(ours_dispatch)
         t_c = _bench(lambda: ht.combine(y, h))
-        a2a = All2AllComm(DSV3, BF16, emap, group, rank, world)
+        a2a = All2AllComm(DSV3, BF16, emap, ctx)
         b2, h2 = a2a.dispatch(x, ids, w)
         t_a_d = _bench(lambda: a2a.dispatch(x, ids, w), iters=10)
         t_a_c = _bench(lambda: a2a.combine(b2.x.data, h2), iters=10)
@@ -191,13 +286,13 @@ def _two_gpu(rank, world, port, only, out_path):
               f"{gbs(t_a_d):.0f} GB/s", gbs=gbs(t_a_d))
         say(log, "(c) all2all (NCCL) combine bf16", shape, t_a_c, "deepep-ht", t_c,
               f"{gbs(t_a_c):.0f} GB/s", gbs=gbs(t_a_c))
-        qx = DeepEPHighThroughputComm(DSV3, FP8, emap, group, rank, world)
+        qx = DeepEPHighThroughputComm(DSV3, FP8, emap, ctx)
         t_f = _bench(lambda: (setattr(qx, "_cache", None), qx.dispatch(x, ids, w)))
         say(log, "(c) deepep-ht dispatch fp8", shape, t_f, "deepep-ht bf16", t_d,
               "(anchor 149 us raw)")
     t_ll = 128
     if "d" in only or "e" in only:
-        ll = DeepEPLowLatencyComm(DSV3, FP8, emap, group, rank, world, max_tokens=t_ll)
+        ll = DeepEPLowLatencyComm(DSV3, FP8, emap, ctx)
         xs, ids_s, w_s = x[:t_ll].contiguous(), ids[:t_ll].contiguous(), w[:t_ll].contiguous()
     if "d" in only:
         buf = ll.buffer
@@ -216,13 +311,11 @@ def _two_gpu(rank, world, port, only, out_path):
     if "e" in only:
         ex = _experts(DSV3.num_experts // world, dev)
         for name, comm, xx, ii, ww in (("HT", ht, x, ids, w), ("LL", ll, xs, ids_s, w_s)):
-            q = DeepEPHighThroughputComm(DSV3, FP8, emap, group, rank, world) \
+            q = DeepEPHighThroughputComm(DSV3, FP8, emap, ctx) \
                 if name == "HT" else comm
 
             def run_experts(batch):
-                if batch.form == "tokens":
-                    return ex.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
-                return ex.run_masked(batch.x, batch.counts_E)
+                return ex.run(batch)
 
             def step():
                 if name == "HT":
@@ -251,13 +344,14 @@ def _two_gpu(rank, world, port, only, out_path):
                     deep_ep=getattr(deep_ep, "__file__", "?"))
         with open(out_path, "w") as f:
             json.dump(dict(info=info, cases=log), f, indent=1)
+    ctx.close()
     dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the cases here")
-    p.add_argument("--only", default="a,b,c,d,e", help="comma-separated cases")
+    p.add_argument("--only", default="a,b,t,s,c,d,e", help="comma-separated cases")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_moe needs CUDA")
@@ -268,7 +362,10 @@ def main(argv=None) -> None:
         os.environ.setdefault(k, v)
     if torch.cuda.device_count() < 2:
         rows: list = []
-        bench_gemm(rows, torch.device("cuda", 0))
+        dev = torch.device("cuda", 0)
+        for case, fn in (("s", bench_layer_step), ("a", bench_gemm), ("t", bench_triton)):
+            if case in only or (case == "a" and "b" in only):
+                fn(rows, dev)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(cases=rows), f, indent=1)

@@ -1,15 +1,17 @@
-"""Kernel benchmark (GPU only): Triton permute / gather / act+quant / grouped GEMMs at
-DeepSeek-V3 shapes, each with a ratio to a baseline measured in the same run.
+"""Kernel benchmark (GPU only): every Triton kernel of the expert path and the router at
+DeepSeek-V3 shapes, each with a baseline measured in the same run.
 
-    python -m epmoe.bench.kernels [--json FILE] [--quick]
+    python -m epmoe.bench.kernels [--json FILE] [--quick | --tokens 4096,16384]
 
 Shapes: hidden 7168, moe intermediate 2048 (GEMM1 N=4096, K=7168; GEMM2 N=7168, K=2048),
-32 local experts, 4096 and 16384 tokens x top-8, routing uniform random.
-Baselines: memory-bound kernels vs an HBM copy of a comparable byte count
-(`torch.empty_like(x).copy_(x)`, read + write counted); fp8-block GEMM vs DeepGEMM
-`m_grouped_fp8_gemm_nt_contiguous` when importable, else torch's fp8 grouped / per-expert
-scaled GEMM (row-wise scales: a cheaper scaling than 128x128 blocks, said in the line);
-bf16 GEMM vs `torch._grouped_mm`. Times: median of >= 20 runs (triton.testing.do_bench).
+32 local experts, 4096 and 16384 tokens x top-8, routing uniform random; router: 256 experts,
+8 groups, 4 kept, top-8 (DeepSeek-V3). Baselines: bandwidth kernels vs an HBM copy of the same
+byte count (read + write counted); fp8-block GEMM vs DeepGEMM `m_grouped_fp8_gemm_nt_contiguous`
+when importable, else `torch._scaled_grouped_mm` (row-wise scales: cheaper than 128x128
+blocks); bf16 GEMM vs `torch._grouped_mm`; router vs the torch router (fp32 gate matmul + torch
+top-k). "before" rows run the previous kernel in the same process (the pointer GEMM, the
+exact-size permute with its host sync, the plain-torch quantizer). Times: median of many runs
+(`triton.testing.do_bench`, L2 flushed between runs).
 """
 
 from __future__ import annotations
@@ -23,141 +25,209 @@ import torch
 from epmoe.config import MoEConfig, QuantConfig
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 7168, 2048, 32, 8
+ROUTER_CFG = MoEConfig("dsv3-router", hidden=HIDDEN, moe_intermediate=INTER, num_experts=256,
+                       top_k=8, router="sigmoid_grouped", n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5)
+FP8 = QuantConfig("fp8_block")
 
 
-def _bench(fn) -> float:
+def bench_ms(fn, rep: int = 100) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def _copy_ms(num_bytes: int) -> float:
+def copy_ms(num_bytes: int) -> float:
     x = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return _bench(lambda: y.copy_(x))
+    return bench_ms(lambda: y.copy_(x))
 
 
-def _mem_row(name, shape, ms, num_bytes):
+def mem_row(name, shape, ms, num_bytes, base=None):
     """Bytes = read + write; ratio = achieved bandwidth / copy bandwidth at the same bytes."""
-    base = _copy_ms(num_bytes // 2)  # copy of n bytes moves 2n
+    base = copy_ms(num_bytes // 2) if base is None else base  # a copy of n bytes moves 2n
     gbs = num_bytes / ms / 1e6
     return dict(name=name, shape=shape, ms=ms, metric=f"{gbs:.0f} GB/s", value=gbs,
                 baseline="HBM copy", baseline_ms=base, ratio=base / ms)
 
 
-def _gemm_row(name, shape, ms, flops, base_name, base_ms):
+def gemm_row(name, shape, ms, flops, base_name, base_ms):
     tf = flops / ms / 1e9
     return dict(name=name, shape=shape, ms=ms, metric=f"{tf:.0f} TFLOPS", value=tf,
                 baseline=base_name, baseline_ms=base_ms,
                 ratio=(base_ms / ms) if base_ms else None)
 
 
-def _fp8_baseline(xq, wq, layout, m, n, k):
+def fp8_baseline(xq, wq, layout, m, n):
     """(name, ms) of the best available fp8 grouped GEMM baseline."""
     try:
-        import deep_gemm  # noqa: F401
+        import deep_gemm
+
+        from epmoe.experts.deepgemm_experts import sm90_act_scale
 
         out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-        scale = xq.scale  # DeepGEMM SM90 wants MN-major fp32 activation scales
+        scale = sm90_act_scale(xq.scale)  # DeepGEMM SM90 reads MN-major fp32 scales
         fn = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
             (xq.data, scale), (wq.data, wq.scale), out, layout.row_expert_M)
-        return "DeepGEMM m_grouped_fp8_gemm_nt_contiguous", _bench(fn)
-    except (ImportError, OSError, RuntimeError, AttributeError, TypeError):
+        fn()
+        return "DeepGEMM m_grouped_fp8_gemm_nt_contiguous", bench_ms(fn)
+    except (ImportError, OSError):
         pass
-    a = xq.data
-    b = wq.data  # [E, N, K]
+    except Exception as exc:  # noqa: BLE001  (a refused call: fall back, say why)
+        print(f"# DeepGEMM baseline failed: {type(exc).__name__}: {str(exc)[:200]}",
+              file=sys.stderr)
     sa = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
-    sb = torch.rand(b.shape[0], n, device="cuda", dtype=torch.float32) + 0.5
+    sb = torch.rand(wq.data.shape[0], n, device="cuda", dtype=torch.float32) + 0.5
     offs = layout.offsets_E1[1:].contiguous()
     try:
         fn = lambda: torch._scaled_grouped_mm(  # noqa: E731
-            a, b.transpose(1, 2), sa, sb, offs=offs, out_dtype=torch.bfloat16)
+            xq.data, wq.data.transpose(1, 2), sa, sb, offs=offs, out_dtype=torch.bfloat16)
         fn()
-        return "torch._scaled_grouped_mm (row-wise scales)", _bench(fn)
-    except (RuntimeError, AttributeError, TypeError):
-        pass
-    bounds = layout.offsets_E1.tolist()
-
-    def loop():
-        for e in range(b.shape[0]):
-            s, t = bounds[e], bounds[e + 1]
-            if t > s:
-                torch._scaled_mm(a[s:t], b[e].t(), sa[s:t, None], sb[e][None, :],
-                                 out_dtype=torch.bfloat16)
-    loop()
-    return "torch._scaled_mm per-expert loop (row-wise scales)", _bench(loop)
+        return "torch._scaled_grouped_mm (row-wise scales)", bench_ms(fn)
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        return f"no fp8 grouped baseline ({type(exc).__name__})", None
 
 
-def _bf16_baseline(x, w, layout):
+def bf16_baseline(x, w, layout):
     try:
         offs = layout.offsets_E1[1:].contiguous()
         fn = lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # noqa: E731
         fn()
-        return "torch._grouped_mm", _bench(fn)
+        return "torch._grouped_mm", bench_ms(fn)
     except (RuntimeError, AttributeError, TypeError) as exc:
         return f"torch._grouped_mm unavailable ({type(exc).__name__})", None
 
 
-def run_case(num_tokens: int) -> list[dict]:
-    from epmoe.kernels.act_quant import triton_act_quant
-    from epmoe.kernels.gather import triton_unpermute_reduce
-    from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous
-    from epmoe.kernels.permute import triton_permute
+def routing(t: int, dev="cuda"):
+    ids = torch.rand(t, NUM_EXPERTS, device=dev).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    return ids, torch.rand(t, TOP_K, device=dev)
+
+
+def gemm_inputs(layout, recipe: str, n: int, k: int):
+    """(x QTensor [M, K], w QWeight [E, N, K]) with random values."""
     from epmoe.quant import quantize_act, quantize_weight
 
-    torch.manual_seed(0)
-    dev = "cuda"
-    t, k, e, d, i = num_tokens, TOP_K, NUM_EXPERTS, HIDDEN, INTER
+    q = QuantConfig(recipe)
+    w = quantize_weight(torch.randn(NUM_EXPERTS, n, k, device="cuda") / k ** 0.5, q)
+    return quantize_act(torch.randn(layout.num_rows, k, device="cuda"), q), w
+
+
+def bandwidth_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
+    from epmoe.kernels.act_quant import triton_act_quant
+    from epmoe.kernels.gather import triton_unpermute_reduce
+    from epmoe.kernels.permute import PermuteWorkspace, triton_permute
+    from epmoe.kernels.quantize import quantize_tokens
+    from epmoe.quant import quantize_act
+
+    k, e, d, i = TOP_K, NUM_EXPERTS, HIDDEN, INTER
     cfg = MoEConfig("bench", hidden=d, moe_intermediate=i, num_experts=e, top_k=k)
-    fp8 = QuantConfig("fp8_block")
-    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].to(torch.int32)  # uniform top-k
-    weights = torch.rand(t, k, device=dev)
-    x = quantize_act(torch.randn(t, d, device=dev), fp8)
-    rows = []
-    tag = f"T={t} K={k} E={e}"
+    tag, rows = f"T={t} K={k} E={e}", []
+    xb = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+    qb = t * d * 2 + t * d  # bf16 in, fp8 out (scales: under 2% more, not counted)
+    for name, quant, extra in (("fp8 fp32 scales", FP8, {}),
+                               ("fp8 fp32 MN-major", FP8, dict(mn_major=True)),
+                               ("fp8 UE8M0 packed", QuantConfig("fp8_block", "ue8m0_packed"), {}),
+                               ("mxfp8 e8m0", QuantConfig("mxfp8"), {})):
+        out = quantize_tokens(xb, quant, **extra)
+        qcfg = picks.get(f"quant{quant.act_group}")
+        ms = bench_ms(lambda: quantize_tokens(xb, quant, out=out, config=qcfg, **extra))
+        rows.append(mem_row(f"quantize_tokens {name}", f"T={t} D={d}", ms, qb))
+    if before:
+        ms = bench_ms(lambda: quantize_act(xb, FP8))
+        rows.append(mem_row("before: torch quantize_act fp8", f"T={t} D={d}", ms, qb))
 
-    xp, layout = triton_permute(x, ids, e, alignment=128)
+    ids, weights = routing(t)
+    x = quantize_act(xb, FP8)
+    pb = 2 * t * k * (d + 4 * (d // 128))
+    ms = bench_ms(lambda: triton_permute(x, ids, e, alignment=128))
+    rows.append(mem_row("permute exact size (host sync)", f"{tag} D={d}", ms, pb))
+    ws = PermuteWorkspace.create(t, k, e, 128, d, FP8, "cuda")
+    ms = bench_ms(lambda: triton_permute(x, ids, e, alignment=128, workspace=ws))
+    rows.append(mem_row("permute workspace (no sync)", f"{tag} D={d}", ms, pb))
+
+    _, layout = triton_permute(x, ids, e, alignment=128)
     m = layout.num_rows
-    pairs = t * k
-    ms = _bench(lambda: triton_permute(x, ids, e, alignment=128))
-    rows.append(_mem_row("permute fp8+scales", f"{tag} D={d}", ms,
-                         2 * pairs * (d + 4 * (d // 128))))
-
-    y = torch.randn(m, d, device=dev).to(torch.bfloat16)
-    ms = _bench(lambda: triton_unpermute_reduce(y, layout, weights))
-    rows.append(_mem_row("gather-reduce bf16", f"{tag} D={d}", ms, pairs * d * 2 + t * d * 2))
-
-    h = torch.randn(m, 2 * i, device=dev).to(torch.bfloat16)
-    ms = _bench(lambda: triton_act_quant(h, cfg, fp8))
-    rows.append(_mem_row("silu*up + fp8 quant", f"M={m} 2I={2 * i}", ms,
-                         m * 2 * i * 2 + m * i + m * (i // 128) * 4))
-
-    for gname, n_out, k_in in (("GEMM1", 2 * i, d), ("GEMM2", d, i)):
-        w = torch.randn(e, n_out, k_in, device=dev) / k_in ** 0.5
-        wq = quantize_weight(w, fp8)
-        xq = quantize_act(torch.randn(m, k_in, device=dev), fp8)
-        flops = 2 * pairs * n_out * k_in
-        ms = _bench(lambda: triton_m_grouped_gemm_nt_contiguous(xq, wq, layout))
-        base_name, base_ms = _fp8_baseline(xq, wq, layout, m, n_out, k_in)
-        rows.append(_gemm_row(f"fp8-block grouped {gname}", f"M={m} N={n_out} K={k_in}", ms,
-                              flops, base_name, base_ms))
-        wb = quantize_weight(w, QuantConfig("bf16"))
-        xb = quantize_act(torch.randn(m, k_in, device=dev), QuantConfig("bf16"))
-        ms = _bench(lambda: triton_m_grouped_gemm_nt_contiguous(xb, wb, layout))
-        base_name, base_ms = _bf16_baseline(xb.data, wb.data, layout)
-        rows.append(_gemm_row(f"bf16 grouped {gname}", f"M={m} N={n_out} K={k_in}", ms, flops,
-                              base_name, base_ms))
-        del w, wq, wb, xq, xb
+    y = torch.randn(m, d, device="cuda").to(torch.bfloat16)
+    ms = bench_ms(lambda: triton_unpermute_reduce(y, layout, weights))
+    rows.append(mem_row("gather-reduce bf16", f"{tag} D={d}", ms, t * k * d * 2 + t * d * 2))
+    h = torch.randn(m, 2 * i, device="cuda").to(torch.bfloat16)
+    ms = bench_ms(lambda: triton_act_quant(h, cfg, FP8))
+    rows.append(mem_row("silu*up + fp8 quant", f"M={m} 2I={2 * i}", ms,
+                        m * 2 * i * 2 + m * i + m * (i // 128) * 4))
     return rows
 
 
-def _line(r: dict) -> str:
+def gemm_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
+    from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous as gemm
+    from epmoe.kernels.permute import triton_make_contiguous_layout
+
+    ids, _ = routing(t)
+    layout = triton_make_contiguous_layout(ids, NUM_EXPERTS, alignment=128)
+    m, rows = layout.num_rows, []
+    for gname, n, k in (("GEMM1", 2 * INTER, HIDDEN), ("GEMM2", HIDDEN, INTER)):
+        flops = 2 * t * TOP_K * n * k
+        shape = f"M={m} N={n} K={k}"
+        for recipe in ("fp8_block", "bf16"):
+            x, w = gemm_inputs(layout, recipe, n, k)
+            out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+            cfg = picks.get(f"{recipe}/{gname}")
+            ms_new = bench_ms(lambda: gemm(x, w, layout, config=cfg, out=out))
+            ms_old = bench_ms(lambda: gemm(x, w, layout, out=out, kernel="pointer")) \
+                if before else None
+            if recipe == "fp8_block":
+                base_name, base_ms = fp8_baseline(x, w, layout, m, n)
+            else:
+                base_name, base_ms = bf16_baseline(x.data, w.data, layout)
+            label = "fp8-block" if recipe == "fp8_block" else "bf16"
+            rows.append(gemm_row(f"{label} {gname} TMA", shape, ms_new, flops, base_name,
+                                 base_ms))
+            if before:
+                rows.append(gemm_row(f"before: {label} {gname} pointer", shape, ms_old, flops,
+                                     base_name, base_ms))
+            del x, w, out
+    return rows
+
+
+def router_rows(t: int, picks: dict) -> list[dict]:
+    from epmoe.kernels.gate_topk import triton_gate_route
+    from epmoe.router import route
+
+    x = torch.randn(t, HIDDEN, device="cuda").to(torch.bfloat16)
+    gate = torch.randn(ROUTER_CFG.num_experts, HIDDEN, device="cuda") / HIDDEN ** 0.5
+    gate_bf16 = gate.to(torch.bfloat16)
+    bias = torch.randn(ROUTER_CFG.num_experts, device="cuda") * 0.01
+
+    def torch_router():
+        return route(x.float() @ gate.T, ROUTER_CFG, bias, backend="torch")
+
+    base = bench_ms(torch_router)
+    ms = bench_ms(lambda: triton_gate_route(x, gate_bf16, ROUTER_CFG, bias,
+                                            config=picks.get("router")))
+    flops = 2 * t * ROUTER_CFG.num_experts * HIDDEN
+    shape = f"T={t} E=256 D={HIDDEN}"
+    return [dict(name="router fused gate+top-k", shape=shape, ms=ms,
+                 metric=f"{flops / ms / 1e9:.0f} TFLOPS", value=ms * 1e3,
+                 baseline="torch router (fp32 matmul)", baseline_ms=base, ratio=base / ms)]
+
+
+def run_case(t: int, picks: dict | None = None, before: bool = True) -> list[dict]:
+    """Every row at T tokens; before=False skips the previous kernels' rows."""
+    picks = picks or {}
+    torch.manual_seed(0)
+    rows = router_rows(t, picks) + bandwidth_rows(t, picks, before)
+    torch.cuda.empty_cache()
+    rows += gemm_rows(t, picks, before)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def line(r: dict) -> str:
     ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-    return (f"{r['name']:<26} {r['shape']:<28} {r['ms'] * 1e3:9.1f} us  {r['metric']:>12}  "
-            f"vs {r['baseline']}: {ratio}")
+    base = "" if r["baseline_ms"] is None else f" vs {r['baseline_ms'] * 1e3:.1f}us"
+    return f"{r['name'][:28]:<28} {r['ms'] * 1e3:8.1f}us {r['metric']:>11} {ratio:>6}{base}"
 
 
-def _table(rows: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
     out = ["| kernel | shape | time (us) | throughput | baseline | baseline (us) | ratio |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -168,29 +238,38 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def run(token_counts, picks=None, json_path=None, before: bool = True) -> list[dict]:
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bandwidth ratio = "
+          f"achieved / HBM copy; GEMM and router ratio = baseline time / ours", flush=True)
+    for t in token_counts:
+        for r in run_case(t, picks, before):
+            r["tokens"] = t
+            print(f"T={t:<6}" + line(r), flush=True)
+            rows.append(r)
+        if json_path:  # after each token count: a run cut short keeps what it measured
+            with open(json_path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": rows}, f, indent=1)
+    print()
+    print(table(rows))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="4096 tokens only")
+    p.add_argument("--tokens", default="4096,16384", help="token counts, comma-separated")
+    p.add_argument("--skip-before", action="store_true",
+                   help="skip the previous kernels' rows (pointer GEMM, torch quantizer)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("epmoe.bench.kernels needs a CUDA GPU (the CPU interpreter's timings mean "
               "nothing); run it on a GPU machine", file=sys.stderr)
         return 2
-    rows = []
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"memory-bound ratio = achieved / HBM-copy bandwidth; GEMM ratio = baseline time / "
-          f"Triton time", flush=True)
-    for t in (4096,) if args.quick else (4096, 16384):
-        for r in run_case(t):
-            print(_line(r), flush=True)
-            rows.append(r)
-        torch.cuda.empty_cache()
-    print()
-    print(_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    tokens = (4096,) if args.quick else tuple(int(x) for x in args.tokens.split(","))
+    run(tokens, json_path=args.json, before=not args.skip_before)
     return 0
 
 

@@ -7,13 +7,17 @@
 | all2all   | all_to_all_single with split sizes         | gloo, NCCL      |
 | deepep-ht | DeepEP high-throughput (contiguous)        | CUDA + DeepEP   |
 | deepep-ll | DeepEP low-latency (masked, CUDA graphs)   | CUDA + DeepEP   |
+| symm-ht   | ours: symmetric arena, rows straight into  | CUDA + nvshmem4py, one node |
+|           | the contiguous layout (comm.symm)          |                 |
+| symm-ll   | ours: masked, fp8 fused, CUDA graphs       | CUDA + nvshmem4py, one node |
 """
 
 from __future__ import annotations
 
 import importlib
 
-from epmoe.comm.base import Comm, ExpertBatch  # noqa: F401
+from epmoe.comm.base import Batch, Comm, LayoutBatch, MaskedBatch, TokenBatch  # noqa: F401
+from epmoe.comm.context import CommContext
 
 BACKENDS = {
     "local": "epmoe.comm.local:LocalComm",
@@ -21,7 +25,11 @@ BACKENDS = {
     "all2all": "epmoe.comm.all2all:All2AllComm",
     "deepep-ht": "epmoe.comm.deepep:DeepEPHighThroughputComm",
     "deepep-ll": "epmoe.comm.deepep:DeepEPLowLatencyComm",
+    "symm-ht": "epmoe.comm.symm.ht:SymmHighThroughputComm",
+    "symm-ll": "epmoe.comm.symm.ll:SymmLowLatencyComm",
 }
+# what `auto` may pick from a measured table (epmoe.comm.auto), fastest first when measured
+AUTO_CANDIDATES = ("symm-ll", "symm-ht", "deepep-ll", "deepep-ht", "all2all")
 CHOICES = ("auto", *BACKENDS)
 
 
@@ -42,8 +50,9 @@ def _unavailable(name, run, device) -> str | None:
 
 def resolve_backend(name: str, run, device) -> tuple[str, str]:
     """-> (backend, one-line reason). `auto`: local when tokens do not travel; on CUDA the
-    DeepEP low-latency path for small per-rank batches, high-throughput for large ones, else
-    all2all (the portable reference)."""
+    fastest available backend at this token count in the measured table (`comm.auto`), else
+    the DeepEP low-latency path for small per-rank batches, high-throughput for large ones,
+    else all2all (the portable reference)."""
     if run.world == 1 or run.form != "ep_dp":
         if name not in ("auto", "local"):
             raise ValueError(f"backend {name!r} moves tokens between ranks, but form "
@@ -57,21 +66,28 @@ def resolve_backend(name: str, run, device) -> tuple[str, str]:
         return name, "requested"
     tried = []
     if getattr(device, "type", str(device)) == "cuda":
+        from epmoe.comm.auto import load_table, pick
+
+        table = load_table()
+        ok = [n for n in AUTO_CANDIDATES if _unavailable(n, run, device) is None]
+        chosen = pick(ok, run.quant.recipe, run.world, run.tokens, table)
+        if chosen is not None:
+            return chosen
+        tried.append("no measured table for this world/recipe/token count" if table else
+                     "no measured table (python -m epmoe.bench.comm --auto-table)")
         ll_max = run.ll_max_tokens
         first = "deepep-ll" if run.tokens <= ll_max else "deepep-ht"
         why = _unavailable(first, run, device)
         if why is None:
-            return first, f"auto: {first} ({run.tokens} tokens/rank vs LL threshold {ll_max})"
+            return first, (f"auto: {first} ({run.tokens} tokens/rank vs LL threshold {ll_max}; "
+                           f"{tried[0]})")
         tried.append(f"{first}: {why}")
     why = _unavailable("all2all", run, device)
     assert why is None, why
     return "all2all", "auto: all2all" + (f" ({'; '.join(tried)})" if tried else "")
 
 
-def make_comm(name: str, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
-              device=None) -> Comm:
-    cls = backend_class(name)
-    kwargs = {}
-    if getattr(cls, "needs_run", False):
-        kwargs = dict(run=run, device=device)
-    return cls(cfg, quant, expert_map_E, group=group, rank=rank, world=world, **kwargs)
+def make_comm(name: str, cfg, quant, expert_map_E, ctx: CommContext | None = None) -> Comm:
+    """The backend `name` for one layer on this rank; `ctx` is the rank's shared context (a
+    one-rank CPU context when None)."""
+    return backend_class(name)(cfg, quant, expert_map_E, ctx)

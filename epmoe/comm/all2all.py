@@ -4,7 +4,7 @@
 The portable reference for the DeepEP backends; runs on gloo (CPU) and NCCL (GPU).
 dispatch: quantize -> per-destination token lists -> exchange counts -> exchange rows, scales,
 global ids and weights -> ids to local. combine: partial sums back (bf16 on the wire, as
-DeepEP), summed per token in fp32.
+DeepEP), summed per token in fp32 and cast to bf16 once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.base import Comm, TokenBatch
 from epmoe.comm.wire import all_to_all_qtensor, all_to_all_rows, wire_quant
 
 
@@ -35,11 +35,7 @@ class All2AllComm(Comm):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        # owner rank of every physical slot (each rank holds a contiguous block of slots)
-        slots = self.expert_map_E.shape[0]
-        if slots % self.world:
-            raise ValueError(f"physical experts ({slots}) must be divisible by ep ({self.world})")
-        self.owner_E = torch.arange(slots, device=self.expert_map_E.device) // (slots // self.world)
+        self.owner_E = self.owner_of_slots()
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
         t = x_TD.shape[0]
@@ -63,7 +59,7 @@ class All2AllComm(Comm):
         recv_x = all_to_all_qtensor(send_x, ss, rs, self.group)
         recv_ids = all_to_all_rows(topk_ids_TK[tok].to(torch.int32), ss, rs, self.group)
         recv_w = all_to_all_rows(topk_weights_TK[tok].float(), ss, rs, self.group)
-        batch = ExpertBatch("tokens", recv_x, self.to_local(recv_ids), recv_w)
+        batch = TokenBatch(recv_x, self.to_local(recv_ids), recv_w)
         return batch, All2AllHandle(tok, tuple(ss), tuple(rs), t)
 
     def combine(self, expert_out, handle):
@@ -71,5 +67,12 @@ class All2AllComm(Comm):
                                list(handle.send_splits), self.group)
         out = torch.zeros((handle.num_tokens, back.shape[1]), dtype=torch.float32,
                           device=back.device)
-        out.index_add_(0, handle.send_token_T, back.float())
-        return out
+        # one block per source rank, in rank order: a token appears at most once per block, so
+        # the fp32 sum has a fixed order on every device (bit-reproducible, also on CUDA)
+        start = 0
+        for n in handle.send_splits:
+            if n:
+                out.index_add_(0, handle.send_token_T[start:start + n],
+                               back[start:start + n].float())
+            start += n
+        return out.to(torch.bfloat16)

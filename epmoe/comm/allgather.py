@@ -1,5 +1,6 @@
 """allgather: every rank sees every token (all-gather of tokens + routing), runs its local
-experts on all of them, and a reduce-scatter returns each rank's tokens summed over ranks.
+experts on all of them, and a reduce-scatter returns each rank's tokens summed over ranks
+(fp32 partials, summed in fp32, cast to bf16 once).
 
 Simple and robust; bytes on the wire grow with world size (use all2all / DeepEP at scale).
 Ranks may hold different token counts: rows are padded to the largest count (ids -1).
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.base import Comm, TokenBatch
 from epmoe.comm.wire import all_gather_rows, reduce_scatter_single, wire_quant
 from epmoe.quant import QTensor
 
@@ -47,8 +48,8 @@ class AllGatherComm(Comm):
         scale = None if xq.scale is None else all_gather_rows(xq.scale, g, self.group)
         all_ids = all_gather_rows(ids, g, self.group)
         all_w = all_gather_rows(w, g, self.group)
-        batch = ExpertBatch("tokens", QTensor(data, scale, xq.recipe, xq.group, xq.scale_fmt),
-                            self.to_local(all_ids), all_w)
+        batch = TokenBatch(QTensor(data, scale, xq.recipe, xq.group, xq.scale_fmt),
+                           self.to_local(all_ids), all_w)
         return batch, AllGatherHandle(t, tmax)
 
     def combine(self, expert_out, handle):
@@ -56,4 +57,4 @@ class AllGatherComm(Comm):
         out = torch.empty((handle.max_tokens, full.shape[1]), dtype=torch.float32,
                           device=full.device)
         reduce_scatter_single(out, full, group=self.group)
-        return out[:handle.num_tokens]
+        return out[:handle.num_tokens].to(torch.bfloat16)

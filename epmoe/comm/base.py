@@ -1,56 +1,96 @@
 """The comm contract: every dispatch/combine backend implements `Comm`.
 
     batch, handle = comm.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
-    expert_out = experts(batch)               # token form: [N, D] fp32, weighted sum per token
-                                              # masked form: [E, C, D] bf16, unweighted
-    out_TD = comm.combine(expert_out, handle) # [T, D] this rank's tokens: fp32, or bf16 when the
-                                              # backend reduced in fp32 and cast once (DeepEP)
+    y = experts.run(batch)                    # what y is depends on the batch type (below)
+    out_TD = comm.combine(y, handle)          # bf16 [T, D]: this rank's tokens, sum_k w_k * y_k,
+                                              # reduced in fp32 and cast once
 
-Combine is the inverse of dispatch. Handles are frozen dataclasses private to their backend;
-`ExpertBatch` is the shared result type.
+A dispatch returns one of three batch types; each has one meaning:
+
+| batch        | x                                   | experts return                          | top-k weights applied by    |
+|--------------|-------------------------------------|-----------------------------------------|-----------------------------|
+| TokenBatch   | [N, D] received tokens + local ids  | [N, D] per token, weighted sum over its | the experts' gather (it     |
+|              |                                     | local experts (fp32 sum; fp32 or bf16)  | reduces over k)             |
+| LayoutBatch  | [M, D] rows in the contiguous layout| [M, D] bf16 per row, unweighted         | combine                     |
+| MaskedBatch  | [E_local, C, D] + counts_E          | [E_local, C, D] bf16, unweighted        | combine                     |
+
+The rule: the top-k weights are applied where the reduction over k happens. Combine is the
+inverse of dispatch; handles are frozen dataclasses private to their backend. Backends get a
+`CommContext` (group, rank, world, device, worst-case tokens per rank, shared buffers) owned by
+the Runtime.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Union
 
 import torch
 
+from epmoe.comm.context import CommContext
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.layout import MaskedLayout
-from epmoe.quant import QTensor, quantize_act
+from epmoe.layout import ContiguousLayout
+from epmoe.quant import QTensor
 from epmoe.timing import StageTimer
 
 
 @dataclass(frozen=True)
-class ExpertBatch:
-    """What this rank's experts receive.
+class TokenBatch:
+    """Received tokens with their routing on this rank.
 
-    form             "tokens": x [N, D] received tokens with their local routing;
-                     "masked": x [E_local, C, D] per-expert rows with counts_E
-    x                QTensor, quantized per the recipe (scales travel with rows)
-    topk_ids_NK      int [N, K] local expert ids, -1 = not on this rank (tokens form)
-    topk_weights_NK  fp32 [N, K] combine weights; None when the combine applies them
-    counts_E         int32 [E_local] (masked form)
-    masked_layout    where each (token, k) sits in x (masked form, for local combine)
+    x                QTensor [N, D], quantized per the recipe (scales travel with rows)
+    topk_ids_NK      int32 [N, K] local expert ids, -1 = not on this rank
+    topk_weights_NK  fp32 [N, K] the router's weights (the experts' gather applies them)
     """
 
-    form: Literal["tokens", "masked"]
     x: QTensor
-    topk_ids_NK: torch.Tensor | None = None
-    topk_weights_NK: torch.Tensor | None = None
-    counts_E: torch.Tensor | None = None
-    masked_layout: MaskedLayout | None = None
+    topk_ids_NK: torch.Tensor
+    topk_weights_NK: torch.Tensor
 
     @property
-    def num_tokens(self) -> int:
-        return self.x.data.shape[0] if self.form == "tokens" else int(self.counts_E.sum())
+    def num_rows(self) -> int:
+        return self.x.data.shape[0]
+
+
+@dataclass(frozen=True)
+class LayoutBatch:
+    """Rows already in the experts' contiguous layout (the receiver wrote them there).
+
+    x       QTensor [M, D] (padding rows: any value)
+    layout  ContiguousLayout: row -> local expert (-1 padding), groups aligned to the experts'
+            GEMM alignment; its `inv_perm_NK` is the backend's business (combine reads it)
+    """
+
+    x: QTensor
+    layout: ContiguousLayout
+
+    @property
+    def num_rows(self) -> int:
+        return self.x.data.shape[0]
+
+
+@dataclass(frozen=True)
+class MaskedBatch:
+    """Per-expert rows for the masked (batched) grouped GEMM.
+
+    x         QTensor [E_local, C, D] (rows past a count: any value)
+    counts_E  int32 [E_local] valid rows per local expert (on the device: no host sync)
+    """
+
+    x: QTensor
+    counts_E: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.x.data.shape[0] * self.x.data.shape[1]
+
+
+Batch = Union[TokenBatch, LayoutBatch, MaskedBatch]
 
 
 class Comm(ABC):
-    """A dispatch/combine backend bound to one rank's process group and expert map.
+    """A dispatch/combine backend bound to one rank's context and expert map.
 
     expert_map_E: int32 [E_physical] physical expert id -> local index on this rank, -1 elsewhere.
     """
@@ -58,17 +98,32 @@ class Comm(ABC):
     name: str = "?"
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, expert_map_E: torch.Tensor,
-                 group=None, rank: int = 0, world: int = 1):
-        self.cfg, self.quant, self.group = cfg, quant, group
-        self.rank, self.world = rank, world
+                 ctx: CommContext | None = None):
+        self.cfg, self.quant = cfg, quant
+        self.ctx = ctx if ctx is not None else CommContext(device=expert_map_E.device)
         self.expert_map_E = expert_map_E.to(torch.int32)
         self.num_local_experts = int((self.expert_map_E >= 0).sum())
         self.timer = StageTimer(enabled=False)  # the layer hands its own over
 
+    @property
+    def group(self):
+        return self.ctx.group
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
     def quantize(self, x_TD: torch.Tensor, quant: QuantConfig | None = None) -> QTensor:
-        """The recipe's activation quantization, timed as stage "dispatch.quantize"."""
+        """The recipe's activation quantization (one fused Triton pass on CUDA, the exact torch
+        reference on CPU; bit-identical), timed as stage "dispatch.quantize"."""
+        from epmoe.kernels.quantize import quantize_tokens
+
         with self.timer.stage("dispatch.quantize"):
-            return quantize_act(x_TD, self.quant if quant is None else quant)
+            return quantize_tokens(x_TD.contiguous(), self.quant if quant is None else quant)
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device,
@@ -83,12 +138,28 @@ class Comm(ABC):
         local = m[ids.clamp(min=0)].to(topk_ids.dtype)
         return torch.where(ids >= 0, local, torch.full_like(local, -1))
 
+    def owner_of_slots(self) -> torch.Tensor:
+        """int64 [E_physical]: the rank holding each physical slot (contiguous blocks of
+        E_physical / world slots per rank, as every EP backend assumes)."""
+        slots = self.expert_map_E.shape[0]
+        if slots % self.world:
+            raise ValueError(f"physical experts ({slots}) must be divisible by ep ({self.world})")
+        return torch.arange(slots, device=self.expert_map_E.device) // (slots // self.world)
+
+    def set_alignment(self, alignment: int) -> None:
+        """The experts' GEMM row alignment (the runtime tells every comm; a backend that writes
+        rows straight into the contiguous layout pads its groups to it)."""
+
+    def check_errors(self) -> None:
+        """Raise if a device-side wait of this backend timed out (may sync: the runtime calls
+        it at a sync point it already has)."""
+
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor):
-        """-> (ExpertBatch, handle)"""
+                 topk_weights_TK: torch.Tensor) -> tuple[Batch, object]:
+        """-> (batch, handle)"""
 
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
-        """-> out_TD: the weighted sum over slots, summed in fp32 (returned as fp32, or as bf16
-        when the backend's own kernel already cast once: an extra fp32 copy would cost HBM time)"""
+        """-> out_TD bf16 [T, D]: sum over this rank's tokens' slots of w_k * y_k, reduced in
+        fp32 and cast once (see the table above for who applies the weights)."""

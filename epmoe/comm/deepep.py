@@ -1,29 +1,29 @@
 """DeepEP (v1, intranode NVLink) behind the comm contract: high-throughput and low-latency.
 
-| class                      | dispatch -> ExpertBatch                     | combine                      |
+| class                      | dispatch ->                                 | combine                      |
 |----------------------------|---------------------------------------------|------------------------------|
 | DeepEPHighThroughputComm   | get_dispatch_layout -> dispatch (fp8 data + | combine: sums the experts'   |
 |                            | fp32 scales for fp8_block, else bf16);      | weighted rows per token      |
-|                            | form "tokens", local ids (-1 elsewhere)     | (bf16 wire, fp32 out)        |
-| DeepEPLowLatencyComm       | low_latency_dispatch (fp8 or bf16) -> form  | low_latency_combine applies  |
-|                            | "masked" [E_local, C, D] + counts           | the top-k weights            |
+|                            | TokenBatch, local ids (-1 elsewhere)        | (bf16 wire and out)          |
+| DeepEPLowLatencyComm       | low_latency_dispatch (fp8 or bf16) ->       | low_latency_combine applies  |
+|                            | MaskedBatch [E_local, C, D] + counts        | the top-k weights            |
 
-One DeepEP `Buffer` per (process group, mode) is shared by every layer of a process: DeepEP's
-NVSHMEM (low-latency mode) initializes once per process, and one IPC buffer per layer would
-waste memory. Buffers are sized from the run: HT from DeepEP's config size hints at the model's
-hidden size; LL from the run's max tokens per rank (`--tokens`).
+One DeepEP `Buffer` per mode is shared by every layer of a rank: it is a resource of the
+rank's `CommContext` (owned by the Runtime, destroyed by `CommContext.close`). DeepEP's NVSHMEM
+(low-latency mode) initializes once per process, and one IPC buffer per layer would waste
+memory. Buffers are sized from the run: HT from DeepEP's config size hints at the model's
+hidden size; LL from the context's worst-case tokens per rank.
 Experts are owned in contiguous blocks (rank r: slots [r*E/ep, (r+1)*E/ep)), as DeepEP assumes.
 Single node only (NVLink): NVSHMEM runs with no remote transport.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from epmoe.comm.base import Comm, ExpertBatch
+from epmoe.comm.base import Comm, MaskedBatch, TokenBatch
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.kernels.act_quant import per_token_group_quant
@@ -32,12 +32,7 @@ from epmoe.quant import QTensor
 LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # DeepEP v1 SWITCH_HIDDEN
 LL_MAX_TOPK = 11
 HT_RANKS = (2, 4, 8)  # intranode configs DeepEP ships
-# single node over NVLink, no NVLink multicast (SAFETY_ENV); set before NVSHMEM initializes
-NVSHMEM_SINGLE_NODE_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none",
-                           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-                           "NVSHMEM_DISABLE_NVLS": "1"}
 
-_BUFFERS: dict[tuple, object] = {}  # (group id, mode) -> deep_ep.Buffer, see the docstring
 
 
 def _deep_ep():
@@ -62,26 +57,33 @@ def _common_unsupported(cfg: MoEConfig, quant: QuantConfig, device, world: int) 
     return None
 
 
-def _shared_buffer(group, key: tuple, make):
-    k = (id(group), *key)
-    buf = _BUFFERS.get(k)
-    if buf is None:
-        buf = _BUFFERS[k] = make()
-    return buf
+class DeepEPBuffer:
+    """A `deep_ep.Buffer` as a CommContext resource: `close()` destroys it (collectively)."""
+
+    def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int, **kw):
+        import inspect
+
+        ep = _deep_ep()
+        self.explicit = "explicitly_destroy" in inspect.signature(ep.Buffer.__init__).parameters
+        if self.explicit:
+            kw["explicitly_destroy"] = True
+        self.buffer = ep.Buffer(group, num_nvl_bytes, num_rdma_bytes, **kw)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+
+    def close(self) -> None:
+        if self.buffer is not None and self.explicit:
+            self.buffer.destroy()
+        self.buffer = None
 
 
-def _low_latency_buffer(group, need: int, make):
-    """The process's LL buffer for `group`, reused when large enough: NVSHMEM initializes once
-    per process, so a second, larger one cannot be made."""
-    k = (id(group), "ll")
-    buf = _BUFFERS.get(k)
-    if buf is None:
-        buf = _BUFFERS[k] = make()
-    elif buf.num_rdma_bytes < need:
-        raise ValueError(f"this process's DeepEP low-latency buffer has {buf.num_rdma_bytes} "
-                         f"bytes but this layer needs {need}; NVSHMEM allocates once per "
-                         f"process, so build the largest config (--tokens x hidden x "
-                         f"experts) first")
+def _buffer(ctx, key: str, what: str, need: int, have, make) -> DeepEPBuffer:
+    """The context's DeepEP buffer `key`, made on first use; a later layer that needs more than
+    the first one allocated is refused (NVSHMEM allocates once per process)."""
+    buf = ctx.resource(key, make)
+    if have(buf) < need:
+        raise ValueError(f"this rank's DeepEP {what} buffer has {have(buf)} bytes but this layer "
+                         f"needs {need}; it is allocated once per process, so build the largest "
+                         f"config (--tokens x hidden x experts) first")
     return buf
 
 
@@ -107,27 +109,26 @@ class DeepEPHighThroughputComm(Comm):
     DeepEP's cached layout: no get_dispatch_layout and no host sync for counts."""
 
     name = "deepep-ht"
-    needs_run = True
 
-    def __init__(self, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
-                 device=None, num_sms: int | None = None):
-        super().__init__(cfg, quant, expert_map_E, group=group, rank=rank, world=world)
-        why = self.supports(cfg, quant, device or expert_map_E.device, world)
+    def __init__(self, cfg, quant, expert_map_E, ctx, num_sms: int | None = None):
+        super().__init__(cfg, quant, expert_map_E, ctx)
+        world = self.world
+        why = self.supports(cfg, quant, ctx.device, world)
         if why:
             raise ValueError(f"comm backend 'deepep-ht' cannot run here: {why}")
         ep = _deep_ep()
         if num_sms is not None:
             ep.Buffer.set_num_sms(num_sms)
         self.num_experts = self.expert_map_E.shape[0]
-        if self.num_experts % world:
-            raise ValueError(f"physical experts ({self.num_experts}) must be divisible by ep "
-                             f"({world})")
+        self.owner_of_slots()  # checks slots % world
         self.dispatch_config = ep.Buffer.get_dispatch_config(world)
         self.combine_config = ep.Buffer.get_combine_config(world)
         hidden_bytes = cfg.hidden * 2  # bf16 rows bound fp8 rows + scales
         nvl = max(self.dispatch_config.get_nvl_buffer_size_hint(hidden_bytes, world),
                   self.combine_config.get_nvl_buffer_size_hint(hidden_bytes, world))
-        self.buffer = _shared_buffer(group, ("ht", nvl), lambda: ep.Buffer(group, nvl, 0))
+        self.buffer = _buffer(ctx, "deepep-ht", "high-throughput", nvl,
+                              lambda b: b.num_nvl_bytes,
+                              lambda: DeepEPBuffer(ctx.group, nvl, 0)).buffer
         self.wire = wire_quant(quant)
         self._cache = None  # (ids, weights, versions, layout outputs)
 
@@ -169,7 +170,7 @@ class DeepEPHighThroughputComm(Comm):
         else:
             xq = QTensor(recv, None, "bf16", 0, self.quant.scale_fmt)
         # DeepEP returns local expert ids (rank-relative, -1 elsewhere)
-        return ExpertBatch("tokens", xq, recv_ids.to(torch.int32), recv_w), handle
+        return TokenBatch(xq, recv_ids.to(torch.int32), recv_w), handle
 
     def combine(self, expert_out, handle: DeepEPHandle):
         out, _, _ = self.buffer.combine(expert_out.to(torch.bfloat16).contiguous(),
@@ -189,32 +190,35 @@ class DeepEPLowLatencyHandle:
 
 
 class DeepEPLowLatencyComm(Comm):
-    """Preallocated NVSHMEM buffers sized for `max_tokens` per rank (the run's --tokens);
+    """Preallocated NVSHMEM buffers sized for the context's max tokens per rank (--tokens);
     dispatch and combine make no host sync and allocate nothing that varies with routing, so
     the pair can be captured in a CUDA graph."""
 
     name = "deepep-ll"
-    needs_run = True
 
-    def __init__(self, cfg, quant, expert_map_E, group=None, rank=0, world=1, run=None,
-                 device=None, max_tokens: int | None = None):
-        super().__init__(cfg, quant, expert_map_E, group=group, rank=rank, world=world)
-        why = self.supports(cfg, quant, device or expert_map_E.device, world)
+    def __init__(self, cfg, quant, expert_map_E, ctx):
+        super().__init__(cfg, quant, expert_map_E, ctx)
+        world = self.world
+        why = self.supports(cfg, quant, ctx.device, world)
         if why:
             raise ValueError(f"comm backend 'deepep-ll' cannot run here: {why}")
-        for k, v in NVSHMEM_SINGLE_NODE_ENV.items():
-            os.environ.setdefault(k, v)
+        if ctx.has("symm-nvshmem"):
+            raise ValueError("deepep-ll initializes NVSHMEM itself, but this rank's context "
+                             "already started NVSHMEM for a symm arena; run symm-* and "
+                             "deepep-ll in separate processes (separate runs)")
+        if ctx.max_tokens_per_rank < 1:
+            raise ValueError("deepep-ll preallocates its buffers: the CommContext needs "
+                             "max_tokens_per_rank >= 1 (the run's --tokens)")
         ep = _deep_ep()
         self.num_experts = self.expert_map_E.shape[0]
-        if self.num_experts % world:
-            raise ValueError(f"physical experts ({self.num_experts}) must be divisible by ep "
-                             f"({world})")
-        self.max_tokens = int(max_tokens or getattr(run, "tokens", 0) or 128)
+        self.owner_of_slots()  # checks slots % world
+        self.max_tokens = ctx.max_tokens_per_rank
         need = ep.Buffer.get_low_latency_rdma_size_hint(self.max_tokens, cfg.hidden, world,
                                                         self.num_experts)
-        self.buffer = _low_latency_buffer(group, need, lambda: ep.Buffer(
-            group, 0, need, low_latency_mode=True,
-            num_qps_per_rank=max(1, self.num_experts // world)))
+        self.buffer = _buffer(ctx, "deepep-ll", "low-latency", need, lambda b: b.num_rdma_bytes,
+                              lambda: DeepEPBuffer(
+                                  ctx.group, 0, need, low_latency_mode=True,
+                                  num_qps_per_rank=max(1, self.num_experts // world))).buffer
         self.use_fp8 = quant.recipe == "fp8_block"
 
     @classmethod
@@ -250,7 +254,7 @@ class DeepEPLowLatencyComm(Comm):
             xq = QTensor(recv[0], recv[1], "fp8_block", 128, fmt)
         else:
             xq = QTensor(recv, None, "bf16", 0, fmt)
-        batch = ExpertBatch("masked", xq, counts_E=counts)
+        batch = MaskedBatch(xq, counts)
         return batch, DeepEPLowLatencyHandle(ep_handle, ids, topk_weights_TK.float().contiguous())
 
     def combine(self, expert_out, handle: DeepEPLowLatencyHandle):
@@ -261,4 +265,4 @@ class DeepEPLowLatencyComm(Comm):
 
 
 __all__ = ["DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
-           "DeepEPLowLatencyHandle", "NVSHMEM_SINGLE_NODE_ENV"]
+           "DeepEPLowLatencyHandle", "DeepEPBuffer"]

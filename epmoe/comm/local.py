@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epmoe.comm.base import Comm, ExpertBatch
+import torch
+
+from epmoe.comm.base import Comm, TokenBatch
 
 
 @dataclass(frozen=True)
@@ -18,10 +20,12 @@ class LocalComm(Comm):
     name = "local"
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
-        batch = ExpertBatch("tokens", self.quantize(x_TD), self.to_local(topk_ids_TK),
-                            topk_weights_TK)
+        batch = TokenBatch(self.quantize(x_TD), self.to_local(topk_ids_TK),
+                           topk_weights_TK.float())
         return batch, LocalHandle(x_TD.shape[0])
 
     def combine(self, expert_out, handle):
-        assert expert_out.shape[0] == handle.num_tokens
-        return expert_out.float()
+        if expert_out.shape[0] != handle.num_tokens:
+            raise ValueError(f"expert output has {expert_out.shape[0]} rows, dispatch sent "
+                             f"{handle.num_tokens}")
+        return expert_out.to(torch.bfloat16)

@@ -5,8 +5,15 @@ Every rank holds the contiguous slot block [rank*S, (rank+1)*S). Given the old a
 local slot that holds it already (a copy), else from the lowest rank that held it before (a
 receive). All ranks derive the same plan from the same placements; the transfers of a layer
 go as one `batch_isend_irecv` (gloo and NCCL; fp8 travels as raw bytes). Quantization scales
-move with their weights. Afterwards every slot's checksum must equal its logical expert's
-pre-migration checksum: a mismatch (a stale or corrupt slot) raises.
+move with their weights.
+
+Two halves: `stage_layers` fills staging buffers with the new contents of this rank's changed
+slots (the weights in use are only read, so steps may run meanwhile) and verifies them: every
+slot's checksum (staged or unchanged) must equal its logical expert's pre-migration checksum,
+else it raises (a stale or corrupt slot). `apply_staged` then copies the staging buffers in.
+`migrate_layer` is both at once for one layer (the synchronous mode: staging memory is one
+layer's changed slots); the asynchronous mode stages every layer in one call (one all-gather
+and one batch of transfers; staging memory is every changed slot).
 """
 
 from __future__ import annotations
@@ -54,71 +61,125 @@ def plan_migration(old_R: list[int], new_R: list[int], world: int) -> list[Trans
     return out
 
 
-def _tensors(w: ExpertWeights) -> list[torch.Tensor]:
+def slot_tensors(w: ExpertWeights) -> list[torch.Tensor]:
     """Per-slot tensors (leading dim = local slot) that define an expert: data and scales."""
     ts = [w.w13.data, w.w2.data]
     ts += [t for t in (w.w13.scale, w.w2.scale) if t is not None]
     return ts
 
 
-def slot_checksums(w: ExpertWeights) -> torch.Tensor:
-    """int64 [S]: a position-weighted byte sum per local slot over all its tensors (exact)."""
-    s = w.num_experts
-    out = torch.zeros(s, dtype=torch.long, device=w.w13.data.device)
-    for t in _tensors(w):
-        b = as_wire(t).reshape(s, -1).view(torch.uint8).long()
+def checksum_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [n]: a position-weighted sum of each row's 32-bit words (bytes where a row is not
+    a whole number of words) over all tensors; exact, and any changed word changes it."""
+    n = tensors[0].shape[0]
+    out = torch.zeros(n, dtype=torch.long, device=tensors[0].device)
+    for t in tensors:
+        b = as_wire(t).reshape(n, -1).view(torch.uint8)
+        b = (b.view(torch.int32) if b.shape[1] % 4 == 0 else b).long()
         pos = torch.arange(1, b.shape[1] + 1, device=b.device) % 65521
         out += (b * pos).sum(1) + b.sum(1) * 31
     return out
 
 
-def migrate_layer(w: ExpertWeights, old_R: list[int], new_R: list[int], rank: int, world: int,
-                  group=None) -> int:
-    """Apply one layer's migration in place on this rank's weights; returns slots changed."""
-    per = len(old_R) // world
+def slot_checksums(w: ExpertWeights) -> torch.Tensor:
+    """int64 [S]: `checksum_rows` of every local slot's data and scales."""
+    return checksum_rows(slot_tensors(w))
+
+
+@dataclass(frozen=True)
+class StagedLayer:
+    """This rank's changed slots of one layer, filled and verified, not yet applied.
+
+    local_slots    local index of each changed slot
+    rows           per changed slot, its tensors (as `slot_tensors` lists them) in wire dtype
+    num_transfers  transfers of the layer's plan (all ranks)
+    """
+
+    local_slots: tuple[int, ...]
+    rows: tuple[tuple[torch.Tensor, ...], ...]
+    num_transfers: int
+
+
+def stage_layers(ws: list[ExpertWeights], old_LR: list[list[int]], new_LR: list[list[int]],
+                 rank: int, world: int, group=None) -> list[StagedLayer]:
+    """Fill and verify this rank's changed slots of the given layers; the weights are only
+    read. One all-gather of checksums and one batch of point-to-point transfers for all the
+    layers that change (collective over `group`: every rank passes the same placements)."""
+    plans = [plan_migration(o, n, world) for o, n in zip(old_LR, new_LR)]
+    moving = [l for l, p in enumerate(plans) if p]
+    out = [StagedLayer((), (), 0) for _ in plans]
+    if not moving:
+        return out
+    per = len(old_LR[0]) // world
     base = rank * per
-    transfers = plan_migration(old_R, new_R, world)
-    if not transfers:
-        return 0
     # checksums of every slot before, gathered so each rank can verify what it received
-    mine = slot_checksums(w)
+    mine = torch.stack([slot_checksums(ws[l]) for l in moving])  # [M, S]
     if world > 1:
         all_sums = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(all_sums, mine, group=group)
-        before = torch.cat(all_sums).cpu()
+        before = torch.cat(all_sums, 1).cpu()  # [M, R]
     else:
         before = mine.cpu()
-    tensors = _tensors(w)
-    # snapshot local sources first: a slot may be both a source and a destination
-    staged = {}
+    staged: list[dict[int, list[torch.Tensor]]] = [{} for _ in moving]
     ops = []
-    recv_bufs = []
-    for t in transfers:
-        if t.src == rank and t.dst != rank:
-            for x in tensors:
-                ops.append(dist.P2POp(dist.isend, as_wire(x[t.src_slot - base]).clone(),
-                                      t.dst, group))
-        if t.dst == rank:
-            if t.src == rank:
-                staged[t.dst_slot] = [x[t.src_slot - base].clone() for x in tensors]
-            else:
-                bufs = [torch.empty_like(as_wire(x[0])) for x in tensors]
-                recv_bufs.append((t.dst_slot, bufs))
-                for b in bufs:
-                    ops.append(dist.P2POp(dist.irecv, b, t.src, group))
+    for m, l in enumerate(moving):
+        tensors = slot_tensors(ws[l])
+        for t in plans[l]:
+            if t.src == rank and t.dst != rank:
+                for x in tensors:
+                    ops.append(dist.P2POp(dist.isend, as_wire(x[t.src_slot - base]).clone(),
+                                          t.dst, group))
+            if t.dst == rank:
+                if t.src == rank:
+                    staged[m][t.dst_slot - base] = [as_wire(x[t.src_slot - base]).clone()
+                                                    for x in tensors]
+                else:
+                    bufs = [torch.empty_like(as_wire(x[0])) for x in tensors]
+                    staged[m][t.dst_slot - base] = bufs
+                    for b in bufs:
+                        ops.append(dist.P2POp(dist.irecv, b, t.src, group))
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    for dst_slot, vals in staged.items():
-        for x, v in zip(tensors, vals):
-            x[dst_slot - base].copy_(v)
-    for dst_slot, bufs in recv_bufs:
-        for x, b in zip(tensors, bufs):
-            x[dst_slot - base].copy_(b.view(x.dtype).view(x[0].shape))
-    after = slot_checksums(w).cpu()
-    for i in range(per):
-        want = before[old_R.index(new_R[base + i])] if new_R[base + i] in old_R else None
-        if want is None or int(after[i]) != int(want):
+    for m, l in enumerate(moving):
+        local = tuple(sorted(staged[m]))
+        after = mine[m].cpu().clone()  # unchanged slots keep their bytes
+        if local:
+            rows = [torch.stack([staged[m][i][j] for i in local])
+                    for j in range(len(staged[m][local[0]]))]
+            after[list(local)] = checksum_rows(rows).cpu()
+        _verify(after, before[m], old_LR[l], new_LR[l], rank, base)
+        out[l] = StagedLayer(local, tuple(tuple(staged[m][i]) for i in local), len(plans[l]))
+    return out
+
+
+def _verify(after_S, before_R, old_R, new_R, rank, base) -> None:
+    """Every local slot must carry its new logical expert's pre-migration checksum."""
+    first = {}
+    for s, e in enumerate(old_R):
+        first.setdefault(e, s)
+    for i in range(after_S.shape[0]):
+        e = new_R[base + i]
+        if e not in first or int(after_S[i]) != int(before_R[first[e]]):
             raise RuntimeError(f"rank {rank} slot {base + i}: checksum after migration does not "
-                               f"match logical expert {new_R[base + i]} (stale or corrupt slot)")
-    return sum(1 for t in transfers)
+                               f"match logical expert {e} (stale or corrupt slot)")
+
+
+def apply_staged(w: ExpertWeights, staged: StagedLayer) -> None:
+    """Copy the staged slots into the weights in use (in place, on the current stream; a
+    buffer staged on a side stream is marked used here so the allocator keeps it until then)."""
+    tensors = slot_tensors(w)
+    for i, row in zip(staged.local_slots, staged.rows):
+        for x, v in zip(tensors, row):
+            if v.is_cuda:
+                v.record_stream(torch.cuda.current_stream(v.device))
+            x[i].copy_(v.view(x.dtype).view(x[i].shape))
+
+
+def migrate_layer(w: ExpertWeights, old_R: list[int], new_R: list[int], rank: int, world: int,
+                  group=None) -> int:
+    """Apply one layer's migration in place on this rank's weights; returns the transfers of
+    the layer's plan (all ranks)."""
+    (staged,) = stage_layers([w], [old_R], [new_R], rank, world, group)
+    apply_staged(w, staged)
+    return staged.num_transfers

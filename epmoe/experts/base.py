@@ -10,15 +10,17 @@ Every backend computes, per expert e and row x:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from epmoe.comm.base import Batch, LayoutBatch, MaskedBatch, TokenBatch
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.layout import (ContiguousLayout, gather_masked_reduce, make_contiguous_layout,
                           permute_qtensor, unpermute_reduce)
-from epmoe.quant import QTensor, QWeight
+from epmoe.quant import QTensor, QWeight, quantize_act
 from epmoe.timing import StageTimer
 
 
@@ -66,9 +68,14 @@ def activation(h_MF: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
 
 
 class Experts(ABC):
-    """Grouped expert compute for one layer on one rank."""
+    """Grouped expert compute for one layer on one rank.
+
+    slot: which set of reused buffers a call writes (a backend with a workspace keeps one set
+    per slot): outputs of a call stay valid until the next call in the same slot, so two
+    micro-batches in flight run in two slots (`with experts.use_slot(i): ...`)."""
 
     name: str = "?"
+    slot: int = 0
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig):
         self.weights, self.cfg, self.quant = weights, cfg, quant
@@ -93,6 +100,52 @@ class Experts(ABC):
     @abstractmethod
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x [E, C, D], counts [E] -> y [E, C, D] bf16 (rows past a count: any value)."""
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The one entry point: what a comm's dispatch returned -> what its combine takes.
+
+        TokenBatch  -> [N, D] per received token, the weighted sum over its local experts
+        LayoutBatch -> [M, D] bf16 per row of the contiguous layout, unweighted
+        MaskedBatch -> [E, C, D] bf16 per masked row, unweighted
+        """
+        if isinstance(batch, TokenBatch):
+            return self.apply(batch.x, batch.topk_ids_NK, batch.topk_weights_NK)
+        if isinstance(batch, LayoutBatch):
+            if batch.layout.num_experts != self.weights.num_experts:
+                raise ValueError(f"layout has {batch.layout.num_experts} experts, these experts "
+                                 f"hold {self.weights.num_experts}")
+            self.resolve_alignment(batch.layout.alignment)
+            return self.run_contiguous(batch.x, batch.layout)
+        if isinstance(batch, MaskedBatch):
+            return self.run_masked(batch.x, batch.counts_E)
+        raise TypeError(f"experts take a TokenBatch, LayoutBatch or MaskedBatch, got "
+                        f"{type(batch).__name__}")
+
+    @contextlib.contextmanager
+    def use_slot(self, slot: int):
+        prev, self.slot = self.slot, slot
+        try:
+            yield self
+        finally:
+            self.slot = prev
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        """Token rows -> this backend's activation format (the recipe's quantization)."""
+        return quantize_act(x_TD, self.quant)
+
+    def run_dense(self, x: QTensor) -> torch.Tensor:
+        """Every row of x [N, D] through the one expert these weights hold (the shared MLP) ->
+        [N, D] bf16, unweighted. Backends override it with plain GEMMs (no permute, no gather)."""
+        self.check_one_expert()
+        n = x.data.shape[0]
+        ids = torch.zeros(n, 1, dtype=torch.int32, device=x.data.device)
+        return self.apply(x, ids, None).to(torch.bfloat16)
+
+    def check_one_expert(self) -> None:
+        """run_dense's precondition: these weights hold exactly one expert."""
+        if self.weights.num_experts != 1:
+            raise ValueError(f"run_dense takes one expert (the shared MLP), these weights hold "
+                             f"{self.weights.num_experts}")
 
     def resolve_alignment(self, alignment: int | None) -> int:
         """The row alignment to use: this backend's GEMM alignment or a multiple of it. A finer

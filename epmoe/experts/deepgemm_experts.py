@@ -12,7 +12,10 @@
 | mxfp8,     | m_grouped_fp8_fp4_gemm_nt_contiguous (1x32)   | SM100 | e8m0 packed int32              |
 | w4a8_mxfp4 |                                               |       |                                |
 
-Weight scales are transformed once, at construction. The contiguous layout's groups are aligned
+Weight scales are transformed once, at construction. The hot path makes no host sync (the
+layout is sized for the worst case of its pairs; DeepGEMM skips padding rows) and takes its
+GEMM outputs from the object's ExpertsWorkspace. `run_dense` (shared experts, E = 1) runs
+DeepGEMM's dense GEMMs on the token rows directly: no permute, no gather. The contiguous layout's groups are aligned
 to DeepGEMM's M block (`get_mk_alignment_for_contiguous_layout`), so a finer alignment is
 refused by `make_layout` and every layout this class builds is at the GEMM's value.
 deep_gemm is imported lazily (it raises OSError, not ImportError, without libnvrtc).
@@ -26,6 +29,7 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
+from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor, QWeight, _act_scale_fp32, _mn_major, _pack_exponents, pack_ue8m0
 
@@ -103,6 +107,9 @@ class DeepGemmExperts(Experts):
 
     name = "deepgemm"
     timer = None
+    # contiguous GEMMs in DeepGEMM's psum layout (see gemm_contiguous); False: the row-expert
+    # layout (every padding tile of a worst-case-sized layout is still loaded)
+    use_psum = True
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig):
         super().__init__(weights, cfg, quant)
@@ -117,6 +124,7 @@ class DeepGemmExperts(Experts):
         self._alignment = int(self._dg.get_mk_alignment_for_contiguous_layout())
         self.w13 = _weight_operand(weights.w13, self.sm100)
         self.w2 = _weight_operand(weights.w2, self.sm100)
+        self.ws = ExpertsWorkspace(weights.w13.data.device)
 
     # ------------------------------------------------------------------ capability
     @classmethod
@@ -171,25 +179,55 @@ class DeepGemmExperts(Experts):
             return dict(recipe_a=(1, 32), recipe_b=(1, 32))
         return dict(recipe_a=(1, 128), recipe_b=(1, 32))  # w4a8: fp8 1x128 act, fp4 1x32 wt
 
-    def gemm_contiguous(self, x: QTensor, w, row_expert_M: torch.Tensor, n: int) -> torch.Tensor:
-        """rows x [M, K] @ w[row_expert].T -> [M, n] bf16 (padding rows: any value)."""
-        out = torch.empty((x.data.shape[0], n), dtype=torch.bfloat16, device=x.data.device)
+    def _out(self, name: str, shape) -> torch.Tensor:
+        return self.ws.take(name, shape, torch.bfloat16, self.slot)
+
+    def gemm_contiguous(self, x: QTensor, w, row_expert_M: torch.Tensor, n: int,
+                        name: str = "y", psum_E: torch.Tensor | None = None) -> torch.Tensor:
+        """rows x [M, K] @ w[row_expert].T -> [M, n] bf16 (padding rows: any value), written
+        into the workspace buffer `name`. psum_E: int32 [E] end row of each expert's group
+        (groups start at the aligned end of the previous one): DeepGEMM's psum layout, whose
+        scheduler stops after the last group, so the padding of a worst-case-sized layout
+        costs nothing (with row_expert alone its producer still loads every padding tile)."""
+        out = self._out(name, (x.data.shape[0], n))
+        layout, kw = row_expert_M, {}
+        if psum_E is not None:
+            layout, kw = psum_E, dict(use_psum_layout=True)
         if x.recipe == "bf16":
-            self._dg.m_grouped_bf16_gemm_nt_contiguous(x.data, w, out, row_expert_M)
+            self._dg.m_grouped_bf16_gemm_nt_contiguous(x.data, w, out, layout, **kw)
         else:
             self._dg.m_grouped_fp8_fp4_gemm_nt_contiguous(self._act_operand(x), w, out,
-                                                          row_expert_M, **self._recipe_kw())
+                                                          layout, **self._recipe_kw(), **kw)
         return out
 
+    def psum(self, layout: ContiguousLayout) -> torch.Tensor | None:
+        """The layout as DeepGEMM's psum layout (int32 [E], on the device: no sync), or None
+        when its groups are aligned coarser than DeepGEMM's M block (then they would not start
+        where the psum layout puts them)."""
+        if not self.use_psum or layout.alignment != self.alignment:
+            return None
+        ws = self.ws.take("psum", (layout.num_experts,), torch.int32, self.slot)
+        return torch.add(layout.offsets_E1[:-1], layout.counts_E, out=ws)
+
     def gemm_masked(self, x: QTensor, w, counts_E: torch.Tensor, n: int,
-                    expected_m: int) -> torch.Tensor:
+                    expected_m: int, name: str = "y") -> torch.Tensor:
         e, c, _ = x.data.shape
-        out = torch.empty((e, c, n), dtype=torch.bfloat16, device=x.data.device)
+        out = self._out(name, (e, c, n))
         if x.recipe == "bf16":
             self._dg.m_grouped_bf16_gemm_nt_masked(x.data, w, out, counts_E, expected_m)
         else:
             self._dg.m_grouped_fp8_fp4_gemm_nt_masked(self._act_operand(x), w, out, counts_E,
                                                       expected_m, **self._recipe_kw())
+        return out
+
+    def gemm_dense(self, x: QTensor, w, n: int, name: str = "y") -> torch.Tensor:
+        """x [N, K] @ w[0].T -> [N, n] bf16 (expert 0 of the operand; DeepGEMM's dense GEMM)."""
+        out = self._out(name, (x.data.shape[0], n))
+        if x.recipe == "bf16":
+            self._dg.bf16_gemm_nt(x.data, w[0], out)
+        else:
+            self._dg.fp8_fp4_gemm_nt(self._act_operand(x), (w[0][0], w[1][0]), out,
+                                     **self._recipe_kw())
         return out
 
     def _act_quant(self, h: torch.Tensor, mn_major: bool | None = None) -> QTensor:
@@ -212,14 +250,25 @@ class DeepGemmExperts(Experts):
     def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
               alignment: int | None = None) -> torch.Tensor:
         from epmoe.kernels.gather import triton_unpermute_reduce
-        from epmoe.kernels.permute import triton_permute
 
         a = self.resolve_alignment(alignment)
         with self._stage("permute"):
-            xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
+            xp, layout = permute_worst_case(x, topk_ids_NK, self.weights.num_experts, a,
+                                            self.ws, self.slot)
         y = self.run_contiguous(xp, layout)
         with self._stage("gather"):
             return triton_unpermute_reduce(y, layout, topk_weights_NK)
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        """SM90: fp32 scales straight into DeepGEMM's MN-major TMA layout (no relayout)."""
+        return fused_quantize(x_TD, self.quant, mn_major=not self.sm100)
+
+    def run_dense(self, x: QTensor) -> torch.Tensor:
+        """Every row through expert 0 (the shared MLP): x [N, D] -> [N, D] bf16."""
+        self.check_one_expert()
+        i, d = self.weights.intermediate, self.weights.hidden
+        h = self.gemm_dense(x, self.w13, 2 * i, name="h")
+        return self.gemm_dense(self._act_quant(h), self.w2, d, name="y")
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         if layout.alignment % self.alignment:
@@ -227,11 +276,12 @@ class DeepGemmExperts(Experts):
                              f"DeepGEMM's M block ({self.alignment}); build it with make_layout")
         i, d = self.weights.intermediate, self.weights.hidden
         with self._stage("gemm1"):
-            h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i)
+            psum = self.psum(layout)
+            h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i, "h", psum)
         with self._stage("act_quant"):
             a = self._act_quant(h)
         with self._stage("gemm2"):
-            return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d)
+            return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    expected_m: int | None = None) -> torch.Tensor:
@@ -242,7 +292,7 @@ class DeepGemmExperts(Experts):
         m_hint = expected_m or max(1, min(c, 128))
         i, d = self.weights.intermediate, self.weights.hidden
         with self._stage("gemm1"):
-            h = self.gemm_masked(x, self.w13, counts_E, 2 * i, m_hint)
+            h = self.gemm_masked(x, self.w13, counts_E, 2 * i, m_hint, name="h")
         with self._stage("act_quant"):
             a = self._act_quant(h.view(e * c, 2 * i), mn_major=False)
             s = a.scale
@@ -252,7 +302,7 @@ class DeepGemmExperts(Experts):
             a = QTensor(a.data.view(e, c, -1), s, a.recipe, a.group,
                         "ue8m0_packed" if self.sm100 and s is not None else a.scale_fmt)
         with self._stage("gemm2"):
-            return self.gemm_masked(a, self.w2, counts_E, d, m_hint)
+            return self.gemm_masked(a, self.w2, counts_E, d, m_hint, name="y")
 
 
 __all__ = ["DeepGemmExperts", "sm90_act_scale", "sm100_weight_scale", "sm100_act_scale",

@@ -46,6 +46,10 @@ class TorchExperts(Experts):
                 y[s:s + counts[e]] = self._mlp(xf[s:s + counts[e]], e)
         return y
 
+    def run_dense(self, x: QTensor) -> torch.Tensor:
+        self.check_one_expert()
+        return self._mlp(dequantize_act(x), 0)
+
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         xf = dequantize_act(x)
         y = torch.zeros(xf.shape, dtype=torch.bfloat16, device=xf.device)

@@ -2,6 +2,9 @@
 
 Runs on CUDA (compiled) and on CPU under Triton's interpreter (slow: tests and debugging only).
 Every recipe of epmoe.config (bf16, fp8_block in each scale format, mxfp8, w4a8_mxfp4).
+The hot path makes no host sync: the layout is sized for the worst case of its pairs
+(`permute_worst_case`). `run_dense` (shared experts) is the masked GEMM with one expert over
+all rows: no permute, no gather.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ import torch
 
 from epmoe.config import RECIPES, MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
+from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
 from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
-from epmoe.kernels.permute import (triton_make_contiguous_layout, triton_permute,
-                                   triton_permute_rows)
+from epmoe.kernels.permute import triton_make_contiguous_layout, triton_permute_rows
 from epmoe.layout import ContiguousLayout, MaskedLayout
 from epmoe.quant import QTensor
 
@@ -36,6 +39,7 @@ class TritonExperts(Experts):
         if weights.w13.recipe != quant.recipe or weights.w2.recipe != quant.recipe:
             raise ValueError(f"weights are {weights.w13.recipe}/{weights.w2.recipe} but the "
                              f"recipe is {quant.recipe}; quantize them with the same QuantConfig")
+        self.ws = ExpertsWorkspace(weights.w13.data.device)
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device) -> str | None:
@@ -68,11 +72,12 @@ class TritonExperts(Experts):
 
     def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
               alignment: int | None = None) -> torch.Tensor:
-        """One pass builds the layout and copies the rows (the seed's ep_scatter)."""
+        """One pass builds the layout and copies the rows (the seed's ep_scatter); no sync."""
         a = self.resolve_alignment(alignment)
         t = self.timer
         with t.stage("experts.permute"):
-            xp, layout = triton_permute(x, topk_ids_NK, self.weights.num_experts, alignment=a)
+            xp, layout = permute_worst_case(x, topk_ids_NK, self.weights.num_experts, a,
+                                            self.ws, self.slot)
         y = self.run_contiguous(xp, layout)
         with t.stage("experts.gather"):
             return self.unpermute(y, layout, topk_weights_NK)
@@ -95,6 +100,19 @@ class TritonExperts(Experts):
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant)
         a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)
         return triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm)
+
+    def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
+        return fused_quantize(x_TD, self.quant)
+
+    def run_dense(self, x: QTensor) -> torch.Tensor:
+        """Every row through expert 0 (the shared MLP): the masked GEMM with E = 1, C = N."""
+        self.check_one_expert()
+        n, d = x.data.shape
+        counts = self.ws.take("dense_count", (1,), torch.int32, self.slot)
+        counts.fill_(n)
+        # scales stay [N, G] as they are (the masked GEMM reads 2-D scales as rows E*C)
+        x3 = QTensor(x.data.contiguous().view(1, n, d), x.scale, x.recipe, x.group, x.scale_fmt)
+        return self.run_masked(x3, counts).view(n, d)
 
     def apply_masked(self, x_ECD: QTensor, counts_E, layout: MaskedLayout,
                      topk_weights_NK) -> torch.Tensor:

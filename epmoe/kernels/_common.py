@@ -79,3 +79,16 @@ def round_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(amax, fp8_max, POW2: tl.constexpr):
+    """The activation scale rule of `epmoe.quant`: amax / fp8_max with IEEE division (plain /
+    is approximate on GPU), rounded up to a power of two when POW2 (exact bit arithmetic).
+    -> (scale, the rounded-up biased exponent)."""
+    s = tl.math.div_rn(amax, fp8_max)
+    bits = s.to(tl.int32, bitcast=True)
+    e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    if POW2:
+        s = (e8 << 23).to(tl.float32, bitcast=True)
+    return s, e8

@@ -17,19 +17,20 @@ codes match the torch quantizer there as on GPU, save where the activation's las
 from __future__ import annotations
 
 from epmoe.kernels._common import (INTERPRET, check, check_tensor, empty_mn_major,
-                                   next_pow2, round_bf16, round_e4m3)
+                                   fp8_scale, next_pow2, round_bf16, round_e4m3)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.config import MoEConfig, QuantConfig  # noqa: E402
+from epmoe.kernels.quantize import quantize_tokens  # noqa: E402
 from epmoe.quant import AMAX_MIN, FP8_DTYPE, FP8_MAX, QTensor  # noqa: E402
 
 # QUANT modes of the kernel
 _BF16, _FP32, _POW2, _E8M0, _PACKED = 0, 1, 2, 3, 4
 # ACT modes
-_NONE, _SWIGLU, _SWIGLUOAI = 0, 1, 2
+_SWIGLU, _SWIGLUOAI = 1, 2
 
 
 @triton.jit
@@ -66,11 +67,7 @@ def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m,
             tl.store(rows_q + offs_c[None, :], a.to(q_ptr.dtype.element_ty), mask=m2)
         else:
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), amax_min)
-            s = tl.math.div_rn(amax, fp8_max)  # IEEE: plain / is approximate on GPU
-            if QUANT >= 2:  # round up to a power of two, exactly (bit arithmetic)
-                bits = s.to(tl.int32, bitcast=True)
-                e8 = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                s = (e8 << 23).to(tl.float32, bitcast=True)
+            s, e8 = fp8_scale(amax, fp8_max, QUANT >= 2)
             q = tl.math.div_rn(a, s[:, None])
             q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
             if PRE_ROUND:
@@ -154,11 +151,8 @@ def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
 def per_token_group_quant(x: torch.Tensor, group: int = 128, scale_fmt: str = "fp32",
                           mn_major: bool = False, recipe: str | None = None) -> QTensor:
     """x [M, D] -> fp8 per 1 x group: group 128 (fp8_block / w4a8_mxfp4 activations; scale_fmt
-    fp32, ue8m0_fp32 or ue8m0_packed) or 32 (mxfp8, e8m0 uint8 scales)."""
-    check_tensor("x", x, (torch.bfloat16, torch.float16, torch.float32), dim=2,
-                 contiguous=False)
-    check(x.stride(1) == 1, f"x rows must be contiguous (stride {x.stride()}); call "
-          f".contiguous() first")
+    fp32, ue8m0_fp32 or ue8m0_packed) or 32 (mxfp8, e8m0 uint8 scales). The Triton kernel of
+    `epmoe.kernels.quantize` (also under the interpreter); see `quantize_tokens`."""
     check(group in (32, 128), f"group ({group}) must be 128 (fp8 block) or 32 (mxfp8)")
     recipe = recipe or ("fp8_block" if group == 128 else "mxfp8")
     check(recipe in ("fp8_block", "w4a8_mxfp4") if group == 128 else recipe == "mxfp8",
@@ -169,11 +163,10 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128, scale_fmt: str = "f
           f"leave scale_fmt='fp32'")
     check(scale_fmt in ("fp32", "ue8m0_fp32", "ue8m0_packed"),
           f"scale_fmt ({scale_fmt!r}) must be fp32, ue8m0_fp32 or ue8m0_packed")
-    d = x.shape[1]
-    check(d % group == 0, f"x columns ({d}) must be a multiple of group ({group})")
-    mode = _quant_mode(recipe, scale_fmt)
-    q, s = _launch(x, d, _NONE, None, 0.0, mode, group, mn_major)
-    return QTensor(q, s, recipe, group, scale_fmt)
+    check(recipe == "fp8_block" or scale_fmt == "fp32",
+          f"scale_fmt ({scale_fmt!r}) applies to fp8_block only")
+    return quantize_tokens(x, QuantConfig(recipe, scale_fmt), mn_major=mn_major,
+                           backend="triton")
 
 
 __all__ = ["triton_act_quant", "per_token_group_quant"]

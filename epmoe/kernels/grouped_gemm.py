@@ -13,11 +13,16 @@ tiles past an expert's count are skipped. Recipes (acc fp32, out bf16):
               activations, per-128 fp32 scales applied to the fp32 partial sums
 
 Names follow DeepGEMM's grammar: m-grouped, nt (w stored [N, K]), contiguous / masked.
+
+Two kernels: bf16 and fp8_block run on the TMA kernel of `epmoe.kernels.gemm_tma` (persistent,
+tensor descriptors, tuned configs); this file's pointer kernel serves every recipe (mxfp8 and
+w4a8_mxfp4 dequantize in-kernel) and is the `kernel='pointer'` choice for bf16 / fp8_block.
 """
 
 from __future__ import annotations
 
 from epmoe.kernels._common import INTERPRET, check, round_bf16
+from epmoe.kernels.gemm_tma import TUNED, GemmConfig, launch_tma, tma_supported
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -230,41 +235,79 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
         out_2d.stride(0), **kwargs)
 
 
-def _pick_block_m(alignment: int) -> int:
+def _pick_block_m(alignment: int, cap: int = 128) -> int:
     for bm in (128, 64, 32, 16):
-        if alignment % bm == 0:
+        if bm <= cap and alignment % bm == 0:
             return bm
     raise ValueError(f"layout alignment ({alignment}) must be a multiple of 16 for the Triton "
                      f"grouped GEMM (its smallest BLOCK_M); build the layout with alignment 16+")
 
 
+def _use_tma(x: QTensor, w: QWeight, kernel: str) -> bool:
+    check(kernel in ("auto", "tma", "pointer"), f"kernel ({kernel!r}) must be 'auto', 'tma' "
+          f"or 'pointer'")
+    ok = tma_supported(x.data, w.data, w.recipe)
+    check(kernel != "tma" or ok, f"the TMA kernel takes recipes bf16 / fp8_block with 16-byte "
+          f"aligned contiguous rows (got {w.recipe}, x strides {x.data.stride()}); use "
+          f"kernel='auto'")
+    return ok and kernel != "pointer"
+
+
+def _out(out, shape, dev):
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=dev)
+    check(out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(shape) and
+          out.is_contiguous(), f"out must be a contiguous bf16 tensor of shape {tuple(shape)}, "
+          f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: ContiguousLayout,
-                                        block_m: int | None = None) -> torch.Tensor:
+                                        block_m: int | None = None,
+                                        config: GemmConfig | None = None,
+                                        out: torch.Tensor | None = None,
+                                        kernel: str = "auto") -> torch.Tensor:
     """x [M, K] rows of `layout` (QTensor of w's recipe), w [E, N, K] -> y [M, N] bf16.
-    Padding rows of y are left unwritten (any value)."""
+    Padding rows of y are left unwritten or hold garbage (any value). No host sync: the
+    number of row tiles is read on the device from layout.offsets_E1.
+
+    config  GemmConfig of the TMA kernel (default: the tuned one for the recipe)
+    out     optional preallocated [M, N] bf16 output
+    kernel  'auto' (TMA kernel for bf16 / fp8_block, pointer kernel otherwise), 'tma',
+            'pointer' (the pre-TMA kernel, every recipe)"""
     _check_operands(x, w)
     check(x.data.dim() == 2 and x.data.shape[0] == layout.num_rows,
           f"x.data shape {tuple(x.data.shape)} must be [M, K] with M = layout.num_rows "
           f"({layout.num_rows})")
     check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
           f"weights {w.shape[0]}; build the layout with num_experts = w.shape[0]")
-    bm = _pick_block_m(layout.alignment) if block_m is None else block_m
+    tma = _use_tma(x, w, kernel)
+    cfg = (config or TUNED[w.recipe]) if tma else None
+    bm = (_pick_block_m(layout.alignment, cfg.block_m if tma else 128) if block_m is None
+          else block_m)
     check(layout.alignment % bm == 0, f"BLOCK_M ({bm}) must divide the layout's alignment "
           f"({layout.alignment}): a tile must not straddle two experts; pass a smaller "
           f"block_m or build the layout with alignment a multiple of {bm}")
     m = layout.num_rows
-    out = torch.empty((m, w.shape[1]), dtype=torch.bfloat16, device=x.data.device)
+    y = _out(out, (m, w.shape[1]), x.data.device)
     if m == 0:
-        return out
-    _launch(x, w, x.data, x.scale, out, layout.row_expert_M, layout.counts_E, m,
-            triton.cdiv(m, bm), 1, bm, masked=False)
-    return out
+        return y
+    if tma:
+        launch_tma(x, w, y, layout.row_expert_M, layout.counts_E, layout.offsets_E1, m,
+                   w.shape[0], False, bm, cfg)
+    else:
+        _launch(x, w, x.data, x.scale, y, layout.row_expert_M, layout.counts_E, m,
+                triton.cdiv(m, bm), 1, bm, masked=False)
+    return y
 
 
 def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tensor,
-                                    block_m: int = 64) -> torch.Tensor:
+                                    block_m: int = 64, config: GemmConfig | None = None,
+                                    out: torch.Tensor | None = None,
+                                    kernel: str = "auto") -> torch.Tensor:
     """x [E, C, K] (scales [E, C, G], or [E*C, G] rows for packed UE8M0), counts [E] ->
-    y [E, C, N] bf16; rows past each count are left unwritten (any value)."""
+    y [E, C, N] bf16; rows past each count are left unwritten (any value). config / out /
+    kernel as for the contiguous layout."""
     _check_operands(x, w)
     check(x.data.dim() == 3 and x.data.shape[0] == w.shape[0],
           f"x.data shape {tuple(x.data.shape)} must be [E, C, K] with E = {w.shape[0]}")
@@ -275,12 +318,18 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     s = x.scale
     if s is not None and s.dim() == 3:
         s = s.reshape(e * c, s.shape[2])  # a view when rows flatten, else a copy
-    out = torch.empty((e, c, w.shape[1]), dtype=torch.bfloat16, device=x.data.device)
+    y = _out(out, (e, c, w.shape[1]), x.data.device)
     if e * c == 0:
-        return out
-    _launch(x, w, x.data.view(e * c, k), s, out.view(e * c, -1), counts_E, counts_E, c,
-            triton.cdiv(c, block_m), e, block_m, masked=True)
-    return out
+        return y
+    if _use_tma(x, w, kernel):
+        xs = QTensor(x.data, s, x.recipe, x.group, x.scale_fmt)
+        launch_tma(xs, w, y, counts_E, counts_E, counts_E, c, e, True, block_m,
+                   config or TUNED[w.recipe])
+    else:
+        _launch(x, w, x.data.view(e * c, k), s, y.view(e * c, -1), counts_E, counts_E, c,
+                triton.cdiv(c, block_m), e, block_m, masked=True)
+    return y
 
 
-__all__ = ["triton_m_grouped_gemm_nt_contiguous", "triton_m_grouped_gemm_nt_masked"]
+__all__ = ["triton_m_grouped_gemm_nt_contiguous", "triton_m_grouped_gemm_nt_masked",
+           "GemmConfig"]

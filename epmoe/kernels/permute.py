@@ -1,20 +1,26 @@
 """ep_scatter: (token, k) pairs -> rows of the contiguous layout, token rows and scales copied.
 
-Two phases: (a) count pairs per local expert (per-chunk `tl.histogram`s, then one program sums
-them and writes counts, aligned offsets and the scatter cursors: two launches, no atomics, no
-torch ops); (b) one program per token takes a row of each of its K experts' groups with atomic
-cursors (K atomics issued together), then copies the token's row (whole row in registers, read
-once as 32-bit words, 16-byte vectors) and its scale row to its K rows; the same launch writes
+Two launches, no torch ops in between: (a) count pairs per local expert: each program takes a
+chunk of pairs, builds a `tl.histogram`, adds it into a zeroed accumulator with atomics and
+takes a ticket; the last program reads the totals back (resetting the accumulator and the
+ticket to zero for the next call) and writes counts, aligned offsets and the scatter cursors;
+(b) one program per token takes a row of each of its K experts' groups with atomic cursors
+(K atomics issued together), then copies the token's row (whole row in registers, read once as
+32-bit words, 16-byte vectors) and its scale row to its K rows; the same launch writes
 row_expert (from counts and offsets: a group's valid rows are its first counts[e] rows). Row
 order inside a group follows the atomics (not token order as in `epmoe.layout`); padding rows
-have row_expert -1 and unspecified data. The output is sized exactly (one host sync, the only
-one) or by `num_rows` (no sync, CUDA-graph safe).
+have row_expert -1 and unspecified data.
+
+Sizing: exact (`num_rows=None`: one host sync), a given worst case (`num_rows`), or a
+`PermuteWorkspace` (no allocation, no host sync: the layout is sized for the worst case of the
+call's pairs and every output is a view into the workspace).
 """
 
 from __future__ import annotations
 
 from epmoe.kernels._common import (as_bits, check, check_tensor,
                                    empty_mn_major, is_mn_major, next_pow2)
+from epmoe.kernels.workspace import PermuteWorkspace, hist_bins
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -24,8 +30,8 @@ from epmoe.layout import ContiguousLayout, contiguous_rows_upper_bound  # noqa: 
 from epmoe.quant import QTensor  # noqa: E402
 
 _IDS_DTYPES = (torch.int32, torch.int64)
-_HIST_CHUNK = 8192  # (token, k) pairs per histogram program
-_HIST_BLOCK = 2048
+_HIST_CHUNK = 4096  # (token, k) pairs per histogram program
+_HIST_BLOCK = 1024
 
 
 @triton.jit
@@ -51,12 +57,11 @@ def _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment,
 
 
 @triton.jit
-def _hist_kernel(ids_ptr, map_ptr, part_ptr, counts_ptr, offsets_ptr, cursor_ptr,
+def _hist_kernel(ids_ptr, map_ptr, acc_ptr, ticket_ptr, counts_ptr, offsets_ptr, cursor_ptr,
                  num_pairs, E, alignment, CHUNK,
-                 HAS_MAP: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_E: tl.constexpr):
+                 HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Histogram of local expert ids over pairs [pid*CHUNK, +CHUNK); bin BLOCK_E-1 (> E-1)
-    collects the invalid ones. FINAL (one program): write counts / offsets / cursor directly."""
+    collects the invalid ones. The last program to finish writes counts / offsets / cursor."""
     pid = tl.program_id(0)
     start = pid * CHUNK
     end = tl.minimum(start + CHUNK, num_pairs)
@@ -65,23 +70,16 @@ def _hist_kernel(ids_ptr, map_ptr, part_ptr, counts_ptr, offsets_ptr, cursor_ptr
         offs = i + tl.arange(0, BLOCK)
         e = _local_ids(ids_ptr, map_ptr, offs, offs < end, E, HAS_MAP)
         h += tl.histogram(tl.where(e >= 0, e, BLOCK_E - 1), BLOCK_E)
-    if FINAL:
+    offs_e = tl.arange(0, BLOCK_E)
+    if tl.num_programs(0) == 1:
         _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment, BLOCK_E)
     else:
-        tl.store(part_ptr + pid * BLOCK_E + tl.arange(0, BLOCK_E), h)
-
-
-@triton.jit
-def _offsets_kernel(part_ptr, num_parts, counts_ptr, offsets_ptr, cursor_ptr, E, alignment,
-                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    h = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    offs_e = tl.arange(0, BLOCK_E)
-    for p0 in range(0, num_parts, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        part = tl.load(part_ptr + offs_p[:, None] * BLOCK_E + offs_e[None, :],
-                       mask=(offs_p < num_parts)[:, None], other=0)
-        h += tl.sum(part, axis=0)
-    _finalize_counts(h, counts_ptr, offsets_ptr, cursor_ptr, E, alignment, BLOCK_E)
+        tl.atomic_add(acc_ptr + offs_e, h)  # acq_rel, gpu scope: ordered before the ticket
+        done = tl.atomic_add(ticket_ptr, 1)
+        if done == tl.num_programs(0) - 1:  # every other program's counts are in acc
+            total = tl.atomic_xchg(acc_ptr + offs_e, tl.zeros_like(h))  # read and reset
+            tl.atomic_xchg(ticket_ptr, 0)
+            _finalize_counts(total, counts_ptr, offsets_ptr, cursor_ptr, E, alignment, BLOCK_E)
 
 
 def _check_routing(topk_ids_NK, num_experts, alignment, expert_map):
@@ -97,32 +95,19 @@ def _check_routing(topk_ids_NK, num_experts, alignment, expert_map):
               f"move both to one device")
 
 
-def _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map):
-    """Phase (a): counts_E, offsets_E1 (aligned prefix sum), cursor_E (= offsets_E1[:-1]);
-    int32, on device, no host sync."""
-    dev = topk_ids_NK.device
+def _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map, bufs,
+                       chunk=_HIST_CHUNK):
+    """Phase (a): bufs = (hist (zero), ticket (zero), counts_E, offsets_E1, cursor_E) int32;
+    writes counts, offsets (aligned prefix sum), cursor (= offsets[:-1]); one launch, no sync."""
+    hist, ticket, counts, offsets, cursor = bufs
     num_pairs = topk_ids_NK.numel()
-    e = num_experts
-    counts = torch.empty(e, dtype=torch.int32, device=dev)
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
-    cursor = torch.empty(e, dtype=torch.int32, device=dev)
-    block_e = max(32, next_pow2(e + 1))  # > E: the last bin takes the invalid pairs
     has_map = expert_map is not None
-    emap = expert_map if has_map else counts
-    parts = max(1, triton.cdiv(num_pairs, _HIST_CHUNK))
-    block = min(_HIST_BLOCK, next_pow2(max(num_pairs, 1)))
-    if parts == 1:
-        _hist_kernel[(1,)](topk_ids_NK, emap, counts, counts, offsets, cursor, num_pairs, e,
-                           alignment, _HIST_CHUNK, HAS_MAP=has_map, FINAL=True, BLOCK=block,
-                           BLOCK_E=block_e, num_warps=4)
-    else:
-        part = torch.empty((parts, block_e), dtype=torch.int32, device=dev)
-        _hist_kernel[(parts,)](topk_ids_NK, emap, part, counts, offsets, cursor, num_pairs, e,
-                               alignment, _HIST_CHUNK, HAS_MAP=has_map, FINAL=False,
-                               BLOCK=block, BLOCK_E=block_e, num_warps=4)
-        _offsets_kernel[(1,)](part, parts, counts, offsets, cursor, e, alignment,
-                              BLOCK_P=min(16, next_pow2(parts)), BLOCK_E=block_e, num_warps=4)
-    return counts, offsets, cursor
+    parts = max(1, triton.cdiv(num_pairs, chunk))
+    _hist_kernel[(parts,)](topk_ids_NK, expert_map if has_map else counts, hist, ticket,
+                           counts, offsets, cursor, num_pairs,
+                           num_experts, alignment, chunk, HAS_MAP=has_map,
+                           BLOCK=min(_HIST_BLOCK, chunk, next_pow2(max(num_pairs, 1))),
+                           BLOCK_E=hist_bins(num_experts), num_warps=4)
 
 
 @triton.jit
@@ -251,24 +236,51 @@ def _empty_like_rows(x: QTensor, num_rows: int) -> QTensor:
     return QTensor(data, scale, x.recipe, x.group, x.scale_fmt)
 
 
-def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x):
+def _check_workspace(ws, num_experts, alignment, x, num_pairs):
+    check(isinstance(ws, PermuteWorkspace), f"workspace must be a PermuteWorkspace, got "
+          f"{type(ws).__name__}")
+    check(ws.num_experts == num_experts and ws.alignment == alignment,
+          f"workspace was made for {ws.num_experts} experts at alignment {ws.alignment}, the "
+          f"call has {num_experts} at {alignment}; create one per (experts, alignment)")
+    if x is not None:
+        ws.check_input(x, num_pairs)
+    else:
+        check(num_pairs <= ws.max_pairs, f"{num_pairs} pairs exceed the workspace's "
+              f"max_pairs ({ws.max_pairs}); create it with a larger max_tokens")
+
+
+def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, ws=None):
     _check_routing(topk_ids_NK, num_experts, alignment, expert_map)
     n, k = topk_ids_NK.shape
     dev = topk_ids_NK.device
     topk_ids_NK = topk_ids_NK.contiguous()
-    counts, offsets, cursor = _count_and_offsets(topk_ids_NK, num_experts, alignment,
-                                                 expert_map)
-    inv = torch.empty((n, k), dtype=torch.int32, device=dev)
+    bound = contiguous_rows_upper_bound(n * k, num_experts, alignment)
+    if ws is not None:
+        _check_workspace(ws, num_experts, alignment, x, n * k)
+        num_rows = bound if num_rows is None else num_rows
+        check(num_rows <= ws.max_rows, f"num_rows ({num_rows}) exceeds the workspace's "
+              f"max_rows ({ws.max_rows})")
+        bufs = (ws.hist_B, ws.ticket_1, ws.counts_E, ws.offsets_E1, ws.cursor_E)
+    else:
+        bins = hist_bins(num_experts)
+        zero = torch.zeros(bins + 1, dtype=torch.int32, device=dev)
+        bufs = (zero[:bins], zero[bins:]) + tuple(
+            torch.empty(num_experts + j, dtype=torch.int32, device=dev) for j in (0, 1, 0))
+    _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map, bufs)
+    counts, offsets, cursor = bufs[2:]
     if num_rows is None:
         num_rows = int(offsets[-1])  # host sync: exact size (the only one)
     else:
-        bound = contiguous_rows_upper_bound(n * k, num_experts, alignment)
-        check(num_rows >= bound,
-              f"num_rows ({num_rows}) is below the worst case for {n * k} pairs over "
-              f"{num_experts} experts at alignment {alignment} ({bound}); pass "
-              f"contiguous_rows_upper_bound(...) or None (exact, syncs the host)")
-    row_expert = torch.empty((num_rows,), dtype=torch.int32, device=dev)  # written in-kernel
-    out = None if x is None else _empty_like_rows(x, num_rows)
+        check(num_rows >= bound, f"num_rows ({num_rows}) is below the worst case for "
+              f"{n * k} pairs over {num_experts} experts at alignment {alignment} ({bound}); "
+              f"pass contiguous_rows_upper_bound(...) or None (exact, syncs the host)")
+    if ws is not None:
+        inv, row_expert = ws.inv_P[:n * k].view(n, k), ws.row_expert_R[:num_rows]
+        out = None if x is None else ws.rows(num_rows)
+    else:
+        inv = torch.empty((n, k), dtype=torch.int32, device=dev)
+        row_expert = torch.empty((num_rows,), dtype=torch.int32, device=dev)  # in-kernel
+        out = None if x is None else _empty_like_rows(x, num_rows)
     _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_expert, x, out,
                     assign=True, num_experts=num_experts)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv, counts_E=counts,
@@ -278,36 +290,49 @@ def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x):
 
 def triton_permute(x: QTensor, topk_ids_NK: torch.Tensor, num_experts: int,
                    alignment: int = 128, expert_map: torch.Tensor | None = None,
-                   num_rows: int | None = None) -> tuple[QTensor, ContiguousLayout]:
+                   num_rows: int | None = None, workspace: PermuteWorkspace | None = None
+                   ) -> tuple[QTensor, ContiguousLayout]:
     """Tokens x [N, D] (+ scales [N, G]) routed by topk_ids_NK -> (rows [M, D], layout).
 
     topk_ids_NK  int32/int64 [N, K]  local expert ids in [0, E), or global ids when
                                      expert_map is given; -1 = empty slot
     expert_map   int32 [E_global]    global -> local id, -1 = not on this rank
-    num_rows     None = exact M (syncs the host), else M >= contiguous_rows_upper_bound
+    num_rows     None = exact M (syncs the host; with a workspace: the worst case of N*K
+                 pairs, no sync), else M >= contiguous_rows_upper_bound
+    workspace    PermuteWorkspace: no allocation, no host sync; outputs are views into it
     Scales keep their layout: row-major stays row-major, MN-major (fp32 TMA-aligned or packed
     UE8M0) comes back MN-major with strides (1, align(M, 4)).
     """
     _check_x(x, topk_ids_NK.shape[0] if topk_ids_NK.dim() == 2 else -1, topk_ids_NK.device)
-    out, layout = _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x)
-    return out, layout
+    return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, workspace)
 
 
 def triton_make_contiguous_layout(topk_ids_NK: torch.Tensor, num_experts: int,
                                   alignment: int = 128, expert_map: torch.Tensor | None = None,
-                                  num_rows: int | None = None) -> ContiguousLayout:
+                                  num_rows: int | None = None,
+                                  workspace: PermuteWorkspace | None = None
+                                  ) -> ContiguousLayout:
     """The layout alone (same kernels, no data copied); `triton_permute_rows` copies later."""
-    return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, None)[1]
+    return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, None,
+                   workspace)[1]
 
 
-def triton_permute_rows(x: QTensor, layout: ContiguousLayout) -> QTensor:
-    """Copy token rows (and scales) into an existing layout: out[inv_perm[n, k]] = x[n]."""
+def triton_permute_rows(x: QTensor, layout: ContiguousLayout,
+                        out: QTensor | None = None) -> QTensor:
+    """Copy token rows (and scales) into an existing layout: out[inv_perm[n, k]] = x[n].
+    out: preallocated rows (e.g. `PermuteWorkspace.rows(layout.num_rows)`), else allocated."""
     n, _ = layout.inv_perm_NK.shape
     _check_x(x, n, layout.inv_perm_NK.device)
     check_tensor("layout.inv_perm_NK", layout.inv_perm_NK, (torch.int32,), dim=2)
-    out = _empty_like_rows(x, layout.num_rows)
+    if out is None:
+        out = _empty_like_rows(x, layout.num_rows)
+    check(isinstance(out, QTensor) and out.data.shape[0] == layout.num_rows and
+          out.data.shape[1] == x.data.shape[1] and out.data.dtype == x.data.dtype and
+          (out.scale is None) == (x.scale is None),
+          f"out must be a QTensor of {layout.num_rows} rows in x's format")
     _launch_scatter(None, None, None, None, None, layout.inv_perm_NK, None, x, out, assign=False)
     return out
 
 
-__all__ = ["triton_permute", "triton_make_contiguous_layout", "triton_permute_rows"]
+__all__ = ["triton_permute", "triton_make_contiguous_layout", "triton_permute_rows",
+           "PermuteWorkspace"]

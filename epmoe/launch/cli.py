@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--redundant-experts", type=int, default=0, help="extra physical slots")
     e.add_argument("--rebalance-every", type=int, default=2, help="steps between rebalances")
     e.add_argument("--eplb-window", type=int, default=8, help="load window in steps")
+    e.add_argument("--eplb-migration", default="sync", choices=("sync", "async"),
+                   help="sync: weights move while steps wait; async: staged in the background, "
+                        "all ranks switch at one step boundary")
     r = p.add_argument_group("cluster and output")
     r.add_argument("--address", default=None,
                    help="join this Ray cluster (host:port of the head's GCS, or ray://host:port) "

@@ -73,7 +73,8 @@ class InProcessDriver:
         return run_steps(self)
 
     def close(self):
-        pass
+        if getattr(self, "rt", None) is not None:
+            self.rt.close()
 
 
 class RayDriver:

@@ -44,6 +44,13 @@ def correctness_line(c: dict) -> str:
     return f"[red]FAIL[/red] max rel err {err} > tol {tol} {what}"
 
 
+def router_line(rt: dict) -> str:
+    verdict = "[green]PASS[/green]" if rt["passed"] else "[red]FAIL[/red]"
+    return (f"{verdict} top-k sets equal to the float64 router's for {rt['agreement']:.1%} of "
+            f"tokens (>= {rt['min_agreement']:.0%}), weights {rt['weight_rel_err']:.1e} "
+            f"(tol {rt['weight_tol']:.0e})")
+
+
 def run_table(s: dict):
     from rich.markup import escape
 
@@ -52,6 +59,7 @@ def run_table(s: dict):
             ["experts", escape(str(w["experts"]))],
             ["device", escape(w["device"])],
             ["correctness", correctness_line(c)],
+            *([["router", router_line(c["router"])]] if c.get("router") else []),
             ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "
                           f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"],
             ["balancedness", f"{ld['balancedness']:.3f} = mean/max (token,k) pairs per rank"]]

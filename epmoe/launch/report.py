@@ -9,7 +9,7 @@ import statistics
 import torch
 
 from epmoe import __version__
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, reference_route
 from epmoe.runtime import RunConfig
 from epmoe.weights import synthetic_layer
 
@@ -53,34 +53,77 @@ class LazyOracleLayer:
         return self.gate, self.bias, self.w13, self.w2, self.shared
 
 
+def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
+    """The reports whose layer-l rows together are the step's batch: every rank's own rows, or
+    rank 0's (a replicated layer: every rank holds the same gathered batch)."""
+    return reports if run.holds_own_rows(l) and run.own_tokens else reports[:1]
+
+
 def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
     """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
     if not run.check or not reports[0]["last"]:
         return dict(checked=False, passed=None, max_rel_err=None,
                     tolerance=TOLERANCE[run.quant.recipe])
-    srcs = reports if run.form == "ep_dp" else reports[:1]
-    per_layer = []
-    n_check = min(run.tokens, MAX_CHECK_TOKENS_PER_RANK)
+    per_layer, router, checked = [], [], 0
     for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        n_check = min(run.layer_tokens(l), MAX_CHECK_TOKENS_PER_RANK)
         recs = [r["last"][l] for r in srcs]
         x = torch.cat([rec["x"][:n_check] for rec in recs])
         out = torch.cat([rec["out"][:n_check] for rec in recs])
-        ids = w = None
-        if recs[0]["ids"] is not None:
-            ids = torch.cat([rec["ids"][:n_check] for rec in recs])
-            w = torch.cat([rec["w"][:n_check] for rec in recs])
+        # the routing the layer used: the oracle replays it (the router is checked apart)
+        ids = torch.cat([rec["ids"][:n_check] for rec in recs])
+        w = torch.cat([rec["w"][:n_check] for rec in recs])
         oracle = LazyOracleLayer(run, l).as_tuple()
         ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
         per_layer.append(max_rel_err(out, ref))
-        if run.form != "ep_dp":  # replicated tokens: every rank must hold the same output
+        if bool(recs[0].get("routed", False)):
+            router.append(check_router(x, ids, w, oracle, run.cfg))
+        checked = max(checked, n_check * len(srcs))
+        if len(srcs) == 1:  # replicated tokens: every rank must hold the same output
             for r in reports[1:]:
                 other = r["last"][l]["out"][:n_check]
                 per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
     tol = TOLERANCE[run.quant.recipe]
     worst = max(per_layer)
-    return dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
-                per_layer=per_layer, tokens_checked=n_check * len(srcs),
-                metric="max|out-ref| / max|ref| per layer, float64 oracle")
+    out = dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
+               per_layer=per_layer, tokens_checked=checked,
+               metric="max|out-ref| / max|ref| per layer, float64 oracle (replaying the "
+                      "routing each layer used)")
+    if router:
+        agree = min(r["agreement"] for r in router)
+        w_err = max(r["weight_rel_err"] for r in router)
+        ok = agree >= ROUTER_MIN_AGREEMENT and w_err <= ROUTER_WEIGHT_TOL
+        out["router"] = dict(passed=ok, agreement=agree, weight_rel_err=w_err,
+                             min_agreement=ROUTER_MIN_AGREEMENT, weight_tol=ROUTER_WEIGHT_TOL,
+                             metric="share of tokens whose top-k set equals the float64 "
+                                    "router's (worst layer); weights of those tokens")
+        out["passed"] = out["passed"] and ok
+    return out
+
+
+# The layer's router may compute logits in bf16 with fp32 accumulation (the fused GPU router):
+# tokens whose k-th and (k+1)-th scores lie within that rounding may pick the other expert, a
+# legitimate difference. The MoE output is checked against the oracle on the routing the layer
+# used; the router is checked here: nearly every token's top-k set must equal the oracle's.
+ROUTER_MIN_AGREEMENT = 0.9
+ROUTER_WEIGHT_TOL = 1e-2
+
+
+def check_router(x, ids, w, oracle, cfg) -> dict:
+    """Top-k sets and weights of the layer's router against the float64 reference router."""
+    gate, bias = oracle[0], oracle[1]
+    ref_ids, ref_w = reference_route(x.double() @ gate.T, cfg, bias)
+    ids_s, order = ids.long().sort(1)
+    ref_s, ref_order = ref_ids.sort(1)
+    same = (ids_s == ref_s).all(1)
+    w_err = 0.0
+    if same.any():
+        got = w.double().gather(1, order)[same]
+        want = ref_w.gather(1, ref_order)[same]
+        w_err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+    return dict(agreement=float(same.double().mean()) if same.numel() else 1.0,
+                weight_rel_err=w_err)
 
 
 def _median(xs):
@@ -112,27 +155,34 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
     stages = _stage_ms_per_step(names, reports, steps)
     stages_per_rank = [_stage_ms_per_step(names, [r], steps) for r in reports]
-    tokens_step = run.tokens * (world if run.form == "ep_dp" else 1)
-    load_src = reports if run.form == "ep_dp" else reports[:1]
-    load_LS = sum(r["load_LS"] for r in load_src)  # [L, slots]
+    tokens_step = run.global_tokens
     cfg = run.cfg
-    per_slot = load_LS.sum(0)
-    per_rank = [int(x) for x in per_slot.view(world, -1).sum(1)] if run.form != "tp" else \
-        [int(per_slot.sum())] * world
-    load_LE = sum(r["load_LE"] for r in load_src)
-    per_expert = load_LE.sum(0)
+    per_rank = [0] * world
+    load_LE = []  # (token, k) pairs per layer x logical expert
+    for l in range(run.num_layers):
+        srcs = layer_sources(run, reports, l)
+        per_slot = sum(r["load_LS"][l] for r in srcs)  # [slots]
+        load_LE.append(sum(r["load_LE"][l] for r in srcs))
+        if run.layer_spec(l).form == "tp":  # every rank runs every pair (a slice of I)
+            per_rank = [p + int(per_slot.sum()) for p in per_rank]
+        else:
+            per_rank = [p + int(x) for p, x in zip(per_rank, per_slot.view(world, -1).sum(1))]
+    per_expert = sum(load_LE)
     bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
     nodes = sorted({w["node_id"] for w in where})
     summary = dict(
         epmoe_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         config=dict(model=run.model, recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
-                    tokens_per_rank=run.tokens if run.form == "ep_dp" else None,
+                    tokens_per_rank=run.tokens if run.own_tokens else None,
                     tokens=tokens_step, layers=run.num_layers, steps=run.steps, seed=run.seed,
                     routing=run.routing, hidden=cfg.hidden, moe_intermediate=cfg.moe_intermediate,
                     num_experts=cfg.num_experts, top_k=cfg.top_k),
-        world=dict(form=run.form, ep=world if run.form != "tp" else 1,
-                   tp=world if run.form == "tp" else 1, dp=world if run.form == "ep_dp" else 1,
+        world=dict(form="mixed" if run.mixed else run.form,
+                   ep=world if run.form != "tp" or run.mixed else 1,
+                   tp=world if "tp" in run.forms else 1, dp=world if run.own_tokens else 1,
+                   layers=[dict(form=f, backend=b[0], reason=b[1]) for f, b in
+                           zip(run.forms, reports[0].get("layer_backends", []))],
                    backend=reports[0]["backend"], backend_reason=reports[0]["backend_reason"],
                    experts=reports[0]["experts_reason"], device=reports[0]["device"],
                    nodes=len(nodes),
@@ -148,7 +198,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                          "stages_ms: ms per step in each stage (median per call x calls per "
                          "step, over all ranks; stages_ms_per_rank: the same per rank)"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
-                  tokens_per_layer_expert=load_LE.tolist(), balancedness=bal,
+                  tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
                   unit="(token, k) pairs routed, summed over layers and steps (per layer for "
                        "tokens_per_layer_expert); balancedness = mean/max pairs per rank"),
     )

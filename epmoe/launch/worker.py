@@ -163,6 +163,9 @@ class Worker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if self.runtime is not None:
+            self.runtime.close()  # collective: frees comm buffers on every rank
+
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._listen is not None:

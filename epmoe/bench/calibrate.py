@@ -1,0 +1,363 @@
+"""`python -m epmoe.bench.calibrate --out profile.json [--quick]`: measure this machine and
+write a hardware profile (epmoe.plan.profile) for the planner.
+
+What it measures, through the runtime's own code (the StageTimer stage names the cost model
+predicts), each figure marked `measured` with the machine, date and command:
+- device: SMs / cores, compute capability, memory, HBM (or RAM) copy bandwidth, the host cost
+  of one eager op and of a host sync; on CPU also the fp32 matmul rate;
+- experts: every available backend (torch; triton and deepgemm on CUDA) and recipe, at several
+  rows per expert: GEMM1/GEMM2 TFLOPS (-> curves) and permute / gather / act_quant times
+  (-> alpha-beta fits on epmoe/plan/traffic.py's byte counts); the comm-side quantizer;
+- comm, with >= 2 ranks (spawned processes: gloo on CPU, NCCL on GPUs): collectives' alpha-
+  beta and the comm backends' stage times (calibrate_comm.py).
+Everything it cannot measure here (one GPU: no comm; CPU: no fp8 peak) is copied from a base
+profile (`--base`, default: the shipped profile of this GPU kind, or cpu) and marked
+`inherited`. GPU libraries are imported lazily; `--quick` keeps a CPU run to seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+from epmoe.plan import traffic as tr
+from epmoe.plan.profile import (AlphaBeta, Figure, GemmCurve, HardwareProfile, Provenance,
+                                load_profile)
+
+DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
+
+
+class Clock:
+    """Provenance of this run and the time budget."""
+
+    def __init__(self, argv, budget_s: float, machine: str):
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        day = datetime.date.today().isoformat()
+        self.note = f"{machine}, {day}, python -m epmoe.bench.calibrate {' '.join(argv)}".strip()
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def prov(self, what: str = "") -> Provenance:
+        return Provenance("measured", f"{self.note}{': ' + what if what else ''}")
+
+
+def time_us(fn, dev, reps: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() in us (CUDA: synchronized around each call)."""
+    import torch
+
+    cuda = dev.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        out.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(out)
+
+
+def fit_ab(points) -> tuple[float, float]:
+    """Least-squares t = alpha + bytes / beta over (bytes, us) points -> (alpha us, beta GB/s);
+    alpha clipped at 0 (then beta through the largest point)."""
+    pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0]
+    if not pts:
+        raise ValueError("no positive (bytes, us) points to fit")
+    if len(pts) == 1 or len({b for b, _ in pts}) == 1:
+        b, t = max(pts)
+        return 0.0, b / t / 1e3
+    n = len(pts)
+    mb = sum(b for b, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    sxx = sum((b - mb) ** 2 for b, _ in pts)
+    slope = sum((b - mb) * (t - mt) for b, t in pts) / sxx
+    alpha = mt - slope * mb
+    if slope <= 0 or alpha < 0:
+        b, t = max(pts)
+        return 0.0, b / t / 1e3
+    return alpha, 1.0 / slope / 1e3
+
+
+# ------------------------------------------------------------------------------ device
+def measure_device(dev, clock: Clock, base: HardwareProfile) -> dict:
+    import torch
+
+    cuda = dev.type == "cuda"
+    figs = {}
+    if cuda:
+        p = torch.cuda.get_device_properties(dev)
+        figs["sm_arch"] = Figure(p.major * 10 + p.minor, clock.prov(p.name))
+        figs["sms"] = Figure(p.multi_processor_count, clock.prov(p.name))
+        figs["hbm_GiB"] = Figure(round(p.total_memory / 2**30, 1), clock.prov(p.name))
+        n = 1 << 28
+    else:
+        figs["sm_arch"] = Figure(0, clock.prov("CPU"))
+        figs["sms"] = Figure(os.cpu_count() or 1, clock.prov("logical CPUs"))
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        figs["hbm_GiB"] = Figure(round(ram / 2**30, 1), clock.prov("RAM"))
+        n = 1 << 23
+    a = torch.empty(n, dtype=torch.float32, device=dev)
+    b = torch.empty_like(a)
+    us = time_us(lambda: b.copy_(a), dev, reps=10)
+    figs["hbm_GBps"] = Figure(2 * a.numel() * 4 / us / 1e3,
+                              clock.prov(f"copy of {a.numel() * 4 >> 20} MiB, read+write"))
+    one = torch.zeros(1, device=dev)
+    n_ops = 200
+
+    def ops():
+        for _ in range(n_ops):
+            one.add_(1)
+
+    if cuda:
+        t = time.perf_counter()
+        ops()
+        launch = (time.perf_counter() - t) * 1e6 / n_ops
+        torch.cuda.synchronize(dev)
+        sync = time_us(lambda: (one.add_(1), torch.cuda.synchronize(dev)), dev, reps=20) - launch
+    else:
+        launch = time_us(ops, dev, reps=5) / n_ops
+        sync = 0.0
+    figs["launch_us"] = Figure(launch, clock.prov(f"{n_ops} tiny eager ops"))
+    figs["sync_us"] = Figure(max(sync, 0.0), clock.prov("tiny kernel + synchronize" if cuda
+                                                       else "no device to synchronize"))
+    for name in ("peak_tflops_fp8", "peak_tflops_bf16", "peak_tflops_fp32"):
+        if cuda:  # peaks are data-sheet figures: keep the base profile's
+            f = base.device[name]
+            figs[name] = Figure(f.value, f.prov.inherit(base.name))
+    if not cuda:
+        x = torch.randn(512, 512)
+        us = time_us(lambda: x @ x, dev, reps=5)
+        tf = 2 * 512**3 / us / 1e6
+        what = f"fp32 matmul 512^3 on {torch.get_num_threads()} threads"
+        figs["peak_tflops_fp32"] = Figure(tf, clock.prov(what))
+        for name in ("peak_tflops_fp8", "peak_tflops_bf16"):
+            figs[name] = Figure(tf, Provenance("derived", f"{what}: torch experts compute in "
+                                                          f"fp32 on CPU"))
+    return figs
+
+
+# ------------------------------------------------------------------------------ experts
+def _make_experts(name, cfg, quant, e_local, dev):
+    import torch
+
+    from epmoe.experts.select import make_experts
+    from epmoe.weights import build_expert_weights
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(e_local, 2 * cfg.moe_intermediate, cfg.hidden, device=dev, generator=g,
+                      dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e_local, cfg.hidden, cfg.moe_intermediate, device=dev, generator=g,
+                     dtype=torch.bfloat16) * 0.02
+    weights = build_expert_weights(w13, w2, quant, range(e_local), dev)
+    experts, _ = make_experts(name, weights, cfg, quant, dev)
+    return experts
+
+
+def _apply(experts, xq, ids, w):
+    """The experts' one entry point on a TokenBatch (what all2all / DeepEP HT hand over)."""
+    from epmoe.comm.base import TokenBatch
+
+    return experts.run(TokenBatch(xq, ids, w))
+
+
+def measure_experts(name, cfg, quant, e_local, rows_per_expert, dev, clock: Clock, reps: int):
+    """-> (curves, kernel fits) for one backend and recipe, from the runtime's stage times."""
+    import torch
+
+    from epmoe.quant import quantize_act
+    from epmoe.timing import StageTimer
+
+    experts = _make_experts(name, cfg, quant, e_local, dev)
+    k, d, inter = cfg.top_k, cfg.hidden, cfg.moe_intermediate
+    align = getattr(experts, "alignment", 1)
+    pts = {"gemm1": [], "gemm2": []}
+    kern = {"permute": [], "gather": [], "act_quant": []}
+    for m in rows_per_expert:
+        if clock.left() < 0:
+            clock.skipped.append(f"{name}/{quant.recipe} m>={m}: time budget")
+            break
+        n = max(1, e_local * m // k)
+        ids = ((torch.arange(n)[:, None] * k + torch.arange(k)[None, :]) % e_local)
+        ids = ids.to(torch.int32).to(dev)
+        w = torch.full((n, k), 1.0 / k, device=dev)
+        xq = quantize_act(torch.randn(n, d, device=dev, dtype=torch.bfloat16), quant)
+        timer = StageTimer(enabled=True, device=dev)
+        experts.timer = timer
+        _apply(experts, xq, ids, w)  # warm-up: compiles, JIT
+        timer.collect()
+        timer.reset()
+        for _ in range(reps):
+            _apply(experts, xq, ids, w)
+        # per apply: the torch reference records its GEMMs once per expert, so sum the calls
+        st = {s.split(".")[-1]: sum(v) * 1e3 / reps for s, v in timer.collect().items()}
+        pairs = n * k
+        rows = sum(-(-c // align) * align for c in torch.bincount(
+            ids.flatten().long().cpu(), minlength=e_local).tolist())
+        m_pad = rows / e_local
+        for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
+            if st.get(g):
+                pts[g].append((m_pad, tr.gemm_flops(rows, nn, kk) / st[g] / 1e6))
+        for kname, nbytes in (("permute", tr.permute_bytes(n, pairs, d, quant)),
+                              ("gather", tr.gather_bytes(n, pairs, d)),
+                              ("act_quant", tr.act_quant_bytes(rows, inter, quant))):
+            if st.get(kname):
+                kern[kname].append((nbytes, st[kname]))
+    recipe = "bf16" if name == "torch" else quant.recipe
+    what = f"{name} experts, {quant.recipe}, E={e_local}, D={d}, I={inter}"
+    curves = [GemmCurve(name, recipe, "contiguous", nn, kk, tuple(sorted(pts[g])),
+                        clock.prov(what))
+              for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)) if pts[g]]
+    fits = {kname: AlphaBeta(*fit_ab(p), clock.prov(what)) for kname, p in kern.items() if p}
+    return curves, fits
+
+
+def measure_quantize(cfg, quant, dev, clock: Clock) -> AlphaBeta:
+    import torch
+
+    from epmoe.quant import quantize_act
+
+    q = quant if quant.recipe != "bf16" else type(quant)("fp8_block")
+    pts = []
+    for n in (256, 4096) if dev.type == "cpu" else (1024, 16384):
+        x = torch.randn(n, cfg.hidden, device=dev, dtype=torch.bfloat16)
+        pts.append((tr.quantize_bytes(n, cfg.hidden, q), time_us(lambda: quantize_act(x, q), dev)))
+    return AlphaBeta(*fit_ab(pts), clock.prov(f"epmoe.quant.quantize_act {q.recipe}"))
+
+
+# ------------------------------------------------------------------------------ assembly
+def _inherited(obj, frm: str):
+    import dataclasses
+
+    return dataclasses.replace(obj, prov=obj.prov.inherit(frm))
+
+
+def _base(spec, gpu: str) -> HardwareProfile | None:
+    """The profile unmeasured figures come from; None on a CPU without a shipped cpu profile
+    (a CPU run measures everything the CPU planner reads)."""
+    try:
+        return load_profile(spec or gpu)
+    except ValueError:
+        if spec or gpu != "cpu":
+            raise
+        return None
+
+
+def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
+    import torch
+
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() and args.device != "cpu" \
+        else torch.device("cpu")
+    kind = dev.type
+    if kind == "cpu":  # as the runtime's CPU workers (launch/worker.py): one thread per rank
+        torch.set_num_threads(1)
+    gpu_name = torch.cuda.get_device_name(dev) if kind == "cuda" else platform.processor() or \
+        platform.machine()
+    gpu = "cpu" if kind == "cpu" else next(
+        (g for g in ("gb200", "b200", "h800", "h200", "h100") if g in gpu_name.lower()), "h200")
+    base = _base(args.base, gpu)
+    load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
+        if kind == "cpu" else ""
+    clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
+    device = measure_device(dev, clock, base)
+    from epmoe.config import QuantConfig, get_preset
+
+    cfg = get_preset(args.model or DEFAULT_MODEL[kind])
+    backends = ["torch"]
+    if kind == "cuda":
+        backends = ["triton", "deepgemm"] + (["torch"] if not args.quick else [])
+    recipes = ["bf16"] if kind == "cpu" else ["fp8_block"] if args.quick else ["fp8_block",
+                                                                                  "bf16"]
+    rows = (4, 16, 64) if kind == "cpu" else (128, 1024) if args.quick else (32, 128, 512, 2048)
+    e_local = min(cfg.num_experts, 16 if kind == "cpu" else 32)
+    curves, kernels = [], {}
+    for name in backends:
+        for recipe in recipes:
+            fmt = "ue8m0_fp32" if recipe == "fp8_block" and device["sm_arch"].value >= 100 \
+                else "fp32"
+            try:
+                c, f = measure_experts(name, cfg, QuantConfig(recipe, fmt), e_local, rows, dev,
+                                       clock, reps=3 if args.quick else 10)
+            except (ImportError, OSError, RuntimeError, ValueError) as exc:
+                clock.skipped.append(f"{name}/{recipe}: {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:120]}")
+                continue
+            curves += c
+            if f:
+                kernels.setdefault(name, {}).update(f)
+            if name == "torch":
+                break  # the reference computes in fp32 whatever the recipe
+    kernels["comm"] = {"quantize": measure_quantize(cfg, QuantConfig("fp8_block"), dev, clock)}
+    measured = {(c.backend, c.recipe, c.layout) for c in curves}
+    gemm, kern, comm, coll = tuple(curves), {}, {}, {}
+    if base is not None:  # curves measured here replace the base's of the same kind
+        gemm += tuple(_inherited(c, base.name) for c in base.gemm
+                      if (c.backend, c.recipe, c.layout) not in measured)
+        kern = {b: {k: _inherited(v, base.name) for k, v in t.items()}
+                for b, t in base.kernels.items()}
+        comm = {b: {l: {d: _inherited(f, base.name) for d, f in t.items()}
+                    for l, t in lt.items()} for b, lt in base.comm.items()}
+        coll = {c: {l: _inherited(f, base.name) for l, f in t.items()}
+                for c, t in base.collectives.items()}
+    for b, t in kernels.items():
+        kern.setdefault(b, {}).update(t)
+    prof = HardwareProfile(args.name or f"{gpu}-calibrated", gpu,
+                           f"calibrated on {clock.note}", device, gemm, kern, comm, coll)
+    world = args.ranks if args.ranks is not None else \
+        (torch.cuda.device_count() if kind == "cuda" else 2)
+    if world >= 2:
+        from epmoe.bench.calibrate_comm import calibrate_comm
+
+        prof = calibrate_comm(prof, world, kind, cfg, args.quick, clock)
+    else:
+        clock.skipped.append("comm: one rank here (collectives and backends inherited)")
+    return prof, clock
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.calibrate", description=(
+        "Measure this machine (device, experts kernels, collectives and comm backends with "
+        ">= 2 ranks) and write a hardware profile for python -m epmoe.plan --profile FILE."))
+    p.add_argument("--out", required=True, help="the profile JSON to write")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--base", default=None, help="profile to inherit unmeasured figures from "
+                                                "(default: the shipped one of this GPU, or cpu)")
+    p.add_argument("--name", default=None, help="profile name (default GPU-calibrated)")
+    p.add_argument("--model", default=None, help="preset whose shapes to measure (default "
+                                                 "deepseek-v3 on GPU, deepseek-v3-tiny on CPU)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks for the comm part (default: GPUs here, or 2 CPU processes)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu"))
+    p.add_argument("--budget-s", type=float, default=170.0,
+                   help="stop measuring new sizes after this many seconds (default 170)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    try:
+        prof, clock = calibrate(args, argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prof.save(args.out)
+    counts = prof.provenance_counts()
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+    for s in clock.skipped:
+        print(f"  not measured: {s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""symm: our own comm layer on symmetric memory (nvshmem4py arena + Triton kernels).
+
+Two backends behind the comm contract (`epmoe.comm.base`):
+
+| backend | batch       | dispatch                               | combine                     |
+|---------|-------------|----------------------------------------|-----------------------------|
+| symm-ht | LayoutBatch | a token goes once to each rank holding | expert rank: fp32 sum over  |
+|         |             | one of its experts (dedup); counts on  | a token's local slots, one  |
+|         |             | the device; the receiver writes rows   | bf16 row per (token, rank)  |
+|         |             | straight into the experts' contiguous  | back; source: fp32 sum in   |
+|         |             | layout (groups padded to `alignment`)  | rank order, one cast        |
+| symm-ll | MaskedBatch | per (token, k), fp8 quantized in the   | rows back per (token, k);   |
+|         |             | send, straight into the peer's         | source: fp32 sum in k       |
+|         |             | [E_l, C, D] (C = W x max tokens)       | order, one cast             |
+
+    ctx = CommContext(group, rank, world, device, max_tokens_per_rank=T)   # the Runtime's
+    ht = SymmHighThroughputComm(cfg, quant, expert_map_E, ctx)  # options=SymmOptions(...),
+    ll = SymmLowLatencyComm(cfg, quant, expert_map_E, ctx)      # alignment=128 (ht only)
+    batch, handle = ht.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
+    out_TD = ht.combine(experts.run(batch), handle)              # bf16 [T, D]
+    ctx.close()                                                  # collective: frees arenas
+
+Halves for overlap: `dispatch_send` / `dispatch_recv`, `combine_send` / `combine_recv`.
+Experts in contiguous blocks (rank r: slots [r E/W, (r+1) E/W)), one NVLink node.
+
+## The arena (one allocation per rank and backend, identical layout on every rank)
+
+A `CommContext` resource ("symm-arena-ht" / "symm-arena-ll"), sized from the run's worst case
+(`max_tokens_per_rank`, hidden, top-k, world, local experts, recipe); every offset 128-byte
+aligned. Peers are reached as `arena_ptr + peer_delta_W[d]` (byte distances: NVSHMEM peer views
+from `get_peer_tensor`, taken once on the base allocation; in the loopback world the other
+rows of one [W, bytes] tensor). Kernels are identical for both.
+
+    HT arena                                  LL arena
+    +--------------------------------------+  +---------------------------------------+
+    | ctrl   seq[4] done[8] err[8]         |  | ctrl   (same block)                   |
+    |        ready[4][W] ack[4][W]         |  | ll_slots  [E_l] rows taken per expert |
+    | ht_rows   [2][W][T] data|scale words |  | ll_data   [E_l][C][D] fp8 | bf16      |
+    | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
+    | ht_counts [2][W] n, pairs/expert     |  | ll_meta   [E_l][C] (src*T + t)*K + k  |
+    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_comb   [2][T][K] bf16 [D]          |
+    +--------------------------------------+  +---------------------------------------+
+    [2] = buffer epoch % 2, [W] = source rank, T = max tokens per rank, C = W x T
+
+## Synchronisation and epochs (all on the device: CUDA-graph safe)
+
+Every op (ht-dispatch, ht-combine, ll-dispatch, ll-combine) has on each rank a call counter
+`seq` in its control block; a call's epoch is seq + 1, the receive half's last CTA stores it.
+A send half: waits until every peer's `ack[op][me]` (written by the peer into my control block)
+says the buffer it is about to fill was consumed (HT: epoch - 2, double-buffered; LL dispatch:
+epoch - 1, single buffer released by the peer's combine_send), stores rows, then its last CTA
+(a CTA counter, acq_rel) releases `ready[op][me] = epoch` at every peer (after a CTA barrier,
+`atomic_xchg` with sem=release, scope=sys). A receive half polls `ready[op][s] >= epoch` with
+acquire at system scope, consumes, and its last CTA releases `ack[op][me] = epoch` at every
+source. Flags are monotonic epochs: nothing is reset, no host-passed value (a CUDA graph
+replays correctly). Every spin is bounded (`SymmOptions.timeout_s`: %globaltimer on GPU, polls
+under the interpreter); the first timeout writes (phase, peer, flag, expected) to the arena's
+error record, later waits give up at once, and `check_errors()` raises `SymmTimeoutError`
+naming rank, peer and phase (the loopback driver checks after every phase; the Runtime at a
+sync point it already has). An arena that timed out stays failed: close the context.
+Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; 24 by default);
+the receive halves (local copies after their wait) run `recv_sms` CTAs (default: num_sms).
+Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
+
+## NVSHMEM in one process
+
+The first symm arena of a process initializes NVSHMEM (UID broadcast over the context's
+process group; resource "symm-nvshmem", finalized by `ctx.close()` after the arenas are
+freed). DeepEP's low-latency mode initializes NVSHMEM itself: symm-* refuses to start in a
+context that holds a deepep-ll buffer (a clear error); run them in separate processes (the
+benchmark does). DeepEP high-throughput (CUDA IPC) coexists. Size the symmetric heap with
+NVSHMEM_SYMMETRIC_SIZE when the arena is large (HT at 4096 tokens x 7168 bf16, 2 ranks:
+about 0.5 GB).
+
+Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
+(sender's routing table), ht_dispatch.py / ht_combine.py, ll_dispatch.py / ll_combine.py
+(kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles, `pick`,
+`ksum`), options.py (knobs), ht.py / ll.py (the backends), loopback.py (W ranks in one
+process).
+"""
+
+from epmoe.comm.symm.options import SymmOptions  # noqa: F401

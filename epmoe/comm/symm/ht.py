@@ -1,0 +1,185 @@
+"""symm-ht: the high-throughput backend on our symmetric arena (see the package docstring).
+
+    comm = SymmHighThroughputComm(cfg, quant, expert_map_E, ctx)        # ctx: CommContext
+    comm.alignment = experts.alignment                                  # optional, default 128
+    batch, handle = comm.dispatch(x_TD, topk_ids_TK, topk_weights_TK)   # LayoutBatch
+    out_TD = comm.combine(experts.run(batch), handle)                   # bf16 [T, D]
+
+or with the halves apart (compute may run between them): `dispatch_send` -> `dispatch_recv`,
+`combine_send` -> `combine_recv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.comm.base import Comm, LayoutBatch
+from epmoe.comm.context import CommContext
+from epmoe.comm.symm import ht_combine, ht_dispatch
+from epmoe.comm.symm.arena import HT_COMBINE, HT_DISPATCH, ArenaLayout, acquire_arena
+from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape, RowFormat
+from epmoe.comm.symm.options import SymmOptions
+from epmoe.comm.symm.route import route
+from epmoe.comm.wire import wire_quant
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.kernels.act_quant import per_token_group_quant
+from epmoe.layout import ContiguousLayout
+from epmoe.quant import QTensor
+
+ARENA_KEY = "symm-arena-ht"
+
+
+def check_blocks(expert_map_E: torch.Tensor, world: int, rank: int) -> int:
+    """-> experts per rank; the symm kernels assume rank r holds slots [r*E_L, (r+1)*E_L)."""
+    slots = expert_map_E.shape[0]
+    if slots % world:
+        raise ValueError(f"physical experts ({slots}) must be divisible by ep ({world})")
+    e_l = slots // world
+    want = torch.full((slots,), -1, dtype=torch.int32)
+    want[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
+    if not torch.equal(expert_map_E.cpu().to(torch.int32), want):
+        raise ValueError(f"symm backends need contiguous expert blocks (rank {rank} holds slots "
+                         f"[{rank * e_l}, {(rank + 1) * e_l}) as local 0..{e_l - 1}); this "
+                         f"expert map differs: use all2all for other placements")
+    return e_l
+
+
+def cuda_unsupported(device) -> str | None:
+    """Why NVSHMEM arenas cannot be made here (None if they can)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return (f"device {device} is not CUDA (symm arenas are NVSHMEM symmetric memory; on "
+                f"CPU only the loopback world of the tests runs them)")
+    try:
+        import nvshmem.core  # noqa: F401, PLC0415  (lazy: GPU-only dependency)
+    except (ImportError, OSError, RuntimeError) as exc:
+        return f"nvshmem4py unavailable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    return None
+
+
+@dataclass(frozen=True)
+class SymmHTPending:
+    """Between dispatch_send and dispatch_recv: this rank's routing table (msg_TW: the ranks
+    each token went to; combine reads it) and token count."""
+
+    msg_TW: torch.Tensor
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SymmHTHandle:
+    """recv      what this rank received (layout rows, weights, sources), for combine_send
+    msg_TW    int32 [T, W] where this rank's tokens went (-1: not to that rank), for
+              combine_recv's rank-ordered sum
+    num_tokens  T"""
+
+    recv: HTReceived
+    msg_TW: torch.Tensor
+    num_tokens: int
+
+
+class SymmHighThroughputComm(Comm):
+    """Dedup per destination rank, device-side counts, rows written straight into the experts'
+    contiguous layout (groups padded to `alignment`), combine pre-reduced per (token, rank).
+    `alignment`: the experts' GEMM M block (the runtime may set it from the experts)."""
+
+    name = "symm-ht"
+    arena_key = ARENA_KEY
+
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig, expert_map_E: torch.Tensor,
+                 ctx: CommContext | None = None, options: SymmOptions | None = None,
+                 alignment: int = 128):
+        super().__init__(cfg, quant, expert_map_E, ctx)
+        self.options = options or SymmOptions()
+        self.alignment = alignment
+        self.num_experts = self.expert_map_E.shape[0]
+        self.e_l = check_blocks(self.expert_map_E, self.world, self.rank)
+        self.wire = wire_quant(quant)
+        self.fmt = RowFormat.of(quant, cfg.hidden)
+        self.shape = self.arena_shape(cfg, quant, self.world, self.ctx.max_tokens_per_rank)
+        self.arena = acquire_arena(self.ctx, ARENA_KEY, self.shape.layout())
+
+    @staticmethod
+    def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,
+                    max_tokens_per_rank: int) -> HTShape:
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank ({max_tokens_per_rank}) must be >= 1: the "
+                             f"symmetric arena is sized for the run's worst case (CommContext)")
+        fmt = RowFormat.of(quant, cfg.hidden)
+        return HTShape(world, max_tokens_per_rank, cfg.hidden, cfg.top_k,
+                       cfg.num_experts // world if cfg.num_experts % world == 0 else 0,
+                       fmt.data_bytes, fmt.scale_bytes)
+
+    @classmethod
+    def arena_layout(cls, cfg, quant, world, max_tokens_per_rank) -> ArenaLayout:
+        return cls.arena_shape(cfg, quant, world, max_tokens_per_rank).layout()
+
+    @classmethod
+    def supports(cls, cfg, quant, device, world) -> str | None:
+        why = RowFormat.of(quant, cfg.hidden).check()
+        return why or cuda_unsupported(device)
+
+    def _quantize(self, x_TD: torch.Tensor) -> QTensor:
+        """The wire recipe in one Triton pass (no host tensor: CUDA-graph capturable)."""
+        w = self.wire
+        with self.timer.stage("dispatch.quantize"):
+            if w.recipe == "bf16":
+                return QTensor(x_TD.to(torch.bfloat16), None, "bf16", 0, w.scale_fmt)
+            return per_token_group_quant(x_TD.contiguous(), w.act_group, w.scale_fmt,
+                                         recipe=w.recipe)
+
+    # -------------------------------------------------------------- dispatch
+    def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmHTPending:
+        self.arena.begin(HT_DISPATCH)
+        xq = self._quantize(x_TD)
+        rt = route(topk_ids_TK, self.num_experts, self.world)
+        ht_dispatch.dispatch_send(self.arena.view, self.shape, xq, topk_ids_TK, topk_weights_TK,
+                                  rt, self.options)
+        return SymmHTPending(rt.msg_TW, x_TD.shape[0])
+
+    def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
+        self.arena.end(HT_DISPATCH)
+        x, layout, recv = ht_dispatch.dispatch_recv(self.arena.view, self.shape, self.fmt,
+                                                    self.alignment, self.options)
+        if self.options.exact_rows:
+            x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
+        return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW, pending.num_tokens)
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
+        return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
+
+    # -------------------------------------------------------------- combine
+    def combine_send(self, expert_out: torch.Tensor, handle: SymmHTHandle) -> None:
+        self.arena.begin(HT_COMBINE)
+        ht_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
+                                handle.recv, self.options)
+
+    def combine_recv(self, handle: SymmHTHandle) -> torch.Tensor:
+        self.arena.end(HT_COMBINE)
+        return ht_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, self.options)
+
+    def combine(self, expert_out, handle: SymmHTHandle) -> torch.Tensor:
+        self.combine_send(expert_out, handle)
+        return self.combine_recv(handle)
+
+    def check_errors(self) -> None:
+        """Raise if a spin timed out on this rank (syncs: call at a sync point you have)."""
+        self.arena.view.raise_if_error()
+
+    def set_alignment(self, alignment: int) -> None:
+        if alignment < 1:
+            raise ValueError(f"alignment ({alignment}) must be >= 1")
+        self.alignment = alignment
+
+
+def _exact(x: QTensor, layout: ContiguousLayout, m: int) -> tuple[QTensor, ContiguousLayout]:
+    """The first m rows (every group lies in them): views, no copy."""
+    scale = None if x.scale is None else x.scale[:m]
+    return (QTensor(x.data[:m], scale, x.recipe, x.group, x.scale_fmt),
+            ContiguousLayout(layout.row_expert_M[:m], layout.inv_perm_NK, layout.counts_E,
+                             layout.offsets_E1, layout.alignment))
+
+
+__all__ = ["SymmHighThroughputComm", "SymmHTHandle", "SymmHTPending", "check_blocks",
+           "cuda_unsupported"]

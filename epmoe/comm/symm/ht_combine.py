@@ -1,0 +1,88 @@
+"""symm-ht combine: the expert rank reduces each received token's rows in fp32 (k order) and
+sends one bf16 row per (token, rank) back; the source sums <= W partial rows in fp32 in rank
+order and casts once. That is all2all's numerics (experts' weighted sum per token, bf16 on the
+wire, rank-ordered fp32 sum, one cast), so both agree bit for bit on the same expert outputs.
+Region `ht_comb` of the HT arena (see `ht_dispatch.py`).
+"""
+
+from __future__ import annotations
+
+from epmoe.kernels._common import INTERPRET, next_pow2
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.comm.symm.arena import HT_COMBINE, RankArena  # noqa: E402
+from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
+from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
+from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
+from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
+from epmoe.comm.symm.tiles import ksum, row_cols, warps  # noqa: E402
+
+OP_C = tl.constexpr(HT_COMBINE)
+
+
+@triton.jit
+def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
+                         me, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+                         K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
+                         BT: tl.constexpr, PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A step: BT received tokens, their K whole rows in one [BT, KP, CH] gather (all in
+    flight together), weighted and summed over k inside each thread (`ksum`)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    e = epoch(arena_ptr, OP_C)
+    buf = e % 2
+    ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
+    if ok != 0:
+        n_total = tl.load(info_ptr)
+        cols = tl.arange(0, CH)
+        cm = cols < D
+        kk = tl.arange(0, KP)
+        for n0 in range(pid * BT, n_total, G * BT):
+            n = n0 + tl.arange(0, BT)
+            nm = n < n_total
+            n64 = n.to(tl.int64)
+            st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
+            pm = nm[:, None] & (kk < K)[None, :]
+            r = tl.load(inv_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=-1)
+            wk = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=0.0)
+            v = r >= 0
+            y = tl.load(y_ptr + r.to(tl.int64)[:, :, None] * D + cols[None, None, :],
+                        mask=v[:, :, None] & cm[None, None, :], other=0.0)
+            acc = ksum(y, tl.where(v, wk, 0.0), PRE_ROUND)
+            peer = arena_ptr + tl.multiple_of(
+                tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
+            dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
+                + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
+            tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                     mask=nm[:, None] & cm[None, :])
+    finish_send(arena_ptr, delta_ptr, OP_C, e, me, W)
+
+
+def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
+    d = shape.hidden
+    return dict(COMB=arena.layout.offset("ht_comb"), TMAX=max(1, shape.max_tokens),
+                W=shape.world, KP=next_pow2(shape.top_k), D=d, CH=row_cols(d), BT=opts.tile(1),
+                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=warps(),
+                enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
+
+
+def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTReceived,
+                 opts: SymmOptions) -> None:
+    """y_MD bf16 [M, D]: the experts' rows of the layout this rank received (unweighted)."""
+    if y_MD.dtype != torch.bfloat16 or y_MD.dim() != 2 or y_MD.shape[1] != shape.hidden:
+        raise ValueError(f"expert output must be bf16 [M, {shape.hidden}] rows of the "
+                         f"contiguous layout, got {y_MD.dtype} {tuple(y_MD.shape)}")
+    _combine_send_kernel[(grid(opts, y_MD.device),)](
+        arena.base, arena.peer_delta_W, y_MD.contiguous(), recv.inv_NK, recv.w_NK,
+        recv.src_tok_N, recv.info_I, arena.rank, opts.spin_limit, K=shape.top_k,
+        **_consts(arena, shape, opts))
+
+
+def combine_recv(arena: RankArena, shape: HTShape, msg_TW: torch.Tensor,
+                 opts: SymmOptions) -> torch.Tensor:
+    """-> bf16 [T, D]: this rank's tokens, partial sums of the ranks they went to (msg_TW)."""
+    return sum_back(arena, HT_COMBINE, "ht_comb", msg_TW, None, True, shape.hidden,
+                    shape.max_tokens, opts)

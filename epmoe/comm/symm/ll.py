@@ -1,0 +1,138 @@
+"""symm-ll: the low-latency backend on our symmetric arena (see the package docstring).
+
+    comm = SymmLowLatencyComm(cfg, quant, expert_map_E, ctx)            # ctx: CommContext
+    batch, handle = comm.dispatch(x_TD, topk_ids_TK, topk_weights_TK)   # MaskedBatch
+    out_TD = comm.combine(experts.run(batch), handle)                   # bf16 [T, D]
+
+No host sync, nothing allocated that depends on routing, epochs on the device: the whole
+dispatch -> experts -> combine sequence can be captured in a CUDA graph and replayed with new
+routing. `batch.x` is a view of the arena, valid until this rank's next `combine_send`.
+Halves: `dispatch_send` -> `dispatch_recv`, `combine_send` -> `combine_recv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.comm.base import Comm, MaskedBatch
+from epmoe.comm.context import CommContext
+from epmoe.comm.symm import ll_combine, ll_dispatch
+from epmoe.comm.symm.arena import LL_COMBINE, LL_DISPATCH, ArenaLayout, acquire_arena
+from epmoe.comm.symm.ht import check_blocks, cuda_unsupported
+from epmoe.comm.symm.ll_dispatch import LLShape
+from epmoe.comm.symm.options import SymmOptions
+from epmoe.config import MoEConfig, QuantConfig
+
+ARENA_KEY = "symm-arena-ll"
+MAX_TOKENS = 1024  # the masked region holds E_L x (W x tokens) rows: decode sizes only
+
+
+@dataclass(frozen=True)
+class SymmLLPending:
+    """Between dispatch_send and dispatch_recv: the routing combine will need."""
+
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SymmLLHandle:
+    """counts_E         int32 [E_L] rows per local expert (combine_send walks them)
+    topk_ids_TK      this rank's physical expert ids (combine_recv: which slots came back)
+    topk_weights_TK  fp32 [T, K], applied by combine_recv"""
+
+    counts_E: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+class SymmLowLatencyComm(Comm):
+    """Masked layout [E_local, W x max_tokens, D], fp8 quantization fused into the send,
+    CUDA-graph capturable."""
+
+    name = "symm-ll"
+    arena_key = ARENA_KEY
+
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig, expert_map_E: torch.Tensor,
+                 ctx: CommContext | None = None, options: SymmOptions | None = None):
+        super().__init__(cfg, quant, expert_map_E, ctx)
+        why = _format_unsupported(cfg, quant)
+        if why:
+            raise ValueError(f"comm backend 'symm-ll' cannot run this layer: {why}")
+        self.options = options or SymmOptions()
+        self.e_l = check_blocks(self.expert_map_E, self.world, self.rank)
+        self.shape = self.arena_shape(cfg, quant, self.world, self.ctx.max_tokens_per_rank)
+        self.arena = acquire_arena(self.ctx, ARENA_KEY, self.shape.layout())
+
+    @staticmethod
+    def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,
+                    max_tokens_per_rank: int) -> LLShape:
+        if not 1 <= max_tokens_per_rank <= MAX_TOKENS:
+            raise ValueError(f"max_tokens_per_rank ({max_tokens_per_rank}) must lie in [1, "
+                             f"{MAX_TOKENS}] for symm-ll (its masked region holds every "
+                             f"rank's tokens per expert); use symm-ht for larger batches")
+        return LLShape(world, max_tokens_per_rank, cfg.hidden, cfg.top_k,
+                       cfg.num_experts // world, quant.recipe == "fp8_block")
+
+    @classmethod
+    def arena_layout(cls, cfg, quant, world, max_tokens_per_rank) -> ArenaLayout:
+        return cls.arena_shape(cfg, quant, world, max_tokens_per_rank).layout()
+
+    @classmethod
+    def supports(cls, cfg, quant, device, world) -> str | None:
+        return _format_unsupported(cfg, quant) or cuda_unsupported(device)
+
+    @property
+    def capacity(self) -> int:
+        return self.shape.capacity
+
+    # -------------------------------------------------------------- dispatch
+    def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
+        """Quantize (fused into the send kernel) and send every (token, k) row."""
+        self.arena.begin(LL_DISPATCH)
+        ll_dispatch.dispatch_send(self.arena.view, self.shape, self.quant, x_TD, topk_ids_TK,
+                                  self.options)
+        return SymmLLPending(topk_ids_TK, topk_weights_TK.float())
+
+    def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
+        self.arena.end(LL_DISPATCH)
+        x, counts = ll_dispatch.dispatch_recv(self.arena.view, self.shape, self.quant,
+                                              self.options)
+        return MaskedBatch(x, counts), SymmLLHandle(counts, pending.topk_ids_TK,
+                                                    pending.topk_weights_TK)
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
+        return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
+
+    # -------------------------------------------------------------- combine
+    def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> None:
+        self.arena.begin(LL_COMBINE)
+        ll_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
+                                handle.counts_E, self.options)
+
+    def combine_recv(self, handle: SymmLLHandle) -> torch.Tensor:
+        self.arena.end(LL_COMBINE)
+        return ll_combine.combine_recv(self.arena.view, self.shape, handle.topk_ids_TK,
+                                       handle.topk_weights_TK, self.options)
+
+    def combine(self, expert_out, handle: SymmLLHandle) -> torch.Tensor:
+        self.combine_send(expert_out, handle)
+        return self.combine_recv(handle)
+
+    def check_errors(self) -> None:
+        """Raise if a spin timed out on this rank (syncs: call at a sync point you have)."""
+        self.arena.view.raise_if_error()
+
+
+def _format_unsupported(cfg: MoEConfig, quant: QuantConfig) -> str | None:
+    if quant.recipe not in ("bf16", "fp8_block"):
+        return (f"symm-ll carries bf16 or fp8 1x128 tokens (quantized in its send kernel); "
+                f"recipe {quant.recipe} is not one: use symm-ht")
+    if cfg.hidden % 128:
+        return f"hidden ({cfg.hidden}) must be a multiple of 128 for symm-ll"
+    return None
+
+
+__all__ = ["SymmLowLatencyComm", "SymmLLHandle", "SymmLLPending"]

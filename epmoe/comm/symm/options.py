@@ -1,0 +1,59 @@
+"""Tuning knobs of the symm backends (a frozen dataclass; no environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epmoe.kernels._common import INTERPRET
+
+
+@dataclass(frozen=True)
+class SymmOptions:
+    """num_sms     CTAs of every persistent kernel that writes to peers (all resident: <= the
+                   GPU's SMs); symm-ht is meant to use <= 24
+    recv_sms    CTAs of the receive halves (after their wait they only copy within this GPU:
+                the layout rows of the HT dispatch, the sums of both combines); 0 = num_sms
+    tile_tokens tokens (rows) per CTA step in every kernel; 0 = each kernel's default (a
+                tuning knob for the benchmark's sweep)
+    timeout_s   bound of every spin-wait; a timeout raises naming rank, peer and phase (under
+                the interpreter it bounds polls: 1000 per second)
+    exact_rows  symm-ht: sync once after the receive and return only the used rows (M exact)
+                instead of the worst-case row count (no host sync, CUDA-graph safe)
+    """
+
+    num_sms: int = 24
+    recv_sms: int = 0
+    tile_tokens: int = 0
+    timeout_s: float = 10.0
+    exact_rows: bool = False
+
+    def __post_init__(self):
+        if self.num_sms < 1:
+            raise ValueError(f"num_sms ({self.num_sms}) must be >= 1")
+        if self.recv_sms < 0 or self.tile_tokens < 0:
+            raise ValueError(f"recv_sms ({self.recv_sms}) and tile_tokens ({self.tile_tokens}) "
+                             f"must be >= 0 (0: the default)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+
+    @property
+    def spin_limit(self) -> int:
+        """The kernels' `limit`: nanoseconds of %globaltimer on GPU, polls when interpreting."""
+        return max(1, int(self.timeout_s * 1000)) if INTERPRET else int(self.timeout_s * 1e9)
+
+    def tile(self, default: int) -> int:
+        """Tokens per CTA step: the override, else `default` (64 under the interpreter: its
+        cost is per program step, not per element)."""
+        return 64 if INTERPRET else (self.tile_tokens or default)
+
+
+def grid(opts: SymmOptions, device, recv: bool = False) -> int:
+    """Persistent grid size: num_sms (recv_sms for receive halves), capped by the device's SMs
+    (CPU: as given)."""
+    import torch  # noqa: PLC0415
+
+    n = (opts.recv_sms or opts.num_sms) if recv else opts.num_sms
+    dev = torch.device(device)
+    if dev.type == "cuda" and not INTERPRET:
+        return min(n, torch.cuda.get_device_properties(dev).multi_processor_count)
+    return n

@@ -1,0 +1,172 @@
+"""Device-side synchronisation shared by the symm kernels (every helper is `@triton.jit`).
+
+Publication: all threads store, `tl.debug_barrier()` (CTA barrier), then one release at system
+scope (`signal`). Waiting: acquire polls at system scope (`wait_geq`), bounded: after `limit`
+(nanoseconds of %globaltimer on GPU, polls under the interpreter, which has no inline asm) the
+first timeout writes (phase, peer, seen, expected) to the arena's error record and every later
+wait gives up at once, so a missing peer never hangs a rank; Python raises from the record.
+Flags hold epochs (monotonic call numbers kept on the device), so nothing is reset between
+calls and a CUDA graph replays them correctly.
+"""
+
+from __future__ import annotations
+
+from epmoe.kernels._common import INTERPRET
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.comm.symm import arena as _a  # noqa: E402
+
+USE_TIMER = not INTERPRET  # %globaltimer on GPU; poll counts under the interpreter
+# control-block word indices as constexprs (jit code reads only constexpr globals)
+C_SEQ = tl.constexpr(_a.CTRL_SEQ)
+C_DONE_SEND = tl.constexpr(_a.CTRL_DONE_SEND)
+C_DONE_RECV = tl.constexpr(_a.CTRL_DONE_RECV)
+C_ERR = tl.constexpr(_a.CTRL_ERR)
+C_READY = tl.constexpr(_a.CTRL_READY)
+C_NUM_OPS = tl.constexpr(_a.NUM_OPS)
+
+
+@triton.jit
+def ctrl_ptr(base_ptr, word):
+    """int32 pointer to control word `word` of the arena at `base_ptr` (uint8)."""
+    return base_ptr.to(tl.pointer_type(tl.int32)) + word
+
+
+@triton.jit
+def peer_ptr(arena_ptr, peer_delta_ptr, d):
+    """uint8 pointer to rank d's arena base (NVLink peer view, or a loopback row)."""
+    delta = tl.load(peer_delta_ptr + d)
+    return arena_ptr + tl.multiple_of(delta, 128)
+
+
+@triton.jit
+def ld_acquire(p):
+    return tl.atomic_add(p, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def signal(p, value):
+    """Release `value` at system scope (after the caller's CTA barrier)."""
+    tl.atomic_xchg(p, value, sem="release", scope="sys")
+
+
+@triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
+
+
+@triton.jit
+def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexpr):
+    """Spin until *flag >= target (acquire, sys scope). -> 1 if reached, 0 after a timeout
+    (recorded once in the arena's error record) or when an earlier timeout was recorded."""
+    err = ctrl_ptr(arena_ptr, C_ERR)
+    v = ld_acquire(flag)
+    ok = (v >= target).to(tl.int32)
+    if ok == 0:
+        bad = tl.load(err, volatile=True)
+        t0 = _now(USE_TIMER)
+        polls = tl.zeros((), dtype=tl.int64)
+        while (v < target) & (bad == 0):
+            v = ld_acquire(flag)
+            polls += 1
+            if USE_TIMER:
+                spent = _now(USE_TIMER) - t0
+            else:
+                spent = polls
+            if (spent > limit) & (v < target):
+                if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="sys") == 0:
+                    tl.store(err + 1, phase)
+                    tl.store(err + 2, peer)
+                    tl.store(err + 3, v)
+                    tl.store(err + 4, target)
+                bad = 1
+        ok = (v >= target).to(tl.int32)
+    return ok
+
+
+@triton.jit
+def wait_all(arena_ptr, first_word, target, phase, limit, W: tl.constexpr,
+             USE_TIMER: tl.constexpr):
+    """wait_geq on W consecutive control words (one per peer). -> 1 if all reached."""
+    ok = tl.full((), 1, dtype=tl.int32)
+    for d in tl.static_range(W):
+        ok = ok & wait_geq(ctrl_ptr(arena_ptr, first_word + d), target, arena_ptr, phase, d,
+                           limit, USE_TIMER)
+    return ok
+
+
+@triton.jit
+def arrive_last(arena_ptr, done_word, num_ctas):
+    """CTA barrier, then count this CTA in; -> 1 in the last CTA to arrive (which resets the
+    counter). Everything the other CTAs did happens before the last CTA's later releases."""
+    tl.debug_barrier()
+    done = ctrl_ptr(arena_ptr, done_word)
+    old = tl.atomic_add(done, 1, sem="acq_rel", scope="sys")
+    last = (old == num_ctas - 1).to(tl.int32)
+    if last != 0:
+        tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def epoch(arena_ptr, OP: tl.constexpr):
+    """This call's epoch for op OP: calls completed on this rank + 1."""
+    return tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP)) + 1
+
+
+@triton.jit
+def wait_acks(arena_ptr, OP: tl.constexpr, target, limit, W: tl.constexpr,
+              USE_TIMER: tl.constexpr):
+    """Send half: every peer consumed (released) my buffer up to epoch `target`."""
+    return wait_all(arena_ptr, C_READY + C_NUM_OPS * W + OP * W, target, 2 * OP, limit, W,
+                    USE_TIMER)
+
+
+@triton.jit
+def wait_ready(arena_ptr, OP: tl.constexpr, target, limit, W: tl.constexpr,
+               USE_TIMER: tl.constexpr):
+    """Receive half: every source published epoch `target` to me."""
+    return wait_all(arena_ptr, C_READY + OP * W, target, 2 * OP + 1, limit, W, USE_TIMER)
+
+
+@triton.jit
+def publish(arena_ptr, delta_ptr, word, value, W: tl.constexpr):
+    """Release `value` into control word `word` of every rank (skipped after a timeout: the
+    peers then time out too, naming this rank)."""
+    if no_error(arena_ptr) != 0:
+        for d in tl.static_range(W):
+            signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), word), value)
+
+
+@triton.jit
+def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
+    """Last CTA of a send half: ready[OP][me] = e at every rank."""
+    if arrive_last(arena_ptr, C_DONE_SEND + OP, tl.num_programs(0)) != 0:
+        publish(arena_ptr, delta_ptr, C_READY + OP * W + me, e, W)
+
+
+@triton.jit
+def finish_recv(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
+    """Last CTA of a receive half: seq[OP] = e here, ack[OP][me] = e at every rank."""
+    if arrive_last(arena_ptr, C_DONE_RECV + OP, tl.num_programs(0)) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP), e)
+        publish(arena_ptr, delta_ptr, C_READY + C_NUM_OPS * W + OP * W + me, e, W)
+
+
+@triton.jit
+def no_error(arena_ptr):
+    """1 while no timeout has been recorded in this arena."""
+    return (tl.load(ctrl_ptr(arena_ptr, C_ERR), volatile=True) == 0).to(tl.int32)
+
+
+__all__ = ["epoch", "wait_acks", "wait_ready", "publish", "finish_send", "finish_recv",
+           "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
+           "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
+           "USE_TIMER"]

@@ -1,0 +1,74 @@
+"""Cost-aware rebalancing: is a new placement worth the bytes it moves?
+
+Model: a step's MoE time follows the busiest GPU of each layer, i.e. layer l costs
+mean_l / b_l for balancedness b_l (mean/max GPU load) and equal means across layers, so
+
+    step time after = step time now x sum_l 1/b_new_l / sum_l 1/b_old_l
+    gain per step   = step time now - step time after
+
+The move occupies the links for move_ms = max over ranks of (bytes received from its own node
+/ intra-node bandwidth + bytes from other nodes / inter-node bandwidth); in sync mode the steps
+stall that long, in async mode the steps keep the old placement until the bytes have landed
+(ceil(move_ms / step time) steps, at least one). Rebalance when
+
+    sync:  gain per step x steps until the next rebalance                     > move_ms
+    async: gain per step x (steps until the next rebalance - steps to land)   > move_ms
+
+(in async mode the move still borrows move_ms of link time from the steps' dispatch/combine).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Default link bandwidths (GB/s per direction, usable), used when no figure is given:
+NVLINK_GBPS = 150.0  # intra-node: H800-class NVLink (DeepEP's README measures ~155-160 GB/s)
+RDMA_GBPS = 40.0  # inter-node: one 400 Gb/s NIC per GPU (~50 GB/s line rate, ~40 usable)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether to apply a new placement, and the numbers behind it."""
+
+    rebalance: bool
+    reason: str
+    gain_ms: float  # predicted step time saved until the next rebalance
+    move_ms: float  # link time the move takes (the stall in sync mode)
+    bytes_moved: int  # the most bytes any rank receives
+    intra_gbps: float
+    inter_gbps: float
+
+    def summary(self) -> dict:
+        return dict(decision="rebalance" if self.rebalance else "skip", reason=self.reason,
+                    gain_ms=self.gain_ms, move_ms=self.move_ms, bytes_moved=self.bytes_moved,
+                    intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps)
+
+
+def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_next: int,
+           recv_intra_bytes: list[int], recv_inter_bytes: list[int], migration: str,
+           link_gbps: float | None = None) -> Decision:
+    """inv_bal_*: sum over layers of 1 / balancedness; recv_*_bytes: per rank, bytes it
+    receives from its own node / from other nodes; link_gbps overrides both defaults."""
+    intra = NVLINK_GBPS if link_gbps is None else link_gbps
+    inter = RDMA_GBPS if link_gbps is None else link_gbps
+    move_ms = max((a / intra + b / inter) / 1e6 for a, b in zip(recv_intra_bytes,
+                                                               recv_inter_bytes))
+    moved = max(a + b for a, b in zip(recv_intra_bytes, recv_inter_bytes))
+    per_step = step_ms * (1 - inv_bal_new / inv_bal_old) if inv_bal_old > 0 else 0.0
+    if migration == "async":
+        land = max(1, math.ceil(move_ms / step_ms)) if step_ms > 0 else 1
+        gain = per_step * max(0, steps_until_next - land)
+        horizon = f"{steps_until_next} steps - {land} to land"
+    else:
+        gain = per_step * steps_until_next
+        horizon = f"{steps_until_next} steps"
+    link = (f"{moved / 1e6:.2f} MB at {intra:g}/{inter:g} GB/s intra/inter node = "
+            f"{move_ms:.3f} ms")
+    if per_step <= 0:
+        return Decision(False, f"no predicted gain (balancedness would not improve); move "
+                               f"{link}", gain, move_ms, moved, intra, inter)
+    ok = gain > move_ms
+    why = (f"gain {per_step:.3f} ms/step x {horizon} = {gain:.3f} ms "
+           f"{'>' if ok else '<='} move {link}")
+    return Decision(ok, why, gain, move_ms, moved, intra, inter)

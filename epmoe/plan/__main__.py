@@ -1,0 +1,115 @@
+"""`python -m epmoe.plan`: print (or write) the plan of a model's MoE stack without running it.
+
+    python -m epmoe.plan --model deepseek-v3 --topology 2x8 --tokens 128,4096
+    python -m epmoe.plan --model qwen3-235b-a22b --topology 1x8 --profile b200 --json
+    python -m epmoe.plan ... --out plan.json      # a plan file for `launch --plan FILE`
+
+Exit codes: 0 planned, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from epmoe.config import PRESETS, RECIPES, SCALE_FMTS, QuantConfig, get_preset
+from epmoe.parallel import FORMS
+from epmoe.plan.planfile import Plan
+from epmoe.plan.planner import SCOPES, plan_stack
+from epmoe.plan.profile import load_profile, shipped_profiles
+from epmoe.plan.topology import LINK_SPECS, Topology
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m epmoe.plan", description=(
+        "Choose per MoE layer and token bucket the parallel form, comm backend and experts "
+        "kernel with the lowest predicted time (epmoe.plan.cost) that fits in memory."))
+    p.add_argument("--model", default="deepseek-v3", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--topology", default="1x8",
+                   help="NODESxGPUS (e.g. 2x8) or a topology JSON file")
+    p.add_argument("--tokens", default="128,4096",
+                   help="token buckets, tokens per rank, comma separated (default 128,4096)")
+    p.add_argument("--profile", default="h200",
+                   help=f"shipped profile ({', '.join(shipped_profiles())}) or a JSON file")
+    p.add_argument("--quant", default="fp8_block", help=f"recipe: {', '.join(RECIPES)}")
+    p.add_argument("--scale-fmt", default=None,
+                   help=f"{', '.join(SCALE_FMTS)} (default: ue8m0_fp32 on SM100, else fp32)")
+    p.add_argument("--routing", default="uniform", help="uniform | zipf:S")
+    p.add_argument("--redundant-experts", type=int, default=0, help="EPLB extra slots")
+    p.add_argument("--layers", type=int, default=None, help="MoE layers (default: preset)")
+    p.add_argument("--forms", default=None, help=f"restrict forms: {','.join(FORMS)}")
+    p.add_argument("--scope", default="runtime", choices=SCOPES,
+                   help="runtime: what epmoe runs today; model: every modelled mechanism")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory budget per rank (default 90%% of the profile's HBM)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", default=None, help="write the plan file (JSON) here")
+    return p
+
+
+def build(args) -> Plan:
+    cfg = get_preset(args.model)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise ValueError(f"--layers ({args.layers}) must be >= 1")
+        cfg = cfg.replace(num_moe_layers=args.layers)
+    prof = load_profile(args.profile)
+    fmt = args.scale_fmt or ("ue8m0_fp32" if args.quant == "fp8_block"
+                             and prof.fig("sm_arch") >= 100 else "fp32")
+    quant = QuantConfig(args.quant, fmt)
+    gpu = prof.gpu if prof.gpu in LINK_SPECS else "h200"
+    topo = Topology.resolve(args.topology, gpu)
+    try:
+        buckets = [int(x) for x in str(args.tokens).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens {args.tokens!r} must be comma-separated integers, e.g. "
+                         f"128,4096") from None
+    forms = tuple(f.strip() for f in args.forms.split(",")) if args.forms else None
+    if forms and set(forms) - set(FORMS):
+        raise ValueError(f"--forms {args.forms!r}: each must be one of {FORMS}")
+    if args.redundant_experts < 0:
+        raise ValueError(f"--redundant-experts ({args.redundant_experts}) must be >= 0")
+    return plan_stack(cfg, quant, topo, prof, buckets, routing=args.routing,
+                      redundant_experts=args.redundant_experts, scope=args.scope, forms=forms,
+                      memory_GiB=args.memory_gib, model=args.model)
+
+
+def render(plan: Plan) -> str:
+    """80-column table: runs of equal layers collapsed, one reason line per run."""
+    t = Topology.from_dict(plan.topology)
+    lines = [f"plan: {plan.model} {plan.quant.recipe} on {t.describe()}"[:80],
+             f"profile {plan.profile}, scope {plan.scope}; tokens per rank"[:80],
+             f"{'layers':<8}{'tokens':>7}  {'form':<6}{'backend':<10}{'experts':<9}"
+             f"{'layer ms':>9}{'stack ms':>10}", "-" * 80]
+    for tokens in plan.buckets:
+        runs = []
+        for e in plan.layers:
+            c = e.choice(tokens)
+            if runs and runs[-1][2].label == c.label and runs[-1][2].why == c.why:
+                runs[-1][1] = e.layer
+            else:
+                runs.append([e.layer, e.layer, c])
+        for a, b, c in runs:
+            span = f"{a}" if a == b else f"{a}-{b}"
+            lines.append(f"{span:<8}{tokens:>7}  {c.form:<6}{c.backend:<10}{c.experts:<9}"
+                         f"{c.predicted_us / 1e3:>9.3f}{plan.step_us(tokens) / 1e3:>10.2f}")
+            lines.append(("  " + c.why)[:80])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        plan = build(args)
+    except (ValueError, KeyError) as exc:
+        print(f"error: {str(exc).strip(chr(34))}", file=sys.stderr)
+        return 2
+    if args.out:
+        plan.save(args.out)
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Time and bytes of dispatch, combine and the collectives, per comm backend.
+
+Mechanisms (each a term below, each constant from the profile, which says where it came from):
+- link classes: bytes are split into NVLink (same node) and RDMA (other nodes); a transfer
+  takes max over classes of (alpha + bytes / bandwidth) (the classes run concurrently);
+- fan-out: HT backends send a token once per destination rank (dedup) or, across nodes,
+  once per destination node and forward over NVLink (DeepEP's two hops); LL backends send
+  once per (token, expert); NCCL all_to_all sends once per destination rank, directly;
+- the hottest rank: the receiving side uses the most loaded rank (population skew from the
+  routing statistics plus the finite-batch maximum over ranks), the sending side the mean;
+- fixed per-call latency: alpha per transfer and per collective call, the count exchange
+  (plus a host sync where the backend waits for counts on the host), op launches;
+- SMs given to comm: SM-driven copies reach min(link efficiency x link, SMs x per-SM rate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.plan.profile import HardwareProfile
+from epmoe.plan.routing import RoutingStats, finite_max
+from epmoe.plan.topology import Topology
+from epmoe.plan.traffic import LL_HEADER_BYTES, act_row_bytes, quantize_bytes
+
+HT = ("deepep-ht", "symm-ht")
+LL = ("deepep-ll", "symm-ll")
+NCCL = ("all2all", "allgather")
+BACKENDS = ("local", "allgather", "all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll")
+# Host syncs per call: DeepEP HT waits on the host for the received counts (notify_dispatch);
+# all2all's split sizes go to the host (.tolist()); allgather reads the max row count.
+HOST_SYNCS = {"deepep-ht": 1, "all2all": 1, "allgather": 1}
+# Torch ops launched around the transfers (counted in epmoe/comm/*.py and layer.py).
+DISPATCH_OPS = {"local": 4, "allgather": 12, "all2all": 20, "deepep-ht": 6, "deepep-ll": 3,
+                "symm-ht": 3, "symm-ll": 3}
+COMBINE_OPS = {"local": 2, "allgather": 4, "all2all": 6, "deepep-ht": 2, "deepep-ll": 2,
+               "symm-ht": 2, "symm-ll": 2}
+# NCCL data calls per dispatch: rows, ids, weights (+ scales for quantized recipes); the
+# count/size exchange before them is one more call plus a host sync (_count_us).
+NCCL_CALLS = {"all2all": 3, "allgather": 3}
+NCCL_COUNT_CALL = {"all2all": "all_to_all", "allgather": "all_gather"}
+META_BYTES_PER_K = 8  # int32 expert id + fp32 weight per top-k slot travel with each row
+
+
+@dataclass(frozen=True)
+class CommCase:
+    """Everything a comm estimate reads. tokens: this rank's T; max_tokens: the LL buffers'
+    capacity per rank; sms: SMs given to SM-driven comm (None: the backend's default)."""
+
+    cfg: MoEConfig
+    quant: QuantConfig
+    topo: Topology
+    prof: HardwareProfile
+    stats: RoutingStats
+    tokens: int
+    max_tokens: int
+    sms: int | None = None
+    reuse_layout: bool = False
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """us: the stage as the runtime times it; quantize_us: its dispatch.quantize part;
+    kernel_us: the data movement alone (alpha + bytes / bandwidth; what DeepEP's benchmarks
+    time); link_bytes: bytes this rank sends per link class."""
+
+    us: float
+    quantize_us: float = 0.0
+    link_bytes: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+    kernel_us: float = 0.0
+
+
+def launch_us(prof: HardwareProfile, ops: int) -> float:
+    return ops * prof.fig("launch_us")
+
+
+def quantize_us(c: CommCase, n_tokens: float) -> float:
+    """dispatch.quantize: the recipe's activation quantization of n tokens (0 for bf16)."""
+    nbytes = quantize_bytes(n_tokens, c.cfg.hidden, c.quant)
+    if nbytes == 0:
+        return 0.0
+    return c.prof.kernel("comm", "quantize").time_us(nbytes)
+
+
+def _mean(x) -> float:
+    return sum(x) / len(x)
+
+
+def _classes(c: CommCase, per_token, two_hop: bool) -> dict[str, tuple[float, float]]:
+    """class -> (rows sent by a mean rank, rows received by the hottest rank) per transfer.
+    per_token: per-rank hit probability (dedup rows) or pairs (LL messages)."""
+    t, topo = c.tokens, c.topo
+    g, nn, world = topo.gpus_per_node, topo.num_nodes, topo.world
+    x_mean, x_max = _mean(per_token), max(per_token)
+    hot = finite_max(world * t * x_max, world * t * x_max, world)  # rows aimed at the hot rank
+    out = {}
+    if g > 1:
+        if two_hop:  # every row for this node's GPUs crosses NVLink once (except 1/g)
+            out[topo.intra] = ((g - 1) / g * world * t * x_mean, (g - 1) / g * hot)
+        else:  # direct: only same-node sources use NVLink
+            out[topo.intra] = ((g - 1) * t * x_mean, (g - 1) / world * hot)
+    if nn > 1:
+        if two_hop:  # node-dedup over the rail: one row per (token, destination node)
+            hn = c.stats.hit_node
+            hot_n = finite_max(nn * t * max(hn), nn * t * max(hn), nn)
+            out["rdma"] = ((nn - 1) * t * _mean(hn), (nn - 1) / nn * hot_n)
+        else:
+            out["rdma"] = ((world - g) * t * x_mean, (nn - 1) / nn * hot)
+    return out
+
+
+def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,
+              sms: int | None) -> tuple[float, dict, dict]:
+    """max over link classes of alpha + max(sent, received hot) bytes / bandwidth."""
+    worst, link_bytes, notes = 0.0, {}, {}
+    for cls, (sent, recv) in rows.items():
+        fit = c.prof.comm_fit(backend, cls, direction)
+        bw = fit.bandwidth_GBps(c.topo.link(cls).GBps, sms)
+        us = fit.alpha_us + max(sent, recv) * row_bytes / (bw * 1e3)
+        worst = max(worst, us)
+        link_bytes[cls] = sent * row_bytes
+        notes[f"{direction}.{cls}_GBps"] = bw
+        notes[f"{direction}.{cls}_bytes"] = max(sent, recv) * row_bytes
+    return worst, link_bytes, notes
+
+
+def _count_us(c: CommCase, backend: str) -> float:
+    """The count/layout exchange before the rows move (none when the layout is reused)."""
+    if c.reuse_layout:
+        return 0.0
+    sync = HOST_SYNCS.get(backend, 0) * c.prof.fig("sync_us")
+    if backend in NCCL_COUNT_CALL:
+        return _nccl_alpha(c, NCCL_COUNT_CALL[backend]) + sync
+    cls = "rdma" if c.topo.num_nodes > 1 else c.topo.intra
+    return c.prof.comm_fit(backend, cls, "dispatch").count_us + sync
+
+
+def dispatch_cost(backend: str, c: CommCase) -> CommCost:
+    cfg, d, k = c.cfg, c.cfg.hidden, c.cfg.top_k
+    if backend == "local":
+        q = quantize_us(c, c.tokens)
+        return CommCost(max(q, launch_us(c.prof, DISPATCH_OPS["local"])), q)
+    if backend in LL:
+        if c.tokens > c.max_tokens:
+            raise ValueError(f"tokens per rank ({c.tokens}) exceed the low-latency capacity "
+                             f"({c.max_tokens})")
+        row = act_row_bytes(d, c.quant) + LL_HEADER_BYTES  # quantized inside the kernel
+        rows = _classes(c, c.stats.pairs_rank, two_hop=False)
+        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, None)
+        return CommCost(us + _count_us(c, backend) + launch_us(c.prof, DISPATCH_OPS[backend]),
+                        0.0, lb, notes, us)
+    q = quantize_us(c, c.tokens)
+    row = act_row_bytes(d, c.quant) + k * META_BYTES_PER_K
+    if backend in HT:
+        rows = _classes(c, c.stats.hit_rank, two_hop=True)
+        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms)
+        total = q + _count_us(c, backend) + us + launch_us(c.prof, DISPATCH_OPS[backend])
+        return CommCost(total, q, lb, notes, us)
+    if backend == "all2all":
+        rows = _classes(c, c.stats.hit_rank, two_hop=False)
+        us, lb, notes = _nccl_transfer(c, rows, row)
+        calls = NCCL_CALLS["all2all"] + (1 if c.quant.recipe != "bf16" else 0)
+        extra = _extra(c, "all2all", "dispatch")
+        pack = 2 * c.tokens * c.stats.ranks_per_token * row / (c.prof.fig("hbm_GBps") * 1e3)
+        total = (q + _count_us(c, backend) + us + (calls - 1) * _nccl_alpha(c, "all_to_all")
+                 + pack + extra + launch_us(c.prof, DISPATCH_OPS["all2all"]))
+        return CommCost(total, q, lb, notes, us)
+    if backend == "allgather":
+        us, lb = collective_us(c, "all_gather", c.tokens * row)
+        calls = NCCL_CALLS["allgather"] + (1 if c.quant.recipe != "bf16" else 0)
+        total = (q + _count_us(c, backend) + us + (calls - 1) * _nccl_alpha(c, "all_gather")
+                 + _extra(c, "allgather", "dispatch")
+                 + launch_us(c.prof, DISPATCH_OPS["allgather"]))
+        return CommCost(total, q, lb, {}, us)
+    raise ValueError(f"comm backend {backend!r} is not modelled; choose one of {BACKENDS}")
+
+
+def combine_cost(backend: str, c: CommCase) -> CommCost:
+    d = c.cfg.hidden
+    hbm = c.prof.fig("hbm_GBps") * 1e3
+    if backend == "local":  # cast the replicated output once
+        return CommCost(max(c.tokens * d * 6.0 / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
+    if backend in LL or backend in HT:
+        per = c.stats.pairs_rank if backend in LL else c.stats.hit_rank
+        row = 2.0 * d  # bf16 rows back; LL reduces the k rows per token at the receiver
+        rows = _classes(c, per, two_hop=backend in HT)
+        us, lb, notes = _transfer(c, backend, "combine", rows, row,
+                                  None if backend in LL else c.sms)
+        return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
+    if backend == "all2all":
+        rows = _classes(c, c.stats.hit_rank, two_hop=False)
+        us, lb, notes = _nccl_transfer(c, rows, 2.0 * d)
+        sent = c.tokens * c.stats.ranks_per_token
+        reduce = (sent * 2.0 * d + 2 * c.tokens * 4.0 * d) / hbm  # index_add in fp32
+        total = us + reduce + _extra(c, "all2all", "combine") + launch_us(
+            c.prof, COMBINE_OPS["all2all"])
+        return CommCost(total, 0.0, lb, notes, us)
+    if backend == "allgather":  # reduce-scatter of the fp32 partial sums of every token
+        us, lb = collective_us(c, "reduce_scatter", c.tokens * 4.0 * d)
+        return CommCost(us + _extra(c, "allgather", "combine")
+                        + launch_us(c.prof, COMBINE_OPS["allgather"]), 0.0, lb, {}, us)
+    raise ValueError(f"comm backend {backend!r} is not modelled; choose one of {BACKENDS}")
+
+
+def _extra(c: CommCase, backend: str, direction: str) -> float:
+    """Fixed cost the backend adds beyond its collectives (host-side indexing), if fitted."""
+    cls = "rdma" if c.topo.num_nodes > 1 else c.topo.intra
+    try:
+        return c.prof.comm_fit(backend, cls, direction).alpha_us
+    except KeyError:
+        return 0.0
+
+
+def _nccl_alpha(c: CommCase, kind: str) -> float:
+    cls = "rdma" if c.topo.num_nodes > 1 else c.topo.intra
+    return c.prof.collective(kind, cls).alpha_us
+
+
+def _nccl_transfer(c: CommCase, rows: dict, row_bytes: float):
+    worst, lb, notes = 0.0, {}, {}
+    for cls, (sent, recv) in rows.items():
+        fit = c.prof.collective("all_to_all", cls)
+        bw = fit.bandwidth_GBps(c.topo.link(cls).GBps)
+        worst = max(worst, fit.alpha_us + max(sent, recv) * row_bytes / (bw * 1e3))
+        lb[cls] = sent * row_bytes
+        notes[f"all_to_all.{cls}_GBps"] = bw
+    return worst, lb, notes
+
+
+def collective_us(c: CommCase, kind: str, nbytes: float) -> tuple[float, dict]:
+    """One NCCL collective, hierarchical over rails: bytes per GPU on NVLink and on RDMA,
+    each at the class's bus bandwidth, the slower class setting the time.
+    all_gather / reduce_scatter: nbytes = one rank's share (its input / its output);
+    all_reduce: nbytes = the whole buffer (reduce-scatter + all-gather of nbytes / ranks)."""
+    topo = c.topo
+    g, nn, world = topo.gpus_per_node, topo.num_nodes, topo.world
+    if world == 1:
+        return 0.0, {}
+    share, rounds = (nbytes / world, 2) if kind == "all_reduce" else (nbytes, 1)
+    per_class = {}
+    if g > 1:
+        per_class[topo.intra] = rounds * (g - 1) * nn * share
+    if nn > 1:
+        per_class["rdma"] = rounds * (nn - 1) * share
+    worst = 0.0
+    for cls, b in per_class.items():
+        fit = c.prof.collective(kind, cls)
+        worst = max(worst, fit.alpha_us + b / (fit.bandwidth_GBps(topo.link(cls).GBps) * 1e3))
+    return worst, per_class

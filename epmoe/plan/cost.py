@@ -1,0 +1,304 @@
+"""The cost model of one MoE layer: predicted time per runtime stage, bytes per link class and
+memory per rank, for one (form, comm backend, experts kernel), token count and routing.
+
+    pred = predict_layer(Candidate("ep_dp", "deepep-ll", "deepgemm"),
+                         Workload(cfg, quant, tokens=128), Topology.parse("2x8"), profile)
+    pred.stages_us["experts.gemm1"], pred.total_us, pred.link_bytes["rdma"]
+
+Stage names are the runtime's StageTimer names (runtime.py, layer.py, experts/*, comm/*); a
+parent stage ("dispatch", "experts") includes its children ("dispatch.quantize", "experts.*"),
+and `total_us` sums the top-level stages, as a step does. "relayout" (the token-layout change
+entering a layer whose form differs from the previous one's) depends on the previous layer:
+0 here, set by the planner (planner.transition_us). Token semantics: `tokens` is one
+rank's batch (the data-parallel batch); the global batch is tokens x ranks, which the
+replicated forms (tp, ep) process on every rank.
+
+Experts: GEMM time = max(FLOPs / TFLOPS(rows per expert), bytes / HBM) with the profile's
+measured curve (rows per expert rounded up to the GEMM's alignment, a Poisson expectation);
+permute / gather / act_quant / quantize are alpha-beta fits on byte counts (traffic.py).
+Under ep / ep_dp the hottest rank (routing skew + the finite-batch maximum) sets the time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.parallel import FORMS, LayerPlan
+from epmoe.plan import traffic as tr
+from epmoe.plan.comm_cost import (BACKENDS, HT, LL, CommCase, collective_us, combine_cost,
+                                  dispatch_cost, launch_us)
+from epmoe.plan.profile import HardwareProfile
+from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, routing_stats
+from epmoe.plan.topology import Topology
+
+EXPERTS = ("torch", "triton", "deepgemm")
+TOP_STAGES = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
+STAGES = ("relayout", "router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
+          "experts.gemm1", "experts.act_quant", "experts.gemm2", "experts.gather", "combine",
+          "shared", "all_reduce")
+COMM_STAGES = ("dispatch", "combine", "all_reduce")
+# GEMM row alignment per expert group: DeepGEMM's get_mk_alignment_for_contiguous_layout and
+# Triton's BLOCK_M on GPU (experts/*.py); masked kernels skip rows past the count per 64-row
+# block; the torch reference loops over exact rows.
+ALIGN = {"deepgemm": 128, "triton": 128, "torch": 1}
+MASKED_BLOCK = 64
+# Torch ops the router launches (epmoe/router.py + the gate matmul in layer.py), per kind.
+ROUTER_OPS = {"softmax": 6, "sigmoid_grouped": 16, "sqrtsoftplus": 12}
+# The torch reference's per-expert loop (experts/torch_experts.py): ops per non-empty expert.
+TORCH_OPS = {"experts.gemm1": 3, "experts.act_quant": 8, "experts.gemm2": 2}
+FP32_EFFICIENCY = 0.7  # estimate: fp32 SIMT matmul reaches ~70% of peak (router's gate GEMM)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a layer: a parallel form, a comm backend, an experts kernel."""
+
+    form: str
+    backend: str
+    experts: str
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"form ({self.form!r}) must be one of {FORMS}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"comm backend ({self.backend!r}) must be one of {BACKENDS}")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts kernel ({self.experts!r}) must be one of {EXPERTS}")
+        if self.form != "ep_dp" and self.backend != "local":
+            raise ValueError(f"form {self.form!r} replicates tokens: its backend must be "
+                             f"'local', got {self.backend!r}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.form}/{self.backend}/{self.experts}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """tokens: one rank's batch. max_tokens: LL buffer capacity per rank (default tokens).
+    reuse_layout: DeepEP HT reuses a cached layout (no count exchange), as its benchmarks do.
+    comm_sms: SMs given to SM-driven comm (None: each backend's default).
+    overlap_shared: the shared MLP runs on a side stream (None: yes on CUDA profiles)."""
+
+    cfg: MoEConfig
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    tokens: int = 128
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    slots: SlotMap | None = None
+    max_tokens: int | None = None
+    reuse_layout: bool = False
+    comm_sms: int | None = None
+    overlap_shared: bool | None = None  # None: on CUDA profiles, as the runtime's default
+
+    def __post_init__(self):
+        if not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"tokens per rank ({self.tokens!r}) must be a positive int")
+        object.__setattr__(self, "routing", RoutingSpec.parse(self.routing))
+
+    @property
+    def num_slots(self) -> int:
+        return self.cfg.num_experts if self.slots is None else self.slots.num_slots
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank: this layer's weights, the transient workspace of one layer call, and
+    the comm buffers a process allocates once (shared by every layer)."""
+
+    weights: float
+    workspace: float
+    buffers: float
+
+
+@dataclass(frozen=True)
+class LayerPrediction:
+    candidate: Candidate
+    stages_us: dict
+    link_bytes: dict
+    memory: Memory
+    notes: dict
+
+    overlap_shared: bool = False
+
+    @property
+    def total_us(self) -> float:
+        """The layer's time: the top-level stages in sequence, except that an overlapped
+        shared MLP (a side stream on CUDA, layer.py) hides behind dispatch -> combine (SM
+        contention between the two is not modelled)."""
+        s = self.stages_us
+        routed = s["dispatch"] + s["experts"] + s["combine"]
+        body = max(routed, s["shared"]) if self.overlap_shared else routed + s["shared"]
+        return s["relayout"] + s["router"] + body + s["all_reduce"]
+
+    @property
+    def comm_us(self) -> float:
+        return sum(self.stages_us.get(s, 0.0) for s in COMM_STAGES)
+
+
+def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: HardwareProfile,
+                  stats: RoutingStats | None = None) -> LayerPrediction:
+    """Predicted stages of one layer on the slowest rank (see the module docstring)."""
+    cfg, quant, world = work.cfg, work.quant, topo.world
+    if stats is None and cand.form != "tp":
+        stats = routing_stats(cfg, work.routing, world, topo.gpus_per_node, work.slots)
+    t = work.tokens
+    n_rep = t * world if cand.form != "ep_dp" else t  # tokens this rank routes
+    plan = LayerPlan(cand.form, 0, world, cand.backend if world > 1 else "local", cand.experts,
+                     work.num_slots)
+    inter = cfg.moe_intermediate // world if cand.form == "tp" else cfg.moe_intermediate
+    e_local = work.num_slots if cand.form == "tp" else work.num_slots // world
+    case = CommCase(cfg, quant, topo, prof, stats, n_rep if cand.backend == "local" else t,
+                    work.max_tokens or t, work.comm_sms, work.reuse_layout)
+    st: dict[str, float] = {"router": _router_us(cfg, prof, n_rep)}
+    disp = dispatch_cost(cand.backend, case)
+    st["dispatch"], st["dispatch.quantize"] = disp.us, disp.quantize_us
+    # rows into the experts on the hottest rank: tokens n_in, (token, expert) pairs
+    n_in, pairs, slot_rows = _expert_rows(cand, work, topo, stats, n_rep)
+    kind = "masked" if cand.backend in LL else "layout" if cand.backend == "symm-ht" else "tokens"
+    cap_rows = e_local * case.max_tokens * world if kind == "masked" else 0
+    ex = _experts_stages(cand.experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
+                         cap_rows)
+    st.update(ex)
+    comb = combine_cost(cand.backend, case)
+    st["combine"] = comb.us
+    st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep)
+    ar_bytes = {}
+    st["all_reduce"] = 0.0
+    if plan.needs_all_reduce:
+        st["all_reduce"], ar_bytes = collective_us(case, "all_reduce", n_rep * cfg.hidden * 2.0)
+    link = {}
+    for part in (disp.link_bytes, comb.link_bytes, ar_bytes):
+        for k, v in part.items():
+            link[k] = link.get(k, 0.0) + v
+    notes = {**disp.notes, **comb.notes, "tokens_in": n_in, "pairs": pairs,
+             "rows_per_expert": pairs / max(e_local, 1)}
+    if stats is not None:
+        notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
+                     imbalance=stats.imbalance)
+    mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
+    overlap = work.overlap_shared if work.overlap_shared is not None else \
+        prof.fig("sm_arch") > 0
+    return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes,
+                           overlap)
+
+
+def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
+    flops = 2.0 * n * cfg.hidden * cfg.num_experts
+    gpu = (flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
+           + n * (6.0 * cfg.hidden + 24.0 * cfg.num_experts) / (prof.fig("hbm_GBps") * 1e3))
+    return max(gpu, launch_us(prof, ROUTER_OPS[cfg.router]))
+
+
+def _expert_rows(cand, work, topo, stats, n_rep):
+    """(tokens in, pairs, expected rows per local slot) on the hottest rank."""
+    cfg, world, k = work.cfg, topo.world, work.cfg.top_k
+    if cand.form == "tp":  # every expert here, load balanced by construction
+        pairs = n_rep * k
+        return n_rep, pairs, [pairs / work.num_slots] * work.num_slots
+    hot = stats.hot_rank
+    glob = work.tokens * world  # every rank's tokens reach the experts once
+    mean_pairs = glob * stats.pairs_rank[hot]
+    pairs = finite_max(mean_pairs, mean_pairs, world)
+    scale = pairs / mean_pairs if mean_pairs else 0.0
+    slot_rows = [glob * q * scale for q in stats.slots_of(hot)]
+    if cand.form == "ep" or cand.backend in ("local", "allgather"):
+        n_in = glob  # every token visits every rank (replicated or all-gathered)
+    else:
+        h = glob * stats.hit_rank[hot]
+        n_in = finite_max(h, h * (1 - stats.hit_rank[hot]), world)
+    return n_in, pairs, slot_rows
+
+
+def _aligned(m: float, a: int) -> float:
+    """E[ceil(X / a) * a] for X ~ Poisson(m): rows a group of mean m occupies at alignment a."""
+    if a <= 1 or m <= 0:
+        return max(m, 0.0)
+    if m > 400:
+        return m + (a - 1) / 2.0
+    p, cdf, total, x = math.exp(-m), 0.0, 0.0, 0
+    while cdf < 1 - 1e-9 and x < m + 12 * math.sqrt(m) + 2 * a:
+        total += p * math.ceil(x / a) * a
+        cdf += p
+        x += 1
+        p *= m / x
+    return total
+
+
+def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k) -> float:
+    if rows <= 0:
+        return 0.0
+    recipe = "bf16" if backend == "torch" else quant.recipe  # torch computes in fp32
+    curve = prof.curve(backend, recipe, layout, n, k)
+    tflops = curve.tflops(rows / max(num_experts, 1))
+    flops_us = tr.gemm_flops(rows, n, k) / (tflops * 1e6)
+    mem_us = tr.gemm_bytes(rows, num_experts, n, k, quant) / (prof.fig("hbm_GBps") * 1e3)
+    return max(flops_us, mem_us)
+
+
+def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter, cap_rows):
+    d = cfg.hidden
+    e_local = len(slot_rows)
+    align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
+    rows = sum(_aligned(m, align) for m in slot_rows)
+    layout = "masked" if kind == "masked" else "contiguous"
+    s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, rows, e_local, 2 * inter, d),
+         "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, e_local, d, inter)}
+    aq_rows = cap_rows if kind == "masked" else rows
+    s["experts.act_quant"] = prof.kernel(experts, "act_quant").time_us(
+        tr.act_quant_bytes(aq_rows, inter, quant))
+    if kind == "tokens":
+        s["experts.permute"] = prof.kernel(experts, "permute").time_us(
+            tr.permute_bytes(n_in, pairs, d, quant))
+        s["experts.gather"] = prof.kernel(experts, "gather").time_us(
+            tr.gather_bytes(n_in, pairs, d))
+    extra = 0.0
+    if experts == "torch":  # Python loop over non-empty experts, two host syncs, dequantize
+        busy = sum(1 - math.exp(-m) for m in slot_rows)
+        for stage, ops in TORCH_OPS.items():
+            s[stage] = max(s[stage], launch_us(prof, ops) * busy)
+        extra = 2 * prof.fig("sync_us") + rows * 6.0 * d / (prof.fig("hbm_GBps") * 1e3)
+    s["experts"] = sum(s.values()) + extra
+    return s
+
+
+def _shared_us(cand, cfg, quant, prof, plan, n) -> float:
+    """The shared experts: the backend's dense path (run_dense: quantize, GEMM1, act+quant,
+    GEMM2 over every row, no permute / gather). Split like tp when it tiles, else rank 0
+    runs it whole."""
+    if not cfg.num_shared_experts:
+        return 0.0
+    _, sl = plan.shared_slice(cfg, quant)
+    width = sl[1] if sl is not None else cfg.shared_intermediate
+    d = cfg.hidden
+    us = _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, 2 * width, d)
+    us += _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, d, width)
+    us += prof.kernel(cand.experts, "act_quant").time_us(tr.act_quant_bytes(n, width, quant))
+    if cand.experts == "torch":
+        us = max(us, launch_us(prof, sum(TORCH_OPS.values())))
+    q = tr.quantize_bytes(n, d, quant)
+    return us + (prof.kernel("comm", "quantize").time_us(q) if q else 0.0)
+
+
+def _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> Memory:
+    cfg, quant, d = work.cfg, work.quant, work.cfg.hidden
+    weights = tr.expert_weight_bytes(e_local, d, inter, quant) + cfg.num_experts * d * 4.0
+    if cfg.num_shared_experts:
+        _, sl = plan.shared_slice(cfg, quant)
+        width = sl[1] if sl is not None else cfg.shared_intermediate
+        weights += 3.0 * width * d * tr.weight_bytes_per_elem(quant)
+    row = tr.act_row_bytes(d, quant)
+    ws = n_in * (row + 4.0 * d) + pairs * (row + 4.0 * inter + tr.act_row_bytes(inter, quant)
+                                           + 2.0 * d)
+    buffers = 0.0
+    world = topo.world
+    if cand.backend in HT:  # NVL (and RDMA) ring buffers: channels x peers x 256 rows
+        sms = case.sms or case.prof.comm_fit(cand.backend, topo.intra if topo.num_nodes == 1
+                                             else "rdma", "dispatch").sms or 20
+        buffers = sms / 2 * min(world, topo.gpus_per_node) * 256 * 2.0 * d
+        buffers *= 2 if topo.num_nodes > 1 else 1
+    elif cand.backend in LL:  # per slot x max tokens, dispatch + combine, double-buffered
+        buffers = 2.0 * work.num_slots * case.max_tokens * (
+            row + tr.LL_HEADER_BYTES + 2.0 * d + tr.LL_HEADER_BYTES)
+    return Memory(weights, ws, buffers)

@@ -1,0 +1,270 @@
+"""The planner: per MoE layer and per token bucket, the feasible (form, comm backend, experts
+kernel) with the lowest predicted time that fits in memory, explained in one line.
+
+    plan = plan_stack(get_preset("deepseek-v3"), QuantConfig("fp8_block"),
+                      Topology.parse("2x8"), load_profile("h200"), buckets=(128, 4096))
+    plan.layer_plans(rank, tokens)   # -> [LayerPlan] for the runtime
+
+Feasibility (`feasible`) reuses the runtime's own rules where they are pure: LayerPlan.validate
+(divisibility, quant tiling per tp shard), DeepEP's accepted hidden sizes / top-k / ranks
+(epmoe.comm.deepep constants), the registered comm backends (epmoe.comm.BACKENDS). scope
+"runtime" allows what epmoe runs today (DeepEP intranode); "model" allows every mechanism the
+cost model knows (DeepEP across nodes), for the simulator.
+Layers may differ (recorded loads, EPLB placements); a stack may mix forms: entering a
+replicated-token layer (tp, ep) from an ep_dp layer costs an all-gather, which the per-stack
+search (a shortest path over layers) charges to the later layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.parallel import FORMS, LayerPlan
+from epmoe.plan.comm_cost import BACKENDS, HT, LL, CommCase, collective_us
+from epmoe.plan.cost import EXPERTS, TOP_STAGES, Candidate, LayerPrediction, Workload, \
+    predict_layer
+from epmoe.plan.planfile import Choice, LayerEntry, Plan
+from epmoe.plan.profile import HardwareProfile
+from epmoe.plan.routing import RoutingSpec, SlotMap, routing_stats
+from epmoe.plan.topology import Topology
+
+SCOPES = ("runtime", "model")
+MEMORY_FRACTION = 0.9  # of HBM a plan may fill by default (the rest: allocator, other layers)
+
+
+def _deepep_rules():
+    from epmoe.comm.deepep import HT_RANKS, LL_HIDDEN, LL_MAX_TOPK  # pure constants
+
+    return HT_RANKS, LL_HIDDEN, LL_MAX_TOPK
+
+
+def _registered() -> frozenset:
+    from epmoe.comm import BACKENDS as REGISTERED
+
+    return frozenset(REGISTERED)
+
+
+def feasible(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology,
+             prof: HardwareProfile, num_slots: int | None = None, scope: str = "runtime",
+             available: frozenset | None = None) -> str | None:
+    """None if `cand` can run (scope runtime) or be modelled (scope model), else why not."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope ({scope!r}) must be one of {SCOPES}")
+    world, b, gpu = topo.world, cand.backend, prof.fig("sm_arch") > 0
+    if world == 1 and (cand.form != "ep_dp" or b != "local"):
+        return "one rank: every form is ep_dp/local"
+    if world > 1 and cand.form == "ep_dp" and b == "local":
+        return "ep_dp moves tokens: it needs a comm backend other than local"
+    try:
+        LayerPlan(cand.form, 0, world, b, cand.experts, num_slots).validate(cfg, quant)
+    except ValueError as exc:
+        return str(exc)
+    if scope == "runtime" and b not in (available or _registered()):
+        return f"backend {b} is not registered in epmoe.comm"
+    if b in HT + LL + ("symm-ht", "symm-ll"):
+        if not gpu:
+            return f"{b} needs CUDA GPUs"
+        if quant.recipe not in ("bf16", "fp8_block"):
+            return f"{b} carries bf16 or fp8 1x128 tokens, not {quant.recipe}"
+        if cfg.hidden % 128:
+            return f"{b} needs hidden ({cfg.hidden}) to be a multiple of 128"
+        ht_ranks, ll_hidden, ll_topk = _deepep_rules()
+        if b.startswith("symm") and topo.num_nodes > 1:
+            return f"{b} stores into peers over NVLink: one node only"
+        if b.startswith("deepep") and scope == "runtime" and (
+                topo.num_nodes > 1 or world not in ht_ranks):
+            return f"epmoe's DeepEP runs intranode at ep in {ht_ranks}, not {topo.describe()}"
+        if b in LL and (cfg.hidden not in ll_hidden or cfg.top_k > ll_topk):
+            return f"DeepEP LL takes hidden in {ll_hidden} and top_k <= {ll_topk}"
+    inter = cfg.moe_intermediate // world if cand.form == "tp" else cfg.moe_intermediate
+    why = _experts_rule(cand.experts, cfg, quant, inter, int(prof.fig("sm_arch")))
+    if why:
+        return why
+    try:  # the profile must know this candidate
+        prof.curve(cand.experts, "bf16" if cand.experts == "torch" else quant.recipe,
+                   "contiguous", 2 * inter, cfg.hidden)
+        if b in HT + LL or b.startswith("symm"):
+            for cls in {topo.intra} | ({"rdma"} if topo.num_nodes > 1 else set()):
+                prof.comm_fit(b, cls, "dispatch")
+    except KeyError as exc:
+        return str(exc).strip('"')
+    return None
+
+
+def _experts_rule(experts: str, cfg: MoEConfig, quant: QuantConfig, inter: int,
+                  arch: int) -> str | None:
+    """Mirrors the pure part of experts/{triton,deepgemm}_experts.py `supports` (those
+    methods also probe the device, so the planner cannot call them without one)."""
+    if experts == "torch":
+        return None
+    if arch == 0:
+        return f"{experts} experts need a CUDA GPU" + (
+            " (Triton's CPU interpreter is for tests)" if experts == "triton" else "")
+    try:
+        quant.check_shapes(cfg, inter)
+    except ValueError as exc:
+        return str(exc)
+    if experts == "deepgemm":
+        if arch < 90:
+            return f"DeepGEMM needs SM90 or newer, profile is SM{arch}"
+        if quant.recipe in ("mxfp8", "w4a8_mxfp4") and arch < 100:
+            return f"recipe {quant.recipe} needs DeepGEMM's SM100 kernels"
+        if quant.recipe == "fp8_block" and arch >= 100 and quant.scale_fmt == "fp32":
+            return "SM100 DeepGEMM reads UE8M0 scales: use scale_fmt ue8m0_fp32/ue8m0_packed"
+        if quant.recipe == "fp8_block" and arch < 100 and quant.scale_fmt == "ue8m0_packed":
+            return "packed UE8M0 scales are SM100-only"
+        if cfg.hidden % 128 or inter % 128:
+            return f"DeepGEMM needs hidden ({cfg.hidden}) and intermediate ({inter}) % 128 == 0"
+    return None
+
+
+def candidates(world: int, forms=None, backends=None, experts=None) -> list[Candidate]:
+    out = []
+    for form in forms or FORMS:
+        for b in ("local",) if form != "ep_dp" else (backends or BACKENDS):
+            if form != "ep_dp" and backends and "local" not in backends and world > 1:
+                continue
+            for e in experts or EXPERTS:
+                out.append(Candidate(form, b, e))
+    return out
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One layer at one bucket: feasible predictions, fastest first, and what was rejected."""
+
+    preds: tuple[LayerPrediction, ...]
+    rejected: tuple[tuple[str, str], ...]
+
+
+def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num_layers: int,
+               scope: str = "runtime", available=None, budget_bytes: float | None = None,
+               stats=None) -> Ranked:
+    """Every candidate of `cands` for one layer: feasible ones predicted and ranked (stats:
+    routing statistics, computed once here when not given)."""
+    budget = budget_bytes if budget_bytes is not None else \
+        MEMORY_FRACTION * prof.fig("hbm_GiB") * 2**30
+    preds, rejected = [], []
+    for c in cands:
+        why = feasible(c, work.cfg, work.quant, topo, prof, work.num_slots, scope, available)
+        if why is None:
+            if stats is None and c.form != "tp":
+                stats = routing_stats(work.cfg, work.routing, topo.world, topo.gpus_per_node,
+                                      work.slots)
+            try:
+                p = predict_layer(c, work, topo, prof, stats)
+            except KeyError as exc:  # the profile lacks a fit this candidate needs
+                rejected.append((c.label, str(exc).strip('"')))
+                continue
+            m = p.memory
+            need = m.weights * num_layers + m.workspace + m.buffers
+            if need > budget:
+                why = f"needs {need / 2**30:.1f} GiB per rank, budget {budget / 2**30:.1f} GiB"
+            else:
+                preds.append(p)
+        if why is not None:
+            rejected.append((c.label, why))
+    preds.sort(key=lambda p: p.total_us)
+    return Ranked(tuple(preds), tuple(rejected))
+
+
+def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) -> str:
+    """One line: how the pick beats the runner-up, and the stage that separates them."""
+    if runner is None:
+        extra = f" ({len(rejected)} rejected, e.g. {rejected[0][0]}: {rejected[0][1]})" \
+            if rejected else ""
+        return f"the only feasible candidate{extra}"
+    gap = max(TOP_STAGES, key=lambda k: abs(runner.stages_us[k] - best.stages_us[k]))
+    pct = 100 * (runner.total_us / best.total_us - 1)
+    head = f"beats {runner.candidate.label} {runner.total_us / 1e3:.3f} ms by {pct:.0f}%"
+    if abs(runner.stages_us[gap] - best.stages_us[gap]) < 0.005 * best.total_us:
+        return f"{head}: a tie (stages within 0.5%)"
+    return f"{head}: {gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us"
+
+
+def transition_us(prev: str | None, form: str, case: CommCase) -> float:
+    """The runtime's "relayout" stage entering a `form` layer after a `prev` one: ep_dp ->
+    tp/ep all-gathers every rank's bf16 rows; replicated -> ep_dp takes a slice (free)."""
+    if prev == "ep_dp" and form != "ep_dp":
+        return collective_us(case, "all_gather", case.tokens * case.cfg.hidden * 2.0)[0]
+    return 0.0
+
+
+def _runner_up(ranked: Ranked, best: LayerPrediction) -> LayerPrediction | None:
+    return next((p for p in ranked.preds if p.candidate != best.candidate), None)
+
+
+def plan_stack(cfg: MoEConfig, quant: QuantConfig, topo: Topology, prof: HardwareProfile,
+               buckets, *, num_layers: int | None = None, routing="uniform", loads_LE=None,
+               placement=None, redundant_experts: int = 0, scope: str = "runtime",
+               forms=None, backends=None, experts=None, available=None,
+               memory_GiB: float | None = None, model: str | None = None) -> Plan:
+    """Plan every MoE layer for every bucket (tokens per rank). loads_LE: per-layer recorded
+    expert loads (else `routing` for all layers); placement: EPLB placement (anything with
+    phy2log [L][slots]); redundant_experts without a placement: slot s holds expert s % E."""
+    buckets = tuple(sorted({int(b) for b in buckets}))
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"buckets ({buckets}) must be positive token counts per rank")
+    layers = num_layers or cfg.num_moe_layers
+    e = cfg.num_experts
+    budget = None if memory_GiB is None else memory_GiB * 2**30
+    cands = candidates(topo.world, forms, backends, experts)
+    cache: dict = {}
+    stats_cache: dict = {}  # routing statistics do not depend on the token count
+    entries: list[list[tuple[int, Choice]]] = [[] for _ in range(layers)]
+    num_slots = e + redundant_experts
+    for tokens in buckets:
+        per_layer = []
+        for l in range(layers):
+            spec = RoutingSpec.parse(routing) if loads_LE is None else \
+                RoutingSpec.from_load(loads_LE[l])
+            slots = SlotMap.from_placement(placement, l) if placement is not None else \
+                SlotMap(tuple(s % e for s in range(num_slots))) if redundant_experts else None
+            if slots is not None:
+                num_slots = slots.num_slots
+            key = (spec, slots)
+            if key not in cache:
+                work = Workload(cfg, quant, tokens, spec, slots)
+                if key not in stats_cache:
+                    stats_cache[key] = routing_stats(cfg, spec, topo.world, topo.gpus_per_node,
+                                                     slots)
+                cache[key] = (work, rank_layer(work, topo, prof, cands, layers, scope,
+                                               available, budget, stats_cache[key]))
+            per_layer.append(cache[key])
+        cache.clear()
+        for l, choice in enumerate(_best_path(per_layer, topo, prof)):
+            entries[l].append((tokens, choice))
+    return Plan(model or cfg.name, quant, topo.to_dict(), prof.name, num_slots, buckets,
+                tuple(LayerEntry(l, tuple(c)) for l, c in enumerate(entries)), scope)
+
+
+def _best_path(per_layer, topo, prof) -> list[Choice]:
+    """Shortest path over layers: node cost = layer time, edge cost = layout transition."""
+    for l, (work, ranked) in enumerate(per_layer):
+        if not ranked.preds:
+            first = "; ".join(f"{c}: {w}" for c, w in ranked.rejected[:3])
+            raise ValueError(f"layer {l}: no candidate is feasible on {topo.describe()} "
+                             f"({first}); change --topology, --quant or the memory budget")
+    case = CommCase(per_layer[0][0].cfg, per_layer[0][0].quant, topo, prof, None,
+                    per_layer[0][0].tokens, per_layer[0][0].tokens)
+    best = {p.candidate: (p.total_us, [p]) for p in per_layer[0][1].preds}
+    for _, ranked in per_layer[1:]:
+        nxt = {}
+        for p in ranked.preds:
+            nxt[p.candidate] = min(
+                ((cost + transition_us(prev.form, p.candidate.form, case) + p.total_us,
+                  path + [p]) for prev, (cost, path) in best.items()), key=lambda x: x[0])
+        best = nxt
+    _, path = min(best.values(), key=lambda x: x[0])
+    out, prev = [], None
+    for (_, ranked), p in zip(per_layer, path):
+        tr = transition_us(prev, p.candidate.form, case)
+        r = _runner_up(ranked, p)
+        out.append(Choice(p.candidate.form, p.candidate.backend, p.candidate.experts,
+                          p.total_us + tr, {**p.stages_us, "relayout": tr},
+                          explain(p, r, ranked.rejected),
+                          None if r is None else r.candidate.label,
+                          None if r is None else r.total_us, tr))
+        prev = p.candidate.form
+    return out

@@ -1,0 +1,299 @@
+"""Hardware profiles: the measured or spec-derived figures the cost model reads.
+
+A `HardwareProfile` holds, for one GPU kind (or the CPU):
+- `device`: SMs, HBM bandwidth and size, peak FP8 / BF16 / FP32 TFLOPS, per-op launch and
+  host-sync costs (`Figure`s);
+- `gemm`: grouped-GEMM throughput curves, TFLOPS vs rows per expert, per experts backend,
+  recipe, layout and (N, K) (`GemmCurve`);
+- `kernels`: the bandwidth kernels (permute, gather, act_quant) as alpha-beta fits per
+  experts backend, and the comm side's activation quantizer under "comm" (`AlphaBeta`:
+  t = alpha + bytes / beta);
+- `comm`: per comm backend, per link class, dispatch and combine fits (`LinkFit`: alpha, beta
+  on a reference link, optional per-SM rate and SM count, count-exchange cost);
+- `collectives`: all_reduce / all_gather / reduce_scatter / all_to_all per link class
+  (`LinkFit`, beta = NCCL bus bandwidth).
+Every figure and fit carries a `Provenance`: `measured` (machine, date, command), `spec`
+(the data sheet), `derived` (computed from other figures: says how), `inherited` (copied
+from another profile because this machine could not measure it) or `estimate` (a stated
+modelling assumption, to be replaced by a measurement).
+
+Profiles are JSON (`save` / `load`); the shipped ones live in `epmoe/plan/profiles/` and are
+loaded by name (`load_profile("h200")`) or path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Mapping
+
+Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
+SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
+SCHEMA = 1
+DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
+                  "peak_tflops_fp32", "launch_us", "sync_us")
+KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """source: one of SOURCES; note: machine+date+command, the data sheet, the derivation or
+    the assumption."""
+
+    source: Source
+    note: str
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"provenance source ({self.source!r}) must be one of {SOURCES}")
+        if not self.note:
+            raise ValueError("provenance note is empty: say where the number comes from")
+
+    def inherit(self, frm: str) -> "Provenance":
+        return Provenance("inherited", f"from profile {frm}: {self.source}: {self.note}")
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    prov: Provenance
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """t_us = alpha_us + bytes / (beta_GBps * 1e3)."""
+
+    alpha_us: float
+    beta_GBps: float
+    prov: Provenance
+
+    def time_us(self, nbytes: float) -> float:
+        return self.alpha_us + nbytes / (self.beta_GBps * 1e3)
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """One comm path on one link class (one direction of a backend, or a collective).
+
+    alpha_us     fixed cost per call (launch, signalling), excluding the count exchange
+    beta_GBps    asymptotic bandwidth measured on a link of `link_GBps` nominal per direction
+                 (it scales with the topology's link: beta * link / link_GBps)
+    per_sm_GBps  SM-driven copy rate per SM given to comm (None: not SM-limited)
+    sms          SMs the backend takes by default (None: not SM-driven, or all of them)
+    count_us     count/layout exchange per call when the layout is not cached (0: none)
+    """
+
+    alpha_us: float
+    beta_GBps: float
+    link_GBps: float
+    prov: Provenance
+    per_sm_GBps: float | None = None
+    sms: int | None = None
+    count_us: float = 0.0
+
+    def bandwidth_GBps(self, link_GBps: float, sms: int | None = None) -> float:
+        """Usable bandwidth on a link of `link_GBps` with `sms` SMs (default: self.sms)."""
+        bw = self.beta_GBps * link_GBps / self.link_GBps
+        n = self.sms if sms is None else sms
+        if self.per_sm_GBps is not None and n is not None:
+            bw = min(bw, n * self.per_sm_GBps)
+        return bw
+
+
+@dataclass(frozen=True)
+class GemmCurve:
+    """Grouped-GEMM throughput of one backend/recipe/layout at one (N, K): points are
+    (rows per expert m, TFLOPS), m ascending. Between points: linear in log m; outside them
+    TFLOPS stays at the nearest point's value. Small m is weight-read bound: the caller
+    takes max(FLOPs / TFLOPS, bytes / HBM), so the HBM floor sets the time there."""
+
+    backend: str
+    recipe: str
+    layout: str
+    n: int
+    k: int
+    points: tuple[tuple[float, float], ...]
+    prov: Provenance
+
+    def __post_init__(self):
+        pts = tuple((float(m), float(t)) for m, t in self.points)
+        if not pts or any(m <= 0 or t <= 0 for m, t in pts):
+            raise ValueError(f"GEMM curve {self.key} needs points (m > 0, TFLOPS > 0), got "
+                             f"{self.points}")
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"GEMM curve {self.key}: m must increase, got {pts}")
+        object.__setattr__(self, "points", pts)
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.recipe}/{self.layout}/{self.n}x{self.k}"
+
+    def tflops(self, m: float) -> float:
+        pts = self.points
+        if m <= pts[0][0]:
+            return pts[0][1]
+        if m >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_left([p[0] for p in pts], m)
+        (m0, t0), (m1, t1) = pts[i - 1], pts[i]
+        f = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
+        return t0 + f * (t1 - t0)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """gpu: the GPU kind (topology.LINK_SPECS key: h200, b200, cpu, ...); device["sm_arch"]:
+    compute capability x 10 (90 Hopper, 100 Blackwell; 0 for the CPU)."""
+
+    name: str
+    gpu: str
+    description: str
+    device: Mapping[str, Figure]
+    gemm: tuple[GemmCurve, ...] = ()
+    kernels: Mapping[str, Mapping[str, AlphaBeta]] = field(default_factory=dict)
+    comm: Mapping[str, Mapping[str, Mapping[str, LinkFit]]] = field(default_factory=dict)
+    collectives: Mapping[str, Mapping[str, LinkFit]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        missing = [f for f in DEVICE_FIGURES if f not in self.device]
+        if missing:
+            raise ValueError(f"profile {self.name!r} lacks device figures {missing}")
+        object.__setattr__(self, "gemm", tuple(self.gemm))
+
+    # ------------------------------------------------------------------ lookups
+    def fig(self, name: str) -> float:
+        return self.device[name].value
+
+    def curve(self, backend: str, recipe: str, layout: str, n: int, k: int) -> GemmCurve:
+        """The curve of (backend, recipe, layout) nearest to (n, k) in log space; a masked
+        layout falls back to the contiguous curves, a recipe to bf16 / fp8_block."""
+        for lay in dict.fromkeys((layout, "contiguous")):
+            for rec in dict.fromkeys((recipe, "fp8_block" if recipe != "bf16" else "bf16")):
+                cands = [c for c in self.gemm
+                         if (c.backend, c.recipe, c.layout) == (backend, rec, lay)]
+                if cands:
+                    return min(cands, key=lambda c: abs(math.log(c.n / n)) +
+                               abs(math.log(c.k / k)))
+        have = sorted({f"{c.backend}/{c.recipe}" for c in self.gemm})
+        raise KeyError(f"profile {self.name!r} has no GEMM curve for {backend}/{recipe} "
+                       f"(has {have}); calibrate on a machine that runs it")
+
+    def kernel(self, experts: str, name: str) -> AlphaBeta:
+        """experts: an experts backend, or "comm" for the dispatch-side quantizer."""
+        table = self.kernels.get(experts, {})
+        if name not in table:
+            raise KeyError(f"profile {self.name!r} has no {name!r} kernel fit for {experts!r}")
+        return table[name]
+
+    def comm_fit(self, backend: str, link: str, direction: str) -> LinkFit:
+        try:
+            return self.comm[backend][link][direction]
+        except KeyError:
+            raise KeyError(f"profile {self.name!r} has no {backend} {direction} fit on "
+                           f"{link} (has {sorted(self.comm)})") from None
+
+    def collective(self, name: str, link: str) -> LinkFit:
+        try:
+            return self.collectives[name][link]
+        except KeyError:
+            raise KeyError(f"profile {self.name!r} has no {name} fit on {link}") from None
+
+    def provenance_counts(self) -> dict[str, int]:
+        """How many figures/fits come from each source (the report's one-line summary)."""
+        out = dict.fromkeys(SOURCES, 0)
+        for p in _walk_provenance(to_dict(self)):
+            out[p] += 1
+        return out
+
+    def replace(self, **kw) -> "HardwareProfile":
+        return replace(self, **kw)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=1, sort_keys=False) + "\n"
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def _walk_provenance(d):
+    if isinstance(d, dict):
+        if "source" in d and "note" in d and d["source"] in SOURCES:
+            yield d["source"]
+        for v in d.values():
+            yield from _walk_provenance(v)
+    elif isinstance(d, (list, tuple)):
+        for v in d:
+            yield from _walk_provenance(v)
+
+
+def to_dict(p: HardwareProfile) -> dict:
+    return {"schema": SCHEMA, **asdict(p)}
+
+
+def _prov(d) -> Provenance:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"provenance must be {{'source': ..., 'note': ...}}, got {d!r}")
+    return Provenance(d["source"], d["note"])
+
+
+def _linkfit(d) -> LinkFit:
+    return LinkFit(float(d["alpha_us"]), float(d["beta_GBps"]), float(d["link_GBps"]),
+                   _prov(d["prov"]), None if d.get("per_sm_GBps") is None
+                   else float(d["per_sm_GBps"]), d.get("sms"), float(d.get("count_us", 0.0)))
+
+
+def from_dict(d: Mapping) -> HardwareProfile:
+    if d.get("schema") != SCHEMA:
+        raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA}; regenerate it "
+                         f"with python -m epmoe.bench.calibrate")
+    try:
+        return HardwareProfile(
+            name=d["name"], gpu=d["gpu"], description=d["description"],
+            device={k: Figure(float(v["value"]), _prov(v["prov"]))
+                    for k, v in d["device"].items()},
+            gemm=tuple(GemmCurve(c["backend"], c["recipe"], c["layout"], int(c["n"]),
+                                 int(c["k"]), tuple(tuple(p) for p in c["points"]),
+                                 _prov(c["prov"])) for c in d.get("gemm", ())),
+            kernels={b: {k: AlphaBeta(float(v["alpha_us"]), float(v["beta_GBps"]),
+                                      _prov(v["prov"])) for k, v in t.items()}
+                     for b, t in d.get("kernels", {}).items()},
+            comm={b: {l: {dr: _linkfit(f) for dr, f in t.items()} for l, t in lt.items()}
+                  for b, lt in d.get("comm", {}).items()},
+            collectives={c: {l: _linkfit(f) for l, f in t.items()}
+                         for c, t in d.get("collectives", {}).items()})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"profile {d.get('name', '?')!r} is malformed: missing or bad "
+                         f"{exc}") from None
+
+
+def shipped_profiles() -> list[str]:
+    root = resources.files("epmoe.plan") / "profiles"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(spec) -> HardwareProfile:
+    """A HardwareProfile, a shipped profile's name (h200, h100, h800, b200, gb200, cpu) or a
+    path to a JSON file."""
+    if isinstance(spec, HardwareProfile):
+        return spec
+    s = str(spec)
+    path = Path(s)
+    if not s.endswith(".json") and not path.is_file():
+        root = resources.files("epmoe.plan") / "profiles" / f"{s.lower()}.json"
+        if not root.is_file():
+            raise ValueError(f"profile {s!r} is neither a shipped profile "
+                             f"({', '.join(shipped_profiles())}) nor a JSON file")
+        return from_dict(json.loads(root.read_text()))
+    if not path.is_file():
+        raise ValueError(f"profile file {s!r} does not exist; write one with python -m "
+                         f"epmoe.bench.calibrate --out {s}")
+    try:
+        return from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile file {s!r} is not JSON: {exc}") from None

@@ -1,0 +1,70 @@
+"""Bytes and FLOPs of each piece of one MoE layer: the one place these counts live.
+
+The cost model divides them by the profile's fitted bandwidths; calibrate divides measured
+times by the same counts to fit those bandwidths, so a fit and its use can never disagree.
+Row counts: N tokens in, P (token, expert) pairs that land on this rank, M = P rounded up per
+expert to the GEMM's alignment. D hidden, I intermediate per expert (per tp shard).
+"""
+
+from __future__ import annotations
+
+from epmoe.config import QuantConfig
+
+SCALE_BYTES = 4  # fp32 scale per group on the wire (UE8M0 travels as fp32 too: comm/wire.py)
+LL_HEADER_BYTES = 16  # DeepEP low-latency message header per (token, expert)
+
+
+def act_row_bytes(d: int, quant: QuantConfig) -> float:
+    """One activation row as quantized for the wire / the GEMM: data + scales."""
+    if quant.recipe == "bf16":
+        return 2.0 * d
+    return d + d / quant.act_group * SCALE_BYTES
+
+
+def weight_bytes_per_elem(quant: QuantConfig) -> float:
+    """Stored weight bytes per element, scales included."""
+    if quant.recipe == "bf16":
+        return 2.0
+    if quant.recipe == "fp8_block":
+        return 1.0 + SCALE_BYTES / (128 * 128)
+    if quant.recipe == "mxfp8":
+        return 1.0 + 1 / 32
+    return 0.5 + 1 / 32  # w4a8_mxfp4: e2m1 two per byte, e8m0 per 32
+
+
+def gemm_flops(m_rows: float, n: int, k: int) -> float:
+    return 2.0 * m_rows * n * k
+
+
+def gemm_bytes(m_rows: float, num_experts: int, n: int, k: int, quant: QuantConfig) -> float:
+    """Weights of every expert read once, activations in, bf16 out."""
+    return (num_experts * n * k * weight_bytes_per_elem(quant) + m_rows * act_row_bytes(k, quant)
+            + m_rows * n * 2.0)
+
+
+def permute_bytes(n_tokens: float, pairs: float, d: int, quant: QuantConfig) -> float:
+    """Each token row read once, written once per local (token, expert) pair."""
+    row = act_row_bytes(d, quant)
+    return n_tokens * row + pairs * row
+
+
+def gather_bytes(n_tokens: float, pairs: float, d: int) -> float:
+    """bf16 expert outputs read per pair, fp32 weighted sums written per token."""
+    return pairs * 2.0 * d + n_tokens * 4.0 * d
+
+
+def act_quant_bytes(rows: float, inter: int, quant: QuantConfig) -> float:
+    """bf16 GEMM1 output [rows, 2I] read, activation [rows, I] written quantized."""
+    return rows * (2.0 * 2 * inter + act_row_bytes(inter, quant))
+
+
+def quantize_bytes(n_tokens: float, d: int, quant: QuantConfig) -> float:
+    """bf16 tokens read, quantized rows written (0 for bf16: no kernel runs)."""
+    if quant.recipe == "bf16":
+        return 0.0
+    return n_tokens * (2.0 * d + act_row_bytes(d, quant))
+
+
+def expert_weight_bytes(num_experts: int, d: int, inter: int, quant: QuantConfig) -> float:
+    """w13 [E, 2I, D] and w2 [E, D, I]."""
+    return num_experts * 3.0 * inter * d * weight_bytes_per_elem(quant)

@@ -1,0 +1,1 @@
+"""Scaling simulator: the planner's cost model over sweeps of models, GPUs and scales."""

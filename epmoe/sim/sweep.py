@@ -1,0 +1,178 @@
+"""A scaling sweep: a file (JSON or TOML) -> rows of predicted step time, comm share and bytes.
+
+    model = "deepseek-v3"            # preset
+    quant = "fp8_block"
+    gpus = ["h800", "h200", "b200"]  # shipped profiles (or profile JSON files)
+    ep = [8, 16, 32, 64, 128, 256]   # ranks
+    gpus_per_node = 8                # or a table per GPU: {gb200 = 72, default = 8}
+    tokens = [128, 4096]             # per rank: the LL (decode) and HT (prefill) regimes
+    routing = ["uniform", "zipf:1.0"]
+    redundant_per_rank = [0, 1]      # EPLB: extra slots per rank, placed by epmoe.eplb
+    candidates = []                  # extra fixed "form/backend/experts" rows besides the pick
+    scope = "model"                  # model: every mechanism; runtime: what epmoe runs today
+
+Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike)
+and reports the pick; a step is the layer time x the preset's MoE layers. A node holds
+gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink domain of 72).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epmoe.config import QuantConfig, get_preset
+from epmoe.plan.cost import Candidate, Workload, predict_layer
+from epmoe.plan.planner import candidates, rank_layer
+from epmoe.plan.profile import load_profile
+from epmoe.plan.routing import RoutingSpec, SlotMap, routing_stats
+from epmoe.plan.topology import Topology
+
+KEYS = {"name", "model", "quant", "scale_fmt", "gpus", "ep", "gpus_per_node", "tokens",
+        "routing", "redundant_per_rank", "candidates", "scope", "layers"}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str = "sweep"
+    model: str = "deepseek-v3"
+    quant: str = "fp8_block"
+    scale_fmt: str | None = None
+    gpus: tuple = ("h800", "h200", "b200")
+    ep: tuple = (8, 16, 32, 64, 128, 256)
+    gpus_per_node: dict = field(default_factory=lambda: {"default": 8, "gb200": 72})
+    tokens: tuple = (128, 4096)
+    routing: tuple = ("uniform",)
+    redundant_per_rank: tuple = (0,)
+    candidates: tuple = ()
+    scope: str = "model"
+    layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sweep":
+        extra = set(d) - KEYS
+        if extra:
+            raise ValueError(f"sweep has unknown keys {sorted(extra)}; allowed: {sorted(KEYS)}")
+        kw = dict(d)
+        for k in ("gpus", "ep", "tokens", "routing", "redundant_per_rank", "candidates"):
+            if k in kw:
+                v = kw[k]
+                kw[k] = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+        g = kw.get("gpus_per_node")
+        if g is not None and not isinstance(g, dict):
+            kw["gpus_per_node"] = {"default": int(g)}
+        s = cls(**kw)
+        s.check()
+        return s
+
+    @classmethod
+    def load(cls, path) -> "Sweep":
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"sweep file {str(p)!r} does not exist")
+        try:
+            d = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"sweep file {str(p)!r} does not parse: {exc}") from None
+        return cls.from_dict(d)
+
+    def check(self) -> None:
+        get_preset(self.model)
+        if not self.ep or any(not isinstance(e, int) or e < 1 for e in self.ep):
+            raise ValueError(f"sweep ep ({self.ep}) must be positive ints")
+        if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
+            raise ValueError(f"sweep tokens ({self.tokens}) must be positive ints")
+        for r in self.routing:
+            RoutingSpec.parse(r)
+        for c in self.candidates:
+            _candidate(c)
+        if self.scope not in ("model", "runtime"):
+            raise ValueError(f"sweep scope ({self.scope!r}) must be model or runtime")
+
+    def node_size(self, gpu: str, ep: int) -> int:
+        cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
+        return max(d for d in range(1, min(cap, ep) + 1) if ep % d == 0)
+
+
+def _candidate(text: str) -> Candidate:
+    parts = str(text).split("/")
+    if len(parts) != 3:
+        raise ValueError(f"candidate {text!r} must be form/backend/experts, e.g. "
+                         f"ep_dp/deepep-ll/deepgemm")
+    return Candidate(*parts)
+
+
+def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int) -> SlotMap:
+    """A placement of E + extra slots for the routing's expected per-expert load, by EPLB's
+    public `rebalance(weight_LE, num_replicas, num_groups, num_nodes, num_gpus, mode)` in the
+    default mode for the model and node count (any result
+    with `phy2log` [layers][slots] works: the minimal protocol of epmoe.plan.routing)."""
+    import torch
+
+    from epmoe.eplb import choose_mode, rebalance
+
+    q = routing_stats(cfg, spec, world, world // nodes).pairs_slot
+    groups = cfg.n_group if cfg.num_experts % cfg.n_group == 0 else 1
+    p = rebalance(torch.tensor([q], dtype=torch.float64), cfg.num_experts + extra, groups,
+                  nodes, world, choose_mode(cfg.n_group, cfg.topk_group, nodes).mode)
+    return SlotMap.from_placement(p, 0)
+
+
+def run(sweep: Sweep) -> list[dict]:
+    """One row per (gpu, ep, tokens, routing, redundancy) and pick (plus fixed candidates)."""
+    base = get_preset(sweep.model)
+    cfg = base if sweep.layers is None else base.replace(num_moe_layers=sweep.layers)
+    rows = []
+    for gpu in sweep.gpus:
+        prof = load_profile(gpu)
+        fmt = sweep.scale_fmt or ("ue8m0_fp32" if sweep.quant == "fp8_block"
+                                  and prof.fig("sm_arch") >= 100 else "fp32")
+        quant = QuantConfig(sweep.quant, fmt)
+        for ep in sweep.ep:
+            g = sweep.node_size(prof.gpu, ep)
+            topo = Topology(ep // g, g, prof.gpu)
+            for rspec in sweep.routing:
+                spec = RoutingSpec.parse(rspec)
+                for rpr in sweep.redundant_per_rank:
+                    slots = None
+                    if rpr:
+                        slots = _eplb_slots(cfg, spec, ep, topo.num_nodes, rpr * ep)
+                    stats = routing_stats(cfg, spec, ep, g, slots)
+                    for tokens in sweep.tokens:
+                        work = Workload(cfg, quant, tokens, spec, slots)
+                        ranked = rank_layer(work, topo, prof, candidates(ep), cfg.num_moe_layers,
+                                            sweep.scope, stats=stats)
+                        point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
+                                     routing=spec.label(), redundant=rpr * ep,
+                                     redundant_per_rank=rpr)
+                        if ranked.preds:
+                            rows.append(_row(point, "pick", ranked.preds[0], cfg))
+                        for c in sweep.candidates:
+                            p = predict_layer(_candidate(c), work, topo, prof, stats)
+                            rows.append(_row(point, "fixed", p, cfg))
+    return rows
+
+
+def _row(point: dict, kind: str, p, cfg) -> dict:
+    layer = p.total_us
+    return {**point, "kind": kind, "choice": p.candidate.label, "layer_us": layer,
+            "step_ms": layer * cfg.num_moe_layers / 1e3, "comm_share": p.comm_us / layer,
+            "nvlink_MB": p.link_bytes.get("nvlink", 0.0) / 1e6,
+            "rdma_MB": p.link_bytes.get("rdma", 0.0) / 1e6,
+            "stages_us": {k: v for k, v in p.stages_us.items() if v},
+            "imbalance": p.notes.get("imbalance", 1.0)}
+
+
+def table(rows: list[dict]) -> str:
+    """80 columns: one line per row."""
+    head = (f"{'gpu':<6}{'ep':>4}{'nod':>4}{'tok':>5} {'routing':<9}{'red':>4} "
+            f"{'choice':<25}{'step ms':>8}{'comm':>5}{'rdma MB':>8}")
+    out = [head, "-" * 80]
+    for r in rows:
+        ch = r["choice"] if r["kind"] == "pick" else "=" + r["choice"]
+        out.append(f"{r['gpu'][:6]:<6}{r['ep']:>4}{r['nodes']:>4}{r['tokens']:>5} "
+                   f"{r['routing'][:9]:<9}{r['redundant']:>4} {ch[:25]:<25}"
+                   f"{r['step_ms']:>8.1f}{100 * r['comm_share']:>4.0f}%{r['rdma_MB']:>8.1f}")
+    return "\n".join(out)

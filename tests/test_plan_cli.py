@@ -1,0 +1,43 @@
+"""`python -m epmoe.plan`: the table (80 columns), JSON, plan files, and exit 2 on bad input."""
+
+import json
+
+import pytest
+
+from epmoe.plan.__main__ import main
+from epmoe.plan.planfile import Plan
+
+
+def test_table_fits_80_columns(capsys):
+    assert main(["--model", "deepseek-v3", "--topology", "1x8", "--tokens", "128,4096",
+                 "--layers", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert "deepseek-v3" in lines[0] and "0-2" in out and "beats" in out
+
+
+def test_json_and_plan_file(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["--model", "qwen3-30b-a3b", "--topology", "2x8", "--tokens", "64",
+                 "--layers", "2", "--profile", "b200", "--json", "--out", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["buckets"] == [64] and len(doc["layers"]) == 2
+    plan = Plan.load(path)
+    assert plan.world == 16 and plan.profile == "b200"
+    assert plan.quant.scale_fmt == "ue8m0_fp32"  # SM100 DeepGEMM reads UE8M0 scales
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--topology", "2y8"], "NODESxGPUS"),
+    (["--tokens", "12,abc"], "comma-separated"),
+    (["--model", "gpt-9"], "unknown preset"),
+    (["--profile", "h9000"], "neither a shipped profile"),
+    (["--routing", "pareto:1"], "routing"),
+    (["--forms", "tp,dp"], "--forms"),
+    (["--layers", "0"], "--layers"),
+])
+def test_bad_input_exits_2_with_one_line(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1

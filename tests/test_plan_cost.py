@@ -1,0 +1,194 @@
+"""The cost model's arithmetic on synthetic profiles, the routing statistics against direct
+computation, and the stage names against the runtime's StageTimer names."""
+
+import itertools
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.plan.comm_cost import CommCase, dispatch_cost
+from epmoe.plan.cost import STAGES, Candidate, Workload, _aligned, predict_layer
+from epmoe.plan.routing import (RoutingSpec, SlotMap, finite_max, hit_probability_uniform,
+                                routing_stats)
+from epmoe.plan.synthetic import synthetic_profile
+from epmoe.plan.topology import Link, Topology
+
+CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
+                num_moe_layers=2)
+BF16 = QuantConfig("bf16")
+
+
+def topo(nodes=1, g=4, nvl=100.0, rdma=10.0):
+    return Topology(nodes, g, "h200", links={"nvlink": Link("nvlink", nvl, 0.0),
+                                              "rdma": Link("rdma", rdma, 0.0)})
+
+
+def test_stage_names_are_the_runtimes():
+    """Every predicted stage is a StageTimer name used in epmoe/ (and vice versa)."""
+    root = Path(__file__).parents[1] / "epmoe"
+    used = set()
+    for f in root.rglob("*.py"):
+        if f.relative_to(root).parts[0] in ("plan", "sim"):
+            continue
+        used |= set(re.findall(r'(?<!_)stage\("([a-z_.0-9]+)"\)', f.read_text()))
+        used |= {"experts." + s for s in re.findall(r'_stage\("([a-z_0-9]+)"\)', f.read_text())}
+    assert set(STAGES) == used
+
+
+@pytest.mark.parametrize("e,g,k", [(8, 4, 2), (8, 2, 3), (12, 3, 4), (6, 6, 2)])
+def test_fan_out_closed_form_vs_enumeration(e, g, k):
+    subsets = list(itertools.combinations(range(e), k))
+    ranks = sum(len({x // (e // g) for x in s}) for s in subsets) / len(subsets)
+    cfg = MoEConfig("f", hidden=128, moe_intermediate=128, num_experts=e, top_k=k)
+    st = routing_stats(cfg, RoutingSpec(), g, g)
+    assert st.method == "closed form"
+    assert st.ranks_per_token == pytest.approx(ranks, rel=1e-12)
+    assert g * hit_probability_uniform(e, e // g, k) == pytest.approx(ranks, rel=1e-12)
+    # the Monte Carlo path (a flat recorded load) agrees within sampling error
+    mc = routing_stats(cfg, RoutingSpec.from_load([1.0] * e), g, g)
+    assert mc.method.startswith("monte carlo")
+    assert mc.ranks_per_token == pytest.approx(ranks, rel=0.03)
+
+
+def test_group_limit_bounds_the_fan_out():
+    """One group per rank, one group kept: every token's experts sit on one rank."""
+    cfg = CFG.replace(n_group=4, topk_group=1, router="sigmoid_grouped")
+    st = routing_stats(cfg, RoutingSpec(), 4, 2)
+    assert st.ranks_per_token == pytest.approx(1.0)
+    assert st.nodes_per_token == pytest.approx(1.0)
+
+
+def test_hottest_rank_load_is_the_direct_computation():
+    load = [float(i + 1) for i in range(16)]
+    slots = SlotMap(tuple(range(16)) + (15, 14, 13, 12))  # 20 slots, 4 ranks of 5
+    st = routing_stats(CFG, RoutingSpec.from_load(load), 4, 4, slots)
+    cnt = [1] * 16
+    for s in slots.phy2log[16:]:
+        cnt[s] += 1
+    q = [4 * w / sum(load) for w in load]
+    per_slot = [q[e] / cnt[e] for e in slots.phy2log]
+    direct = [sum(per_slot[r * 5:(r + 1) * 5]) for r in range(4)]
+    assert st.pairs_rank == pytest.approx(direct, rel=1e-12)
+    assert sum(st.pairs_rank) == pytest.approx(4.0)
+    assert st.hot_rank == max(range(4), key=direct.__getitem__)
+
+
+def test_eplb_replicas_lower_the_hottest_rank():
+    prof = synthetic_profile()
+    spec = RoutingSpec("zipf", 1.2)
+    plain = routing_stats(CFG, spec, 4, 4)
+    hot = max(range(16), key=lambda e: plain.pairs_slot[e])
+    # replicate the hottest expert on every other rank (4 extra slots, 5 per rank)
+    order = [e for e in range(16)]
+    rows = [order[r * 4:(r + 1) * 4] for r in range(4)]
+    phy = tuple(x for r in range(4) for x in rows[r] + [hot])
+    rep = routing_stats(CFG, spec, 4, 4, SlotMap(phy))
+    assert max(rep.pairs_rank) < max(plain.pairs_rank)
+    w = Workload(CFG, BF16, 256, spec)
+    c = Candidate("ep_dp", "deepep-ht", "triton")
+    t0 = predict_layer(c, w, topo(), prof, plain).stages_us["experts.gemm1"]
+    t1 = predict_layer(c, Workload(CFG, BF16, 256, spec, SlotMap(phy)), topo(), prof,
+                       rep).stages_us["experts.gemm1"]
+    assert t1 < t0
+
+
+def test_doubling_link_bandwidth_halves_the_link_term():
+    prof = synthetic_profile()  # alpha 0, no SM limit, free quantize and launches
+    st = routing_stats(CFG, RoutingSpec(), 8, 4)
+    for backend, t in (("deepep-ht", topo(2, 4)), ("deepep-ll", topo(2, 4)),
+                       ("deepep-ht", topo(1, 4))):
+        s = st if t.world == 8 else routing_stats(CFG, RoutingSpec(), 4, 4)
+        a = dispatch_cost(backend, CommCase(CFG, BF16, t, prof, s, 64, 64, reuse_layout=True))
+        fast = t.with_link("nvlink", GBps=200.0).with_link("rdma", GBps=20.0)
+        b = dispatch_cost(backend, CommCase(CFG, BF16, fast, prof, s, 64, 64,
+                                            reuse_layout=True))
+        assert a.kernel_us > 0 and b.kernel_us == pytest.approx(a.kernel_us / 2, rel=1e-12)
+
+
+def test_ht_dedups_per_rank_and_ll_sends_per_pair():
+    """Intranode bytes: HT sends T x (ranks per token - own) rows, LL T x k x (G-1)/G."""
+    prof = synthetic_profile()
+    t = topo(1, 4)
+    st = routing_stats(CFG, RoutingSpec(), 4, 4)
+    tokens = 128
+    ht = dispatch_cost("deepep-ht", CommCase(CFG, BF16, t, prof, st, tokens, tokens))
+    row = 2 * CFG.hidden + CFG.top_k * 8
+    h = hit_probability_uniform(16, 4, 4)
+    assert ht.link_bytes["nvlink"] == pytest.approx(tokens * 3 * h * row, rel=1e-12)
+    ll = dispatch_cost("deepep-ll", CommCase(CFG, BF16, t, prof, st, tokens, tokens))
+    assert ll.link_bytes["nvlink"] == pytest.approx(tokens * 4 * 3 / 4 * (2 * 256 + 16),
+                                                    rel=1e-12)
+
+
+def test_sms_limit_the_bandwidth_until_the_link_saturates():
+    t = topo(1, 4)
+    st = routing_stats(CFG, RoutingSpec(), 4, 4)
+    us = []
+    for sms in (1, 2, 4, 1000, 2000):
+        prof = synthetic_profile(per_sm_GBps=10.0, sms=sms)
+        us.append(dispatch_cost("deepep-ht", CommCase(CFG, BF16, t, prof, st, 256, 256,
+                                                      reuse_layout=True)).kernel_us)
+    assert us[1] == pytest.approx(us[0] / 2) and us[2] == pytest.approx(us[0] / 4)
+    assert us[3] == pytest.approx(us[4])  # 100 GB/s of link reached: more SMs do not help
+
+
+def test_gemm_time_is_flops_over_the_curve():
+    prof = synthetic_profile(tflops={"torch": 100.0})  # the reference: no row alignment
+    w = Workload(CFG, BF16, 512)
+    p = predict_layer(Candidate("tp", "local", "torch"), w, topo(1, 1), prof)
+    rows = 512 * 4
+    assert p.stages_us["experts.gemm1"] == pytest.approx(2 * rows * 256 * 256 / 100e6)
+    assert p.stages_us["experts.gemm2"] == pytest.approx(2 * rows * 256 * 128 / 100e6)
+    assert p.stages_us["experts"] >= p.stages_us["experts.gemm1"] + p.stages_us["experts.gemm2"]
+    assert p.total_us == pytest.approx(sum(p.stages_us[s] for s in (
+        "router", "dispatch", "experts", "combine", "shared", "all_reduce")))
+
+
+def test_tp_is_immune_to_skew_and_ep_is_not():
+    prof = synthetic_profile()
+    t = topo(1, 4)
+    res = {}
+    for form, backend in (("tp", "local"), ("ep", "local")):
+        for spec in ("uniform", "zipf:1.5"):
+            w = Workload(CFG, BF16, 256, spec)
+            res[form, spec] = predict_layer(Candidate(form, backend, "triton"), w, t,
+                                            prof).stages_us["experts"]
+    assert res["tp", "zipf:1.5"] == pytest.approx(res["tp", "uniform"])
+    assert res["ep", "zipf:1.5"] > 1.5 * res["ep", "uniform"]
+
+
+def test_aligned_rows_are_a_poisson_expectation():
+    assert _aligned(37.0, 1) == 37.0
+    assert _aligned(0.5, 128) == pytest.approx(128 * (1 - math.exp(-0.5)), rel=1e-9)
+    lam, a = 20.0, 16
+    direct = sum(math.exp(-lam) * lam**x / math.factorial(x) * math.ceil(x / a) * a
+                 for x in range(120))
+    assert _aligned(lam, a) == pytest.approx(direct, rel=1e-8)  # tail cut at 1e-9
+
+
+def test_shared_mlp_overlaps_on_cuda_only():
+    cfg = CFG.replace(num_shared_experts=2)
+    c = Candidate("ep_dp", "deepep-ht", "triton")
+    for arch, overlap in ((90, True), (0, False)):
+        prof = synthetic_profile(sm_arch=arch, tflops={"triton": 1.0})
+        p = predict_layer(c, Workload(cfg, BF16, 256), topo(), prof)
+        s = p.stages_us
+        assert p.overlap_shared is overlap and s["shared"] > 0
+        routed = s["dispatch"] + s["experts"] + s["combine"]
+        body = max(routed, s["shared"]) if overlap else routed + s["shared"]
+        assert p.total_us == pytest.approx(s["router"] + body + s["all_reduce"])
+        # two dense GEMMs at 1 TFLOPS (the bandwidth kernels are ~free here)
+        assert s["shared"] == pytest.approx(2 * 256 * (2 * 256 * 256 + 256 * 256) / 1e6, rel=1e-5)
+
+
+def test_finite_max_and_memory():
+    assert finite_max(100.0, 100.0, 1) == 100.0
+    assert finite_max(100.0, 100.0, 8) > finite_max(100.0, 100.0, 2) > 100.0
+    prof = synthetic_profile()
+    w = Workload(CFG, BF16, 64)
+    m4 = predict_layer(Candidate("ep_dp", "deepep-ll", "triton"), w, topo(1, 4), prof).memory
+    m2 = predict_layer(Candidate("ep_dp", "deepep-ll", "triton"), w, topo(1, 2), prof).memory
+    assert m2.weights > m4.weights and m4.buffers > 0

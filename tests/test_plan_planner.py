@@ -1,0 +1,142 @@
+"""The planner's choices on synthetic profiles where the right answer is known by
+construction; feasibility from the runtime's rules; plan files and LayerPlans."""
+
+import pytest
+
+from epmoe.config import MoEConfig, QuantConfig, get_preset
+from epmoe.parallel import LayerPlan
+from epmoe.plan.cost import Candidate
+from epmoe.plan.planfile import Plan
+from epmoe.plan.planner import feasible, plan_stack
+from epmoe.plan.profile import load_profile
+from epmoe.plan.routing import RoutingSpec
+from epmoe.plan.synthetic import synthetic_profile
+from epmoe.plan.topology import Link, Topology
+from epmoe.runtime import RunConfig
+
+CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
+                num_moe_layers=2)
+BF16 = QuantConfig("bf16")
+TOPO = Topology(1, 4, "h200", links={"nvlink": Link("nvlink", 100.0, 0.0)})
+ANY = frozenset({"local", "allgather", "all2all", "deepep-ht", "deepep-ll", "symm-ht",
+                 "symm-ll"})
+
+
+def plan(prof, buckets=(256,), **kw):
+    kw.setdefault("available", ANY)
+    return plan_stack(CFG, BF16, TOPO, prof, buckets, **kw)
+
+
+def test_free_all_reduce_and_slow_links_pick_a_replicated_form():
+    prof = synthetic_profile(all_reduce_GBps=1e9, link_eff=1e-4, collective_GBps=1e-3,
+                             nccl_extra_us=1e6)
+    c = plan(prof).layers[0].choice(256)
+    assert c.form in ("tp", "ep") and c.backend == "local"
+
+
+def test_slow_all_reduce_and_fast_links_pick_ep_dp():
+    prof = synthetic_profile(all_reduce_GBps=1e-3, link_eff=1.0)
+    c = plan(prof).layers[0].choice(256)
+    assert c.form == "ep_dp" and c.runner_up is not None
+    assert c.runner_up in c.why and f"{c.runner_up_us / 1e3:.3f} ms" in c.why
+
+
+def test_skew_moves_the_pick_from_ep_dp_to_tp():
+    """tp runs every expert on every rank (balanced whatever the routing); ep_dp waits for
+    the hottest rank. all-reduce priced between the two outcomes."""
+    prof = synthetic_profile(tflops={"triton": 1.0}, all_reduce_GBps=10.0)
+    assert plan(prof, routing="uniform").layers[0].choice(256).form == "ep_dp"
+    assert plan(prof, routing="zipf:2").layers[0].choice(256).form == "tp"
+
+
+def test_the_fastest_experts_kernel_wins():
+    prof = synthetic_profile(tflops={"torch": 1.0, "triton": 1000.0, "deepgemm": 10.0})
+    assert plan(prof).layers[0].choice(256).experts == "triton"
+
+
+def test_mixed_stack_charges_the_layout_transition():
+    prof = synthetic_profile(tflops={"triton": 1.0}, all_reduce_GBps=10.0,
+                             collective_GBps=100.0)
+    uniform = [1.0] * 16
+    skewed = list(RoutingSpec("zipf", 2.0).popularity(16))
+    p = plan(prof, loads_LE=[uniform, skewed, uniform], num_layers=3)
+    forms = [e.choice(256).form for e in p.layers]
+    assert forms == ["ep_dp", "tp", "ep_dp"]
+    trans = [e.choice(256).transition_us for e in p.layers]
+    assert trans[0] == 0 and trans[1] > 0 and trans[2] == 0  # all-gather into tp only
+    assert [e.choice(256).stages_us["relayout"] for e in p.layers] == trans
+    # the runtime runs it as a mixed stack: one LayerSpec per layer, tokens per rank
+    run = RunConfig(model="deepseek-v3-tiny", world=4, tokens=p.run_tokens(256),
+                    stack=p.stack(256), layers=3)
+    run.validate()
+    assert run.forms == ("ep_dp", "tp", "ep_dp") and run.layer_tokens(1) == 4 * 256
+    one = p.layers[1].choice(256)
+    assert one.predicted_us == pytest.approx(one.transition_us + sum(
+        one.stages_us[s] for s in ("router", "dispatch", "experts", "combine", "shared",
+                                   "all_reduce")))
+    # an expensive transition keeps the stack in one form
+    slow = synthetic_profile(tflops={"triton": 1.0}, all_reduce_GBps=10.0, collective_GBps=1.0)
+    p = plan(slow, loads_LE=[uniform, skewed, uniform], num_layers=3)
+    assert all(e.choice(256).transition_us == 0 for e in p.layers)
+
+
+def test_memory_budget_excludes_and_explains():
+    prof = synthetic_profile()
+    with pytest.raises(ValueError, match="no candidate is feasible.*GiB"):
+        plan(prof, memory_GiB=1e-6)
+    p = plan(prof, buckets=(64,), memory_GiB=0.02, forms=("ep_dp",))
+    assert p.layers[0].choice(64).backend != "deepep-ll"  # its buffers do not fit
+
+
+def test_feasibility_reuses_the_runtime_rules():
+    h200 = load_profile("h200")
+    dsv3 = get_preset("deepseek-v3")
+    fp8 = QuantConfig("fp8_block")
+    two = Topology.parse("2x8")
+    ht = Candidate("ep_dp", "deepep-ht", "deepgemm")
+    assert "intranode" in feasible(ht, dsv3, fp8, two, h200, scope="runtime", available=ANY)
+    assert feasible(ht, dsv3, fp8, two, h200, scope="model") is None
+    assert feasible(ht, dsv3, fp8, Topology.parse("1x8"), h200, available=ANY) is None
+    ll = Candidate("ep_dp", "deepep-ll", "deepgemm")
+    assert "LL takes hidden" in feasible(ll, dsv3.replace(hidden=7296), fp8,
+                                         Topology.parse("1x8"), h200, scope="model")
+    tp = Candidate("tp", "local", "deepgemm")
+    assert "divisible by tp" in feasible(tp, dsv3, fp8, Topology.parse("1x3"), h200)
+    cpu = load_profile("cpu")
+    assert "CUDA" in feasible(Candidate("ep_dp", "all2all", "triton"), CFG, BF16,
+                              Topology.parse("1x2", gpu="cpu"), cpu)
+    assert feasible(Candidate("ep_dp", "all2all", "torch"), CFG, BF16,
+                    Topology.parse("1x2", gpu="cpu"), cpu) is None
+    assert "not registered" in feasible(Candidate("ep_dp", "symm-ll", "deepgemm"), dsv3, fp8,
+                                        Topology.parse("1x8"), h200, available={"all2all"})
+
+
+def test_plan_file_round_trip_and_layer_plans(tmp_path):
+    p = plan(synthetic_profile(), buckets=(16, 256))
+    path = tmp_path / "plan.json"
+    p.save(path)
+    q = Plan.load(path)
+    assert q == p
+    lps = q.layer_plans(rank=3, tokens=100)  # -> the 256 bucket
+    assert len(lps) == CFG.num_moe_layers and all(isinstance(x, LayerPlan) for x in lps)
+    c = q.layers[0].choice(256)
+    assert (lps[0].form, lps[0].backend, lps[0].experts, lps[0].rank, lps[0].world) == \
+        (c.form, c.backend, c.experts, 3, 4)
+    assert q.layers[0].choice(1) == q.layers[0].choice(16)
+    ms = q.stages_ms(256)
+    assert ms["experts"] == pytest.approx(sum(e.choice(256).stages_us["experts"]
+                                              for e in q.layers) / 1e3)
+    top = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
+    assert sum(ms[k] for k in top) == pytest.approx(q.step_us(256) / 1e3)
+    assert q.layers[0].choice(10**6) == c  # beyond the largest bucket: the largest
+    path.write_text('{"schema": 1, "layers": []}')
+    with pytest.raises(ValueError, match="malformed"):
+        Plan.load(path)
+
+
+def test_cpu_plan_uses_what_cpu_runs():
+    cpu = load_profile("cpu")
+    p = plan_stack(get_preset("deepseek-v3-tiny"), BF16, Topology.parse("1x2", gpu="cpu"), cpu,
+                   (64,))
+    c = p.layers[0].choice(64)
+    assert c.experts == "torch" and c.backend in ("local", "all2all", "allgather")

@@ -1,0 +1,61 @@
+"""Topology: parsing, construction from per-rank node ids and JSON, and the errors."""
+
+import json
+
+import pytest
+
+from epmoe.plan.topology import LINK_SPECS, Link, Topology
+
+
+def test_parse_nodes_by_gpus():
+    t = Topology.parse("2x8", gpu="h800")
+    assert (t.num_nodes, t.gpus_per_node, t.world) == (2, 8, 16)
+    assert t.node_of_rank == tuple(r // 8 for r in range(16))
+    assert t.link("nvlink").GBps == LINK_SPECS["h800"]["nvlink"].GBps == 200.0
+    assert t.link("rdma").GBps == 50.0
+    assert Topology.parse(" 4 ").world == 4 and Topology.parse("4").num_nodes == 1
+
+
+@pytest.mark.parametrize("bad", ["2y8", "x8", "2x", "", "0x8", "2x0", "-1x2"])
+def test_parse_rejects(bad):
+    with pytest.raises(ValueError, match="NODESxGPUS|positive int"):
+        Topology.parse(bad)
+
+
+def test_from_node_ids_keeps_the_rank_map():
+    t = Topology.from_node_ids(["b", "a", "b", "a"], gpu="h200")
+    assert (t.num_nodes, t.gpus_per_node) == (2, 2)
+    assert t.node_of_rank == (0, 1, 0, 1)  # node indices in order of first appearance
+    with pytest.raises(ValueError, match="ranks per node differ"):
+        Topology.from_node_ids(["a", "a", "b"])
+    with pytest.raises(ValueError, match="empty"):
+        Topology.from_node_ids([])
+
+
+def test_json_round_trip_and_errors(tmp_path):
+    t = Topology.parse("2x4", gpu="b200").with_link("rdma", GBps=100.0)
+    p = tmp_path / "topo.json"
+    p.write_text(json.dumps(t.to_dict()))
+    u = Topology.from_json(p)
+    assert u == t and u.link("rdma").GBps == 100.0
+    assert Topology.resolve(str(p)) == t
+    p.write_text(json.dumps({"num_nodes": 2, "gpus_per_node": 4, "colour": "red"}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        Topology.from_json(p)
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        Topology.from_json(p)
+    with pytest.raises(ValueError, match="does not exist"):
+        Topology.from_json(tmp_path / "missing.json")
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match="no rdma link figures"):
+        Topology(2, 4, "mystery-gpu", links={"nvlink": Link("nvlink", 100.0, 1.0)})
+    with pytest.raises(ValueError, match="node 0 holds 3 ranks"):
+        Topology(2, 2, "h200", node_of_rank=(0, 0, 0, 1))
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link("nvlink", 0.0, 1.0)
+    with pytest.raises(ValueError, match="intra-node link"):
+        Topology(1, 2, "h200", intra="rdma")
+    assert Topology.parse("1x2", gpu="cpu").intra == "tcp"

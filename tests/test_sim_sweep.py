@@ -1,0 +1,65 @@
+"""`python -m epmoe.sim SWEEP`: a sweep file -> table, JSON, PNG plots; bad input exits 2."""
+
+import json
+
+import pytest
+
+from epmoe.sim.__main__ import main
+from epmoe.sim.sweep import Sweep, run
+
+SWEEP = """
+name = "tiny"
+model = "deepseek-v3"
+gpus = ["b200"]
+ep = [8, 16]
+tokens = [128]
+routing = ["zipf:1.0"]
+redundant_per_rank = [0, 1]
+candidates = ["ep_dp/deepep-ll/deepgemm"]
+layers = 2
+"""
+
+
+def test_sweep_file_to_table_json_and_plots(tmp_path, capsys):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP)
+    out = tmp_path / "out"
+    assert main([str(f), "--out", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in table)
+    doc = json.loads((out / "sim.json").read_text())
+    rows = doc["rows"]
+    assert len([r for r in rows if r["kind"] == "pick"]) == 2 * 2
+    assert len([r for r in rows if r["kind"] == "fixed"]) == 2 * 2
+    assert {r["nodes"] for r in rows} == {1, 2} and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["rdma_MB"] > 0 for r in rows if r["nodes"] == 2)
+    for name in ("step_time", "comm_share", "link_bytes"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        import matplotlib.image
+
+        assert matplotlib.image.imread(out / f"{name}.png").shape[2] in (3, 4)
+
+
+def test_redundancy_lowers_the_skewed_step():
+    s = Sweep.from_dict({"gpus": ["h200"], "ep": [8], "tokens": [4096], "routing":
+                         ["zipf:1.2"], "redundant_per_rank": [0, 2], "layers": 1,
+                         "candidates": ["ep_dp/deepep-ht/deepgemm"]})
+    fixed = [r for r in run(s) if r["kind"] == "fixed"]
+    plain, eplb = sorted(fixed, key=lambda r: r["redundant"])
+    assert eplb["imbalance"] < plain["imbalance"] and eplb["step_ms"] < plain["step_ms"]
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('{"ep": [8], "colour": 1}', "unknown keys"),
+    ('{"ep": [0]}', "ep"),
+    ('{"candidates": ["ep_dp/deepep"]}', "form/backend/experts"),
+    ('{"model": "nope"}', "unknown preset"),
+    ("{not json", "does not parse"),
+])
+def test_bad_sweep_exits_2(tmp_path, capsys, text, msg):
+    f = tmp_path / "bad.json"
+    f.write_text(text)
+    assert main([str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1

@@ -1,0 +1,123 @@
+"""symm-ll in the CPU loopback world (Triton interpreter).
+
+Rows land in the masked layout in atomic order, so the checks go through each row's meta word
+(source rank, token, k): every routed (token, k) appears exactly once, on its expert, holding
+exactly `quantize_act` of its token (fp8 codes and scales, or bf16); counts are exact; the
+combine equals sum_k w_k * y_k in fp32 in k order, cast once (bit for bit). Expert outputs are
+fresh random values each round; the masked region keeps the previous round's rows (poison).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.comm.symm.arena import SymmTimeoutError
+from epmoe.comm.symm.ll import SymmLowLatencyComm
+from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
+from epmoe.comm.symm.options import SymmOptions
+from epmoe.config import QuantConfig
+from epmoe.quant import quantize_act
+from test_symm_ht import CFG, MAX_T, case_inputs, on, to_cpu
+
+OPTS = SymmOptions(num_sms=1, timeout_s=1.0)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def check_masked(lw, outs, world, quant, xs, ids):
+    """-> {(src, t, k): (rank, expert, row)} after checking rows, scales and counts."""
+    e_l = CFG.num_experts // world
+    where = {}
+    for r in range(world):
+        batch, h = outs[r]
+        c = batch.x.data.shape[1]
+        assert batch.x.data.shape == (e_l, world * MAX_T, CFG.hidden)
+        meta = lw.rank(r).words("ll_meta").view(e_l, c).cpu()
+        want = torch.zeros(e_l, dtype=torch.int32)
+        for s in range(world):
+            for e in ids[s].flatten().tolist():
+                if e >= 0 and e // e_l == r:
+                    want[e - r * e_l] += 1
+        assert torch.equal(batch.counts_E, want), f"rank {r}: counts {batch.counts_E} != {want}"
+        for e in range(e_l):
+            for row in range(int(want[e])):
+                s, rest = divmod(int(meta[e, row]), MAX_T * CFG.top_k)
+                t, k = divmod(rest, CFG.top_k)
+                assert int(ids[s][t, k]) == r * e_l + e and (s, t, k) not in where
+                where[(s, t, k)] = (r, e, row)
+                q = quantize_act(xs[s][t:t + 1], quant)
+                assert torch.equal(u8(batch.x.data[e, row]), u8(q.data[0])), (s, t, k)
+                if q.scale is not None:
+                    assert torch.equal(batch.x.scale[e, row], q.scale[0]), (s, t, k)
+    routed = sum(int((i >= 0).sum()) for i in ids)
+    assert len(where) == routed
+    return where
+
+
+def run_round(lw, comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False):
+    outs = loopback_dispatch(comms, *on(device, xs, ids, ws), streams=streams)
+    where = check_masked(lw, to_cpu(outs), world, quant, xs, ids)
+    ys = [torch.randn(b.x.data.shape, generator=gen).to(torch.bfloat16) for b, _ in outs]
+    res = [r.cpu() for r in loopback_combine(comms, *on(device, ys), [h for _, h in outs],
+                                             streams=streams)]
+    for s in range(world):
+        acc = torch.zeros(xs[s].shape[0], CFG.hidden)
+        for t in range(xs[s].shape[0]):
+            for k in range(CFG.top_k):
+                if ids[s][t, k] >= 0:
+                    r, e, row = where[(s, t, k)]
+                    acc[t] = acc[t] + ws[s][t, k] * ys[r][e, row].float()
+        assert torch.equal(res[s], acc.to(torch.bfloat16)), f"rank {s}: combine differs"
+
+
+CASES = [  # (world, recipe, scale_fmt, scenario, rounds)
+    (2, "fp8_block", "fp32", "uneven", 3),
+    (2, "bf16", "fp32", "empty", 1),
+    (4, "fp8_block", "ue8m0_fp32", "all_to_one", 1),
+]
+
+
+@pytest.mark.parametrize("world,recipe,fmt,scenario,rounds", CASES)
+def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, seed):
+    quant = QuantConfig(recipe, fmt)
+    gen = torch.Generator().manual_seed(seed)
+    opts = OPTS if world > 2 else SymmOptions(num_sms=2)
+    lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, options=opts)
+    for _ in range(rounds):
+        run_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen)
+
+
+def test_ll_scales_are_column_major_per_expert():
+    """DeepGEMM's TMA layout: [E, C, G] with the C stride 1."""
+    _, comms = loopback_comms(SymmLowLatencyComm, CFG, QuantConfig("fp8_block"), 2, MAX_T,
+                              options=OPTS)
+    xs, ids, ws = case_inputs("uneven", 2, torch.Generator().manual_seed(0))
+    batch, _ = loopback_dispatch(comms, xs, ids, ws)[0]
+    assert batch.x.scale.shape == (8, 2 * MAX_T, CFG.hidden // 128)
+    assert batch.x.scale.stride()[1] == 1 and batch.x.data.is_contiguous()
+
+
+def test_ll_second_dispatch_without_combine_times_out():
+    """The masked region is released by combine_send: a second dispatch before it waits, and
+    gives up naming the phase."""
+    quant = QuantConfig("fp8_block")
+    _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
+                              options=SymmOptions(num_sms=1, timeout_s=0.02))
+    xs, ids, ws = case_inputs("uneven", 2, torch.Generator().manual_seed(0))
+    loopback_dispatch(comms, xs, ids, ws)
+    with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 0 in ll-dispatch "
+                                               r"send, waiting for the peer to release"):
+        loopback_dispatch(comms, xs, ids, ws)
+
+
+def test_ll_refuses_recipes_it_cannot_quantize():
+    with pytest.raises(ValueError, match="symm-ll carries bf16 or fp8 1x128 tokens"):
+        loopback_comms(SymmLowLatencyComm, CFG, QuantConfig("mxfp8"), 2, MAX_T)
+
+
+def test_ll_refuses_prefill_sized_arenas():
+    with pytest.raises(ValueError, match=r"max_tokens_per_rank \(4096\) must lie in \[1, 1024\]"):
+        loopback_comms(SymmLowLatencyComm, CFG, QuantConfig("bf16"), 2, 4096)
