@@ -67,6 +67,10 @@ class RankFailure(RuntimeError):
         return f"rank {self.rank} at {self.where}: {self.error}"
 
 
+# worker calls as the report names them
+CALL_LABELS = {"window_balancedness": "measure", "eplb_status": "eplb status"}
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """A rank's answer to `progress()`: the call it runs (or last ran), the runtime stage it
@@ -89,7 +93,9 @@ class Heartbeat:
 
     @property
     def where(self) -> str:
-        call = f"step {self.step}" if self.call == "step" and self.step is not None else self.call
+        call = CALL_LABELS.get(self.call, self.call)
+        if self.call == "step" and self.step is not None:
+            call = f"step {self.step}"
         return f"{call} at stage {self.stage}" if self.stage else call
 
 
