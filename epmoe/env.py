@@ -4,8 +4,9 @@ Configuration is typed dataclasses (epmoe.config); nothing here changes numerics
 | variable | meaning |
 | EPMOE_LOG_LEVEL | log level of the `epmoe` logger (default WARNING) |
 | EPMOE_TRITON_INTERPRET | 1: force Triton's CPU interpreter even with CUDA present (debugging) |
-| EPMOE_RAY_TMPDIR | Ray's temp dir for local clusters (default: Ray's own) |
-| EPMOE_FAULT | tests only: "RANK:METHOD:exit|hang|raise" makes that rank fail in that call |
+| EPMOE_RAY_TMPDIR | parent of the private temp dir of each local Ray cluster (default: the |
+|                  | system temp dir); it must be short: Ray's socket paths are length-limited |
+| EPMOE_FAULT | tests only: "RANK:WHERE:KIND" makes that rank fail there (see launch/faults.py) |
 Without CUDA, TRITON_INTERPRET=1 is set before any Triton kernel is defined, so kernels run on CPU.
 """
 
@@ -17,7 +18,19 @@ import os
 LOG_LEVEL = os.environ.get("EPMOE_LOG_LEVEL", "WARNING").upper()
 FORCE_TRITON_INTERPRET = os.environ.get("EPMOE_TRITON_INTERPRET", "0") == "1"
 RAY_TMPDIR = os.environ.get("EPMOE_RAY_TMPDIR") or None
-FAULT = os.environ.get("EPMOE_FAULT", "")
+
+
+def fault_spec() -> str:
+    """EPMOE_FAULT, read when asked (a Ray worker receives it after its modules were imported)."""
+    return os.environ.get("EPMOE_FAULT", "")
+
+
+def forwarded_env() -> dict[str, str]:
+    """The variables of this process that every rank must see too: all EPMOE_* and the ones
+    that choose how the GPU and network libraries behave."""
+    keep = ("TRITON_INTERPRET", "PYTHONPATH", "LD_LIBRARY_PATH", "NVSHMEM_REMOTE_TRANSPORT",
+            "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    return {k: v for k, v in os.environ.items() if k.startswith("EPMOE_") or k in keep}
 
 
 def _cuda_available() -> bool:

@@ -177,7 +177,8 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:
-            dist.barrier(group=self.group)
+            with self.timer.stage("barrier", record=False):  # a heartbeat shows who waits here
+                dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for l, layer in enumerate(self.layers):
             want = not run.holds_own_rows(l)

@@ -1,38 +1,82 @@
-"""Per-stage timing: CUDA events on GPU (no sync until read), perf_counter on CPU."""
+"""Per-stage timing (CUDA events on GPU, perf_counter on CPU) and where a rank is right now.
+
+`with timer.stage("dispatch"): ...` times a stage; `timer.collect()` -> {stage: [ms per call]}.
+The timer also knows the stage a rank is in (`timer.where()`), so a launcher can ask a busy
+rank where it is (a heartbeat) and call an `on_enter(name)` hook at every stage entry.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
+@dataclass(frozen=True)
+class StagePosition:
+    """Where a rank is: the innermost open stage (None between stages), how many stages it has
+    entered so far (ranks running the same program enter the same sequence, so a rank with
+    fewer entries is behind), and for how long it has been in that stage."""
+
+    stage: str | None
+    entered: int
+    seconds_in_stage: float
+
+
 class StageTimer:
-    """`with timer.stage("dispatch"): ...`; `timer.collect()` -> {stage: [ms per call]}."""
+    """`with timer.stage("dispatch"): ...`; `timer.collect()` -> {stage: [ms per call]}.
+
+    `record=False` marks a stage for `where()` and the hook without timing it (waits outside
+    the timed step, e.g. the barrier before a step). Disabled timers still track position."""
 
     def __init__(self, enabled: bool = True, device: torch.device | str = "cpu"):
         self.enabled = enabled
         self.cuda = torch.device(device).type == "cuda"
         self._events: list[tuple[str, object, object]] = []
         self._ms: dict[str, list[float]] = defaultdict(list)
+        self._open: list[str] = []
+        self._entered = 0
+        self._since = time.monotonic()
+        self.on_enter: Callable[[str], None] | None = None
+        self.failed_in: str | None = None  # the innermost stage an exception left (if any)
 
     @contextmanager
-    def stage(self, name: str):
-        if not self.enabled:
-            yield
-            return
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            yield
-            b.record()
-            self._events.append((name, a, b))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._ms[name].append((time.perf_counter() - t0) * 1e3)
+    def stage(self, name: str, record: bool = True):
+        self._open.append(name)
+        self._entered += 1
+        self._since = time.monotonic()
+        try:
+            if self.on_enter is not None:
+                self.on_enter(name)
+            if not (self.enabled and record):
+                yield
+            elif self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                yield
+                b.record()
+                self._events.append((name, a, b))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._ms[name].append((time.perf_counter() - t0) * 1e3)
+        except BaseException:
+            if self.failed_in is None:
+                self.failed_in = name
+            raise
+        finally:
+            self._open.pop()
+            self._since = time.monotonic()
+
+    def where(self) -> StagePosition:
+        """The innermost open stage; safe to call from another thread while a step runs."""
+        open_ = list(self._open)
+        return StagePosition(open_[-1] if open_ else None, self._entered,
+                             time.monotonic() - self._since)
 
     def collect(self) -> dict[str, list[float]]:
         if self._events:
@@ -40,8 +84,7 @@ class StageTimer:
             for name, a, b in self._events:
                 self._ms[name].append(a.elapsed_time(b))
             self._events.clear()
-        out = {k: list(v) for k, v in self._ms.items()}
-        return out
+        return {k: list(v) for k, v in self._ms.items()}
 
     def reset(self) -> None:
         self._events.clear()

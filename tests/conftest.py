@@ -1,12 +1,12 @@
 import os
 
-# Set by the test configuration itself (CI sets nothing): Triton's CPU interpreter, Ray without
-# token auth. Must happen before anything imports triton.
+# Set by the test configuration itself (CI sets nothing): Triton's CPU interpreter. Must happen
+# before anything imports triton. Ray runs with its real defaults: a local run makes its own
+# private cluster with token auth; clusters the tests start for --address use tokens too.
 import torch  # noqa: E402  (plain `import torch` defines no Triton kernel)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_failures import describe, new_tag, run_launch, wait_gone
+from tests.launch_util import describe, new_tag, run_launch, wait_gone
 from tests.test_multinode import _wait_for_nodes, two_nodes  # noqa: F401  (the cluster fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(480)
 def test_hierarchical_placement_keeps_groups_on_nodes(two_nodes, tmp_path):
-    assert _wait_for_nodes(two_nodes.address, 2, within=60) == 2
+    assert _wait_for_nodes(two_nodes, 2, within=60) == 2
     out = tmp_path / "summary.json"
     tag = new_tag()
-    rc, err, wall, _ = run_launch(
+    rc, _, err, wall, _ = run_launch(
         ["--ep", "4", "--eplb", "--redundant-experts", "4", "--routing", "zipf:1.2",
          "--rebalance-every", "2", "--steps", "4", "--tokens", "16", "--address",
          two_nodes.address, "--timeout", "200", "--out", str(out)], tag, timeout=400,
-        PYTHONPATH=str(ROOT))
+        auth=two_nodes.auth, PYTHONPATH=str(ROOT))
     print(f"{wall=:.1f}s rc={rc} {err[-500:]}")
     assert rc == 0, err
     s = json.loads(out.read_text())

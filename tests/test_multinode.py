@@ -9,29 +9,23 @@ import time
 
 import pytest
 
-from tests.test_launch_failures import RayNodes, describe, run_launch, new_tag, wait_gone
+from tests.launch_util import RayNodes, describe, new_tag, ray_nodes, run_launch, wait_gone
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    nodes = RayNodes()
     try:
-        try:
-            nodes.start_head(num_cpus=2)
-            nodes.add_node(num_cpus=2)
-        except RuntimeError as e:
-            pytest.skip(f"Ray cannot form two nodes on this machine: {e}")
-        yield nodes
-    finally:
-        nodes.stop()
-        left = wait_gone(nodes.tag, within=15)
-        assert not left, f"cluster processes left behind: {describe(left)}"
+        with ray_nodes(num_cpus=2, extra_nodes=1) as nodes:
+            yield nodes
+    except RuntimeError as e:
+        pytest.skip(f"Ray cannot form two nodes on this machine: {e}")
 
 
-def _wait_for_nodes(address: str, n: int, within: float) -> int:
+def _wait_for_nodes(nodes: RayNodes, n: int, within: float) -> int:
     """Alive nodes as the GCS sees them (the second raylet registers asynchronously)."""
+    import os
     import subprocess
     import sys
 
@@ -40,8 +34,8 @@ def _wait_for_nodes(address: str, n: int, within: float) -> int:
     deadline = time.monotonic() + within
     alive = 0
     while time.monotonic() < deadline:
-        r = subprocess.run([sys.executable, "-c", code, address], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code, nodes.address], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, **nodes.auth))
         alive = int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else 0
         if alive >= n:
             return alive
@@ -51,12 +45,13 @@ def _wait_for_nodes(address: str, n: int, within: float) -> int:
 
 @pytest.mark.timeout(420)
 def test_ep4_over_two_nodes(two_nodes, tmp_path):
-    assert _wait_for_nodes(two_nodes.address, 2, within=60) == 2
+    assert _wait_for_nodes(two_nodes, 2, within=60) == 2
     out = tmp_path / "summary.json"
     tag = new_tag()
-    rc, err, wall, seen = run_launch(["--ep", "4", "--tokens", "8", "--steps", "2",
-                                      "--address", two_nodes.address, "--timeout", "120",
-                                      "--out", str(out)], tag, timeout=360)
+    rc, _, err, wall, seen = run_launch(["--ep", "4", "--tokens", "8", "--steps", "2",
+                                         "--address", two_nodes.address, "--timeout", "120",
+                                         "--out", str(out)], tag, timeout=360,
+                                        auth=two_nodes.auth)
     print(f"{wall=:.1f}s rc={rc} {err[-500:]}")
     assert rc == 0, err
     s = json.loads(out.read_text())

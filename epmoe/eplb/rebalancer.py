@@ -21,6 +21,8 @@ step boundary where every rank is done, agreed by one small all-reduce per step)
 
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 from dataclasses import dataclass
@@ -265,10 +267,13 @@ class Rebalancer:
                                                 self.migration_group, self.device)
             self._pending_since = self.step_index
         else:
-            for l, layer in enumerate(layers):
-                migrate_layer(layer.weights.experts, self.phy2log[l], new_LR[l], self.rank,
-                              self.world, self.group if self.grouped else None)
-                self._switch_layer(layer, l, new_LR[l])
+            mark = self.timer.stage("eplb.migrate", record=False) if self.timer is not None \
+                else contextlib.nullcontext()  # heartbeats and fault injection see it
+            with mark:
+                for l, layer in enumerate(layers):
+                    migrate_layer(layer.weights.experts, self.phy2log[l], new_LR[l], self.rank,
+                                  self.world, self.group if self.grouped else None)
+                    self._switch_layer(layer, l, new_LR[l])
             self.recorder.clear()
         ev["timing_ms"]["migration"] = (time.perf_counter() - t_decide) * 1e3
         return dict(ev, slots_moved=slots, rebalance_ms=(time.perf_counter() - t0) * 1e3)

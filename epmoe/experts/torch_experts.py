@@ -12,6 +12,13 @@ from epmoe.quant import QTensor, dequantize_act, dequantize_weight, quantize_act
 class TorchExperts(Experts):
     name = "torch"
 
+    @classmethod
+    def supports(cls, cfg, quant, device) -> str | None:
+        if quant.scale_fmt == "ue8m0_packed":  # the base class's plain-torch permute
+            return ("its plain-torch row permute cannot reorder packed UE8M0 scales "
+                    "(MN-major); use triton, or scale_fmt ue8m0_fp32")
+        return None
+
     def __init__(self, weights, cfg, quant):
         super().__init__(weights, cfg, quant)
         # Dequantized once per weight load: the reference backend trades memory for simplicity.

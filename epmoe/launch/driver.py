@@ -1,54 +1,74 @@
 """Drive N ranks: in-process for one rank, Ray actors in a placement group otherwise.
 
-Every wait has a deadline. A rank that dies or hangs becomes a `LaunchError` naming the rank
-and the stage; all workers are then torn down (actors killed, placement group removed, the
-Ray cluster stopped if we started it).
+Every wait on the ranks has the run's deadline (`--timeout`). While it waits the driver asks
+every rank where it is (a heartbeat, answered by a second actor thread). When a stage goes
+wrong it collects every rank's outcome for a moment, asks the survivors where they are, and
+blames the rank that failed first (see epmoe.launch.blame): a LaunchError naming the rank, the
+stage and the ranks that were only waiting. All workers are then torn down (actors killed,
+placement group removed, the private cluster stopped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import contextmanager
+from typing import Callable
 
-from epmoe.env import RAY_TMPDIR, SAFETY_ENV, logger
+from epmoe.env import SAFETY_ENV, forwarded_env, logger
+from epmoe.launch.blame import Failure, Heartbeat, RankFailure, RankState, attribute
+from epmoe.launch.blame import death_detail, is_collective_error
+from epmoe.launch.cluster import ClusterAddress, RayCluster
+from epmoe.launch.console import Phases
+from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
+from epmoe.launch.worker import PROBE_GROUP
 from epmoe.plan.run import RunConfig
 from epmoe.runtime import Runtime
 
-
-class LaunchError(RuntimeError):
-    """A run failed: which rank, which stage, why."""
-
-
-class ClusterTooSmall(LaunchError):
-    """The cluster cannot hold the requested ranks: found before any worker starts (exit 2)."""
+HEARTBEAT_S = 1.0  # how often a waiting driver asks every rank where it is
+GRACE_S = 2.0  # after a first failure, how long to collect the other ranks' outcomes
+PROBE_S = 3.0  # how long a rank has to answer the heartbeat that decides the blame
 
 
-def _progress(total: int, quiet: bool):
-    if quiet:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    p = Progress(TextColumn("[bold]steps"), BarColumn(), MofNCompleteColumn(),
-                 TimeElapsedColumn(), transient=True)
-    p.start()
-    p.add_task("steps", total=total)
-    return p
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
 class InProcessDriver:
-    """One rank, no Ray, no process group."""
+    """One rank, no Ray, no process group (--timeout does not apply: nothing to wait for)."""
 
-    def __init__(self, run: RunConfig, quiet: bool = False):
-        self.run, self.quiet = run, quiet
+    on_ray = False
+
+    def __init__(self, run: RunConfig, phases: Phases, device: str | None = None):
+        self.run, self.phases, self.device = run, phases, device
+        self.seconds: dict[str, float] = {}  # wall time of each stage of the launch
+
+    def _fail(self, stage: str, e: Exception) -> LaunchError:
+        f = Failure(stage=stage, kind="failed", ranks=(0,), waiting=(), finished=(),
+                    detail=f"{type(e).__name__}: {_first_line(e)}", where={0: stage})
+        return LaunchError(f.message(), f)
 
     def start(self) -> list[dict]:
-        self.rt = Runtime(self.run)
+        self.phases("building the layers (1 rank, in this process)")
+        t0 = time.monotonic()
+        try:
+            self.rt = Runtime(self.run, device=self.device)
+        except Exception as e:
+            raise self._fail("build", e) from None
+        self.seconds["build"] = round(time.monotonic() - t0, 3)
         return [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(self.rt.device),
                      pid=os.getpid())]
 
     def call_all(self, stage: str, method: str, *args) -> list:
-        return [self.rt.call(method, *args)]
+        t0 = time.monotonic()
+        try:
+            out = [self.rt.call(method, *args)]
+        except Exception as e:
+            raise self._fail(stage, e) from None
+        self.seconds[stage] = round(time.monotonic() - t0, 3)
+        return out
 
     def execute(self) -> tuple[list[dict], list[dict]]:
         return run_steps(self)
@@ -59,42 +79,43 @@ class InProcessDriver:
 
 
 class RayDriver:
-    """world ranks as Ray actors (one GPU each on CUDA machines, fractional CPUs otherwise)."""
+    """world ranks as Ray actors (one GPU each on CUDA clusters, one CPU otherwise)."""
 
-    def __init__(self, run: RunConfig, address: str | None = None, use_gpu: bool | None = None,
-                 quiet: bool = False, num_cpus: int | None = None, on_where=None):
-        self.run, self.address, self.quiet = run, address, quiet
+    on_ray = True
+    CALLS = {"where": "start", "init_group": "init_process_group"}  # actor method -> its call
+
+    def __init__(self, run: RunConfig, address: ClusterAddress | None = None,
+                 use_gpu: bool | None = None, phases: Phases | None = None,
+                 num_cpus: int | None = None, precheck: Callable[[str], None] | None = None,
+                 on_where: Callable[[list[dict]], RunConfig] | None = None):
+        self.run, self.address, self.use_gpu = run, address, use_gpu
         self.on_where = on_where  # where -> the RunConfig to build (planning.PlannedLaunch)
-        self.num_cpus = num_cpus
-        self.use_gpu = use_gpu
-        self.actors, self.pg, self.connected = [], None, False
+        self.phases = phases or Phases(quiet=True)
+        self.num_cpus, self.precheck = num_cpus, precheck
+        self.actors, self.pg, self.cluster = [], None, None
+        self._last_beat: dict[int, Heartbeat] = {}
+        self._beat_refs: dict[int, object] = {}
+        self._next_beat = 0.0
+        self.seconds: dict[str, float] = {}  # wall time of each stage of the launch
 
     # ------------------------------------------------------------------ cluster
     def _connect(self):
         import ray
+        import torch
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        env = dict(SAFETY_ENV, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-        for k, v in os.environ.items():
-            if k.startswith("EPMOE_") or k in ("TRITON_INTERPRET", "PYTHONPATH", "LD_LIBRARY_PATH",
-                                               "NVSHMEM_REMOTE_TRANSPORT",
-                                               "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"):
-                env[k] = v
-        self.env = env
-        kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                  runtime_env={"env_vars": env})
-        if ray.is_initialized():
-            return ray
-        if self.address:
-            ray.init(address=self.address, **kw)
-            self.connected = True  # disconnect on close; the cluster is not ours to stop
-        else:
-            import torch
-
+        env = dict(SAFETY_ENV, PYTHONUNBUFFERED="1")
+        kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        if self.address is None:
+            self.phases("starting a private Ray cluster (loopback only, token auth)")
             gpus = torch.cuda.device_count() if self.use_gpu is not False else 0
             cpus = self.num_cpus or max(self.run.world, os.cpu_count() or 1)
-            ray.init(num_cpus=cpus, num_gpus=gpus, _temp_dir=RAY_TMPDIR, **kw)
-            self.connected = True
+            self.cluster = RayCluster(None, self.run.timeout_s, num_cpus=cpus, num_gpus=gpus)
+        else:
+            self.phases(f"joining the Ray cluster at {self.address.for_ray}")
+            self.cluster = RayCluster(self.address, self.run.timeout_s)
+        self.cluster.connect(kw)
+        logger.info("connected: %s", self.cluster.describe())
+        self.env = dict(env, **forwarded_env())  # after connect: loopback settings included
         return ray
 
     def _check_capacity(self, ray, per_rank: dict):
@@ -107,37 +128,115 @@ class RayDriver:
                     f"{amount * self.run.world:g} ({amount:g} each): lower --ep/--tp or add nodes")
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, stage: str, refs: list, timeout: float | None = None):
-        """ray.get on one ref per rank with a deadline; failures name the rank and stage."""
+    def _poll_heartbeats(self, force: bool = False) -> None:
+        """Without blocking: keep one heartbeat query in flight per rank, store answers."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        now = time.monotonic()
+        if not force and now < self._next_beat:
+            return
+        self._next_beat = now + HEARTBEAT_S
+        if self._beat_refs:
+            refs = {ref: r for r, ref in self._beat_refs.items()}
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            for ref in ready:
+                r = refs[ref]
+                del self._beat_refs[r]
+                try:
+                    self._last_beat[r] = ray.get(ref)
+                except Exception:  # a dead rank: its last heartbeat stays
+                    pass
+        for r, a in enumerate(self.actors):
+            if r not in self._beat_refs:
+                self._beat_refs[r] = a.progress.options(concurrency_group=PROBE_GROUP).remote()
+
+    def _probe(self, ranks: list[int]) -> dict[int, Heartbeat | str | None]:
+        """Fresh heartbeats: rank -> Heartbeat, "dead", or None (no answer within PROBE_S)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = {self.actors[r].progress.options(concurrency_group=PROBE_GROUP).remote(): r
+                for r in ranks}
+        out: dict[int, Heartbeat | str | None] = {r: None for r in ranks}
+        if not refs:
+            return out
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S)
+        for ref in ready:
+            try:
+                out[refs[ref]] = ray.get(ref)
+            except RayActorError:
+                out[refs[ref]] = "dead"
+            except Exception:  # pragma: no cover
+                pass
+        return out
+
+    def _outcome(self, r: int, ref, order: int) -> tuple[object, RankState | None]:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref), None
+        except RayActorError as e:
+            return None, RankState(r, "died", error=death_detail(str(e)), order=order)
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, RankFailure):
+                return None, RankState(r, "error", error=cause.error, collective=cause.collective,
+                                       order=order, where=cause.where)
+            return None, RankState(r, "error", error=f"{type(cause).__name__}: "
+                                   f"{_first_line(cause)}", collective=is_collective_error(cause),
+                                   order=order)
+
+    def _wait(self, stage: str, method: str, refs: list, timeout: float | None = None):
+        """One result per rank, or a LaunchError that blames the right rank."""
+        import ray
 
         timeout = self.run.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         pending = {ref: r for r, ref in enumerate(refs)}
-        results = [None] * len(refs)
+        results: list = [None] * len(refs)
+        failed: dict[int, RankState] = {}
+        stop = deadline
         while pending:
-            left = deadline - time.monotonic()
+            left = stop - time.monotonic()
             if left <= 0:
-                ranks = sorted(pending.values())
-                raise LaunchError(f"rank(s) {ranks} did not finish stage '{stage}' within "
-                                  f"{timeout:g} s (hung or too slow; raise --timeout if the "
-                                  f"job is just slow)")
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, HEARTBEAT_S))
             for ref in ready:
                 r = pending.pop(ref)
-                try:
-                    results[r] = ray.get(ref)
-                except RayActorError as e:
-                    raise LaunchError(f"rank {r} died during stage '{stage}': "
-                                      f"{str(e).splitlines()[0]}") from None
-                except RayTaskError as e:
-                    cause = e.cause if getattr(e, "cause", None) is not None else e
-                    raise LaunchError(f"rank {r} failed in stage '{stage}': "
-                                      f"{type(cause).__name__}: {cause}") from None
-                except GetTimeoutError:  # pragma: no cover
-                    pending[ref] = r
-        return results
+                results[r], state = self._outcome(r, ref, len(failed))
+                if state is not None:
+                    failed[r] = state
+            if failed and stop == deadline:  # first failure: collect the others for a moment
+                stop = min(deadline, time.monotonic() + GRACE_S)
+            self._poll_heartbeats()
+        if not failed and not pending:
+            return results
+        raise self._blame(stage, method, timeout, failed, sorted(pending.values()), t0)
+
+    def _blame(self, stage, method, timeout, failed, pending, t0) -> LaunchError:
+        beats = self._probe([r for r in range(len(self.actors))
+                             if failed.get(r) is None or failed[r].outcome != "died"])
+        order = len(failed)
+        states = []
+        for r in range(len(self.actors)):
+            answer = beats.get(r)
+            last = self._last_beat.get(r)  # from the polls while waiting (this call's only)
+            last = last if last is not None and last.call == method else None
+            beat = answer if isinstance(answer, Heartbeat) else last
+            if r in failed:
+                states.append(dataclasses.replace(failed[r], heartbeat=beat))
+            elif answer == "dead":
+                states.append(RankState(r, "died", error="its process died", order=order,
+                                        heartbeat=last))
+                order += 1
+            elif r in pending:
+                states.append(RankState(r, "pending", heartbeat=beat, answered=answer is not None))
+            else:
+                states.append(RankState(r, "ok", heartbeat=beat))
+        failure = attribute(stage, states, timeout, round(time.monotonic() - t0, 2))
+        return LaunchError(failure.message(), failure)
 
     def call_all(self, stage: str, method: str, *args) -> list:
         """runtime.method(*args) on every rank, with the run's deadline."""
@@ -145,8 +244,11 @@ class RayDriver:
 
     def _all(self, stage: str, method: str, *args, timeout=None):
         t0 = time.monotonic()
-        out = self._wait(stage, [getattr(a, method).remote(*args) for a in self.actors], timeout)
-        logger.info("stage %s: %.2f s", stage, time.monotonic() - t0)
+        call = args[0] if method == "call" else self.CALLS.get(method, method)
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        out = self._wait(stage, call, refs, timeout)
+        self.seconds[stage] = round(time.monotonic() - t0, 3)
+        logger.info("stage %s: %.2f s", stage, self.seconds[stage])
         return out
 
     # ------------------------------------------------------------------ run
@@ -154,65 +256,75 @@ class RayDriver:
         return run_steps(self)
 
     def start(self) -> list[dict]:
+        t0 = time.monotonic()
         ray = self._connect()
+        self.seconds["connect"] = round(time.monotonic() - t0, 3)
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from epmoe.launch.worker import Worker
 
-        import torch
-
-        gpu = self.use_gpu if self.use_gpu is not None else torch.cuda.is_available()
+        if self.use_gpu is not None:
+            gpu = self.use_gpu
+        else:
+            gpu = ray.cluster_resources().get("GPU", 0) > 0
+        if self.precheck is not None:
+            self.precheck("cuda" if gpu else "cpu")
         per_rank = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self._check_capacity(ray, per_rank)
-        self.pg = placement_group([dict(per_rank) for _ in range(self.run.world)],
-                                  strategy="PACK")
+        n = self.run.world
+        self.phases(f"starting {n} ranks as Ray actors")
+        self.pg = placement_group([dict(per_rank) for _ in range(n)], strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.run.timeout_s)
         except Exception:
-            raise LaunchError(f"placement group of {self.run.world} x {per_rank} not ready "
-                              f"within {self.run.timeout_s:g} s: the cluster lacks resources "
-                              f"(check `ray status`)") from None
-        actor_cls = ray.remote(Worker)
-        for r in range(self.run.world):
-            opts = dict(num_cpus=1, num_gpus=1 if gpu else 0,
+            raise LaunchError(f"placement group of {n} x {per_rank} not ready within "
+                              f"{self.run.timeout_s:g} s: the cluster lacks resources (check "
+                              f"`ray status`)") from None
+        actor_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Worker)
+        for r in range(n):
+            opts = dict(num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": self.env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=r))
-            self.actors.append(actor_cls.options(**opts).remote(r, self.run.world, self.env))
+            self.actors.append(actor_cls.options(**opts).remote(r, n, self.env))
         where = self._all("start", "where")
-        if self.on_where is not None:
+        if self.on_where is not None:  # the planner may re-plan for where the ranks landed
             self.run = self.on_where(where)
-        addr, port = ray.get(self.actors[0].free_port.remote(), timeout=self.run.timeout_s)
+        self.phases(f"connecting the ranks ({'nccl' if gpu else 'gloo'} process group)")
+        addr, port = self._wait("start", "open_store", [self.actors[0].open_store.remote()])[0]
         self._all("init_process_group", "init_group", addr, port, self.run.timeout_s)
+        self.phases("building the layers (weights, comm, experts)")
         self._all("build", "build", self.run)
         return where
 
     def close(self):
         import ray
 
-        for a in self.actors:
-            try:
-                ray.kill(a)
-            except Exception:  # pragma: no cover
-                pass
-        self.actors = []
-        if self.pg is not None:
-            try:
-                from ray.util.placement_group import remove_placement_group
+        if ray.is_initialized():
+            for a in self.actors:
+                try:
+                    ray.kill(a)
+                except Exception:  # pragma: no cover
+                    pass
+            if self.pg is not None:
+                try:
+                    from ray.util.placement_group import remove_placement_group
 
-                remove_placement_group(self.pg)
-            except Exception:  # pragma: no cover
-                pass
-            self.pg = None
-        if self.connected and ray.is_initialized():
-            ray.shutdown()  # stops the cluster if we started it, else only disconnects
+                    remove_placement_group(self.pg)
+                except Exception:  # pragma: no cover
+                    pass
+        self.actors, self.pg = [], None
+        if self.cluster is not None:
+            self.cluster.close()  # stops a private cluster, else only disconnects
+            self.cluster = None
         logger.debug("ray driver closed")
 
 
 def run_steps(d, on_step=None) -> tuple[list[dict], list[dict]]:
     """Start the ranks, run every step (calling on_step(step) after each), collect reports."""
     where = d.start()
-    bar = _progress(d.run.steps, d.quiet)
+    d.phases(f"running {d.run.steps} step(s)")
+    bar = d.phases.steps(d.run.steps)
     try:
         for s in range(d.run.steps):
             d.call_all(f"step {s}", "step", s)
@@ -227,12 +339,17 @@ def run_steps(d, on_step=None) -> tuple[list[dict], list[dict]]:
 
 
 @contextmanager
-def driver_for(run: RunConfig, address: str | None = None, quiet: bool = False,
-               use_gpu: bool | None = None, num_cpus: int | None = None, on_where=None):
+def driver_for(run: RunConfig, address: ClusterAddress | None = None,
+               phases: Phases | None = None, use_gpu: bool | None = None,
+               num_cpus: int | None = None, precheck: Callable[[str], None] | None = None,
+               on_where: Callable[[list[dict]], RunConfig] | None = None):
     """on_where(where) -> RunConfig: called with the ranks' places before they build (Ray)."""
-    d = (InProcessDriver(run, quiet) if run.world == 1 and address is None
-         else RayDriver(run, address, use_gpu=use_gpu, quiet=quiet, num_cpus=num_cpus,
-                        on_where=on_where))
+    phases = phases or Phases(quiet=True)
+    if run.world == 1 and address is None:
+        d = InProcessDriver(run, phases, device="cpu" if use_gpu is False else None)
+    else:
+        d = RayDriver(run, address, use_gpu=use_gpu, phases=phases, num_cpus=num_cpus,
+                      precheck=precheck, on_where=on_where)
     try:
         yield d
     finally:

@@ -157,31 +157,3 @@ def render_plan(p: dict, console) -> None:
                   f"{p['bucket']}", markup=False)
     console.print(render(Plan.from_dict(p["plan"]), buckets=[p["bucket"]]), markup=False,
                   soft_wrap=True)
-
-
-def render_stages(t: dict, console) -> None:
-    """Stages: measured ms per step next to the prediction and their ratio (80 columns)."""
-    from rich.table import Table
-
-    pred = t.get("predicted_ms")
-    title = "stages (ms per step, median over ranks)"
-    st = Table(title=title + ("; predicted by epmoe.plan" if pred is not None else ""))
-    for col in ("stage", "measured", "predicted", "pred/meas", ""):
-        st.add_column(col, justify="left" if col in ("stage", "") else "right")
-    ratio, low = t.get("ratio") or {}, set(t.get("below_noise_floor", ()))
-    names = list(t["stages_ms"]) + [k for k in ratio if k not in t["stages_ms"]]
-    for k in names:
-        m, p, r = t["stages_ms"].get(k), (pred or {}).get(k), ratio.get(k)
-        st.add_row(k, "-" if m is None else f"{m:.3f}", "-" if p is None else f"{p:.3f}",
-                   "-" if r is None else f"{r:.2f}", "< 50 us: noise" if k in low else "")
-    step = t.get("predicted_step_ms")
-    if step is not None:
-        st.add_row("step", f"{t['step_ms_median']:.3f}", f"{step:.3f}",
-                   f"{t['step_ratio']:.2f}" if t.get("step_ratio") else "-", "")
-    console.print(st)
-    info = t.get("prediction") or {}
-    if info.get("error"):
-        console.print(f"no prediction: {info['error']}", markup=False)
-    elif info:
-        console.print(f"predicted with profile {info['profile']} on {info['topology']}, "
-                      f"routing {info.get('routing', '?')}", markup=False)

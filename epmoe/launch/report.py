@@ -1,4 +1,5 @@
-"""Turn the ranks' reports into one summary: oracle check, timing, load; a table and JSON."""
+"""Turn the ranks' reports into one summary (JSON-ready): oracle check, timing, load.
+epmoe.launch.render prints it; epmoe.launch.plots draws it."""
 
 from __future__ import annotations
 
@@ -129,33 +130,44 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dict | None = None) -> dict:
+STAGE_ORDER = ["router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
+               "experts.gemm1", "experts.act_quant", "experts.gemm2", "experts.gather", "combine",
+               "shared", "all_reduce"]
+
+
+def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dict[str, float]:
+    """Per stage: the median ms of one call times calls per step = ms per step in the stage."""
+    out = {}
+    for name in names:
+        vals = [v for r in reports for v in r["stages_ms"].get(name, [])]
+        if vals:
+            out[name] = _median(vals) * len(vals) / (len(reports) * steps)
+    return out
+
+
+def summarize(run: RunConfig, reports: list[dict], where: list[dict],
+              extra: dict | None = None) -> dict:
     world = run.world
     steps = len(reports[0]["step_ms"])
     step_ms = [max(r["step_ms"][s] for r in reports) for s in range(steps)]
     timed = step_ms[1:] if steps > 1 else step_ms  # step 0 warms up
-    stages = {}
-    order = ["router", "dispatch", "dispatch.quantize", "experts", "experts.permute", "experts.gemm1",
-             "experts.act_quant", "experts.gemm2", "experts.gather", "combine", "shared",
-             "all_reduce"]
     names = {k for r in reports for k in r["stages_ms"]}
-    for name in [n for n in order if n in names] + sorted(names - set(order)):
-        vals = [v for r in reports for v in r["stages_ms"].get(name, [])]
-        # per-call median, times calls per step = ms per step spent in the stage
-        per_step = len(vals) / (len(reports) * steps)
-        stages[name] = _median(vals) * per_step
+    names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
+    stages = _stage_ms_per_step(names, reports, steps)
+    stages_per_rank = [_stage_ms_per_step(names, [r], steps) for r in reports]
     tokens_step = run.global_tokens
     cfg = run.cfg
     per_rank = [0] * world
-    per_expert = 0
+    load_LE = []  # (token, k) pairs per layer x logical expert
     for l in range(run.num_layers):
         srcs = layer_sources(run, reports, l)
         per_slot = sum(r["load_LS"][l] for r in srcs)  # [slots]
-        per_expert = per_expert + sum(r["load_LE"][l] for r in srcs)
+        load_LE.append(sum(r["load_LE"][l] for r in srcs))
         if run.layer_spec(l).form == "tp":  # every rank runs every pair (a slice of I)
             per_rank = [p + int(per_slot.sum()) for p in per_rank]
         else:
             per_rank = [p + int(x) for p, x in zip(per_rank, per_slot.view(world, -1).sum(1))]
+    per_expert = sum(load_LE)
     bal = (sum(per_rank) / len(per_rank)) / max(max(per_rank), 1)
     nodes = sorted({w["node_id"] for w in where})
     summary = dict(
@@ -178,64 +190,18 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict], extra: dic
                                device=w["device"]) for w in where]),
         correctness=check_correctness(run, reports),
         timing=dict(step_ms_median=_median(timed), step_ms=step_ms, stages_ms=stages,
+                    stages_ms_per_rank=stages_per_rank,
+                    step_ms_median_per_rank=[_median(r["step_ms"][1:] or r["step_ms"])
+                                             for r in reports],
                     tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
-                    note="step = all layers, max over ranks; median excludes step 0 (warm-up)"),
+                    note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
+                         "stages_ms: ms per step in each stage (median per call x calls per "
+                         "step, over all ranks; stages_ms_per_rank: the same per rank)"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
-                  balancedness=bal, unit="(token, k) pairs summed over layers and steps"),
+                  tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
+                  unit="(token, k) pairs routed, summed over layers and steps (per layer for "
+                       "tokens_per_layer_expert); balancedness = mean/max pairs per rank"),
     )
     if extra:
         summary.update(extra)
     return summary
-
-
-def render(summary: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    c, w, t, ld = (summary["correctness"], summary["world"], summary["timing"], summary["load"])
-    cfg = summary["config"]
-    head = Table(title=f"epmoe: {cfg['model']} x{cfg['layers']} layers, {cfg['recipe']}, "
-                       f"form {w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)",
-                 show_header=False)
-    head.add_row("backend", f"{w['backend']} ({w['backend_reason']})")
-    head.add_row("experts", str(w["experts"]))
-    head.add_row("device", w["device"])
-    if c.get("checked"):
-        ok = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
-        head.add_row("correctness", f"{ok} max rel err {c['max_rel_err']:.2e} <= tol "
-                                    f"{c['tolerance']:.0e} over {c['tokens_checked']} tokens")
-        if c.get("router"):
-            rt = c["router"]
-            head.add_row("router", f"{'PASS' if rt['passed'] else 'FAIL'} top-k sets equal "
-                                   f"to the oracle's for {rt['agreement']:.1%} of tokens "
-                                   f"(>= {rt['min_agreement']:.0%}), weights "
-                                   f"{rt['weight_rel_err']:.1e}")
-    else:
-        head.add_row("correctness", "not checked (--no-check)")
-    head.add_row("step time", f"{t['step_ms_median']:.2f} ms median  ({t['tokens_per_s']:.0f} "
-                              f"tokens/s)")
-    head.add_row("balancedness", f"{ld['balancedness']:.3f} (mean/max tokens per rank)")
-    console.print(head)
-    from epmoe.launch.plan_report import render_plan, render_stages
-
-    if "plan" in summary:
-        render_plan(summary["plan"], console)
-    render_stages(t, console)  # measured, predicted, ratio
-    rk = Table(title="ranks")
-    for col in ("rank", "node", "host", "tokens routed here"):
-        rk.add_column(col, justify="right")
-    for r in w["ranks"]:
-        rk.add_row(str(r["rank"]), str(r["node"]), r["host"],
-                   str(ld["tokens_per_rank"][r["rank"]]))
-    console.print(rk)
-    per_e = ld["tokens_per_expert"]
-    tot = max(sum(per_e), 1)
-    hot = sorted(range(len(per_e)), key=lambda e: -per_e[e])[:8]
-    console.print("per-expert load (share of (token,k) pairs), hottest first: "
-                  + ", ".join(f"e{e} {per_e[e] / tot:.1%}" for e in hot)
-                  + f"  | min {min(per_e) / tot:.1%}, ideal {1 / len(per_e):.1%}")
-    if "eplb" in summary:
-        from epmoe.launch.eplb_report import render_eplb
-
-        render_eplb(summary["eplb"], console)

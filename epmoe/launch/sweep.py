@@ -2,7 +2,7 @@
 
 Every (form, comm backend, experts kernel) the planner would consider for the run (feasible
 here, fitting in memory, within --backend / --experts) runs uniformly across the stack: one
-launch each, on one Ray cluster (started once), with the run's --steps and --tokens (per
+launch each (each on its own private Ray cluster, or on the --address one), with the run's --steps and --tokens (per
 rank). Each row: the cost model's predicted step, the measured step (median, warm-up step
 excluded), their ratio and the oracle check. Then the planner's own pick (`--plan auto`, which
 may mix forms; launched too unless it is one of the rows) against the fastest measured row:
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 
 from epmoe.launch.planning import PlannedLaunch, Planning, context, make_plan, planned_run, \
@@ -33,43 +31,20 @@ NEAR_BEST = 0.05  # the planner's pick counts as right within 5% of the best mea
 
 
 def launch_summary(run: RunConfig, planning: Planning, address=None, use_gpu=None) -> dict:
-    """One launch through the driver -> the summary with predictions (as the CLI prints)."""
+    """One launch through the driver (its own private Ray cluster, or the --address one) ->
+    the summary with predictions (as the CLI prints)."""
+    from epmoe.launch.console import Phases
     from epmoe.launch.driver import driver_for
     from epmoe.launch.report import summarize
 
     pl = PlannedLaunch(run, planning)
-    with driver_for(run, address, quiet=True, use_gpu=use_gpu, on_where=pl.at_where) as d:
+    with driver_for(run, address, phases=Phases(quiet=True), use_gpu=use_gpu,
+                    on_where=pl.at_where) as d:
         reports, where = d.execute()
         run = d.run
     summary = summarize(run, reports, where)
     pl.attach(summary, run, reports)
     return summary
-
-
-@contextmanager
-def ray_session(world: int, address, use_gpu):
-    """One local Ray cluster for every launch of a sweep (none for one rank or --address)."""
-    if world == 1 or address is not None:
-        yield
-        return
-    import ray
-    import torch
-
-    from epmoe.env import RAY_TMPDIR
-
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as RayDriver._connect
-        gpus = torch.cuda.device_count() if use_gpu is not False else 0
-        ray.init(num_cpus=max(world, os.cpu_count() or 1), num_gpus=gpus,
-                 include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 _temp_dir=RAY_TMPDIR,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def sweep_candidates(base: RunConfig, ctx: Planning, tokens: int, restrict: dict):
@@ -114,29 +89,32 @@ def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
         raise ValueError(f"no feasible candidate to sweep on {ctx.topology.describe()}: "
                          + "; ".join(f"{c}: {w}" for c, w in rejected[:3]))
     use_gpu = {"auto": None, "cpu": False, "cuda": True}[a.device]
+    from epmoe.launch.cluster import parse_address
+
+    address = parse_address(a.address) if a.address else None
     t0, rows, measured = time.monotonic(), [], {}
-    with ray_session(world, a.address, use_gpu):
-        for c in cands:
-            if time.monotonic() - t0 > a.sweep_budget_s:
-                rows.append(_row(c.label, None))
-                continue
-            one = dict(restrict, forms=(c.form,), backends=(c.backend, "local"),
-                       experts=(c.experts,))
-            plan = make_plan(base, ctx.topology, ctx.profile, tokens, one)
-            rows.append(_launch(c.label, planned_run(base, plan, tokens),
-                                replace(ctx, plan=plan, restrict=one), a.address, use_gpu))
-            if rows[-1]["status"] == "ok":
-                measured[c.label] = rows[-1]
-        auto = make_plan(base, ctx.topology, ctx.profile, tokens, restrict)
-        labels = [e.choice(tokens).label for e in auto.layers]
-        uniform = labels[0] if len(set(labels)) == 1 else None
-        if uniform in measured:
-            auto_row, launched = measured[uniform], False
-        else:
-            auto_row = _launch("auto", planned_run(base, auto, tokens),
-                               replace(ctx, mode="auto", plan=auto, restrict=restrict),
-                               a.address, use_gpu)
-            launched = True
+    # every launch starts (and stops) its own private Ray cluster, or joins --address
+    for c in cands:
+        if time.monotonic() - t0 > a.sweep_budget_s:
+            rows.append(_row(c.label, None))
+            continue
+        one = dict(restrict, forms=(c.form,), backends=(c.backend, "local"),
+                   experts=(c.experts,))
+        plan = make_plan(base, ctx.topology, ctx.profile, tokens, one)
+        rows.append(_launch(c.label, planned_run(base, plan, tokens),
+                            replace(ctx, plan=plan, restrict=one), address, use_gpu))
+        if rows[-1]["status"] == "ok":
+            measured[c.label] = rows[-1]
+    auto = make_plan(base, ctx.topology, ctx.profile, tokens, restrict)
+    labels = [e.choice(tokens).label for e in auto.layers]
+    uniform = labels[0] if len(set(labels)) == 1 else None
+    if uniform in measured:
+        auto_row, launched = measured[uniform], False
+    else:
+        auto_row = _launch("auto", planned_run(base, auto, tokens),
+                           replace(ctx, mode="auto", plan=auto, restrict=restrict),
+                           address, use_gpu)
+        launched = True
     ok = [r for r in rows if r["status"] == "ok"]
     best = min(ok, key=lambda r: r["measured_ms"]) if ok else None
     gap = auto_row["measured_ms"] / best["measured_ms"] - 1 \

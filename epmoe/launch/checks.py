@@ -1,0 +1,204 @@
+"""Everything the launcher checks before any rank starts; a failure is exit 2 (InputError or
+ValueError, one line: the value, the rule, the fix)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+from epmoe.config import RECIPES, QuantConfig, get_preset
+from epmoe.launch.cluster import ClusterAddress, parse_address
+from epmoe.launch.errors import InputError
+
+MAX_SEED = 2**32  # seeds feed torch generators through small products: keep them in range
+
+
+def check_args(a: argparse.Namespace):
+    """Flags -> (RunConfig, ClusterAddress | None), every rule checked here."""
+    run = build_run(a)
+    return run, check_launch(a, run)
+
+
+def check_launch(a: argparse.Namespace, run) -> ClusterAddress | None:
+    """The checks beyond the run itself (outputs, fault injection, the address) for the run
+    the launch will start (the flags' own, or the planner's): -> the address to join."""
+    _check_writable_file(a.out, "--out")
+    if a.plot:
+        _check_plot_dir(a.plot)
+    _check_fault(run.world)
+    return parse_address(a.address) if a.address else None
+
+
+def build_run(a: argparse.Namespace):
+    """Flags -> RunConfig (no files, no network: usable from tests)."""
+    from epmoe.plan.run import RunConfig
+
+    if a.ep < 1 or a.tp < 1:
+        raise ValueError(f"--ep ({a.ep}) and --tp ({a.tp}) must be >= 1")
+    if a.ep > 1 and a.tp > 1:
+        raise ValueError(f"--ep {a.ep} with --tp {a.tp}: one parallel form per run (the planner "
+                         f"mixes them per layer); pick --ep or --tp")
+    cfg = get_preset(a.model)
+    if a.quant not in RECIPES:
+        raise ValueError(f"--quant {a.quant!r} is not a recipe; choose one of {', '.join(RECIPES)}")
+    quant = QuantConfig(a.quant, a.scale_fmt)
+    if a.tp > 1:
+        form, world = "tp", a.tp
+    elif a.ep > 1:
+        form, world = ("ep_dp" if a.dp else "ep"), a.ep
+    else:
+        form, world = "ep_dp", 1
+    if not 0 <= a.seed < MAX_SEED:
+        raise ValueError(f"--seed ({a.seed}) must be in [0, 2**32)")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise ValueError(f"--timeout ({a.timeout}) must be a finite number of seconds > 0")
+    if a.redundant_experts < 0:
+        raise ValueError(f"--redundant-experts ({a.redundant_experts}) must be >= 0")
+    if a.redundant_experts and not a.eplb:
+        raise ValueError("--redundant-experts needs --eplb (replicas are placed by EPLB)")
+    if a.eplb and form == "tp":
+        raise ValueError("--eplb places experts across EP ranks: use --ep, not --tp")
+    if a.ll_max_tokens < 1:
+        raise ValueError(f"--ll-max-tokens ({a.ll_max_tokens}) must be >= 1")
+    if a.eplb and a.rebalance_every < 1:
+        raise ValueError(f"--rebalance-every ({a.rebalance_every}) must be >= 1")
+    if a.eplb and a.eplb_window < 1:
+        raise ValueError(f"--eplb-window ({a.eplb_window}) must be >= 1 step (the load a "
+                         f"rebalance looks at)")
+    slots = cfg.num_experts + a.redundant_experts
+    if a.redundant_experts and form != "tp" and slots % world:
+        raise ValueError(f"physical expert slots ({cfg.num_experts} experts + "
+                         f"{a.redundant_experts} redundant = {slots}) must be divisible by ep "
+                         f"({world}), each rank holding the same number; choose "
+                         f"--redundant-experts so that {cfg.num_experts} + R is a multiple of "
+                         f"{world}")
+    run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
+                    experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
+                    seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
+                    timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
+                    eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration)
+    run.validate()
+    if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
+        raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "
+                         f"on {world} rank(s) does not do: use --ep > 1 with --dp, or "
+                         f"--backend auto")
+    _check_routing(run)
+    return run
+
+
+def _check_routing(run) -> None:
+    kind, _, rest = run.routing.partition(":")
+    if kind == "router":
+        return
+    if kind == "trace" and rest:
+        check_trace(rest, run)
+        return
+    from epmoe.eplb.routing import make_routing
+
+    make_routing(run.routing, 1, run.cfg.num_experts, run.cfg.top_k, 2, 0, run.seed)
+
+
+def check_trace(path: str, run) -> None:
+    """A routing trace fits this run: readable, [steps, layers, tokens of all ranks, top_k],
+    ids in [0, experts), distinct within a token."""
+    from epmoe.eplb.routing import load_trace
+
+    try:
+        t = load_trace(path)
+    except ValueError:
+        raise
+    except Exception as e:  # corrupt, empty, a pickle of something else
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise InputError(f"trace file {path!r} cannot be read ({type(e).__name__}: {first}); "
+                         f"write it with epmoe.eplb.routing.save_trace: a .pt or .safetensors "
+                         f"file holding 'topk_ids' [steps, layers, tokens, top_k]") from None
+    cfg = run.cfg
+    steps, shape = t.shape[0], tuple(t.shape[1:])
+    want = (run.num_layers, run.global_tokens, cfg.top_k)
+    if steps < 1 or shape != want:
+        per = f"{run.tokens} per rank x {run.world} ranks" if run.own_tokens else "all ranks"
+        raise InputError(f"trace {path!r} has (layers, tokens, top_k) = {shape} over {steps} "
+                         f"step(s), but this run needs {want} ({run.num_layers} layers, "
+                         f"{want[1]} tokens = {per}, top_k {cfg.top_k} of {run.model}): record "
+                         f"the trace with the run's shape, or change --layers/--tokens/--ep")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= cfg.num_experts:
+        raise InputError(f"trace {path!r}: expert ids span [{lo}, {hi}] but {run.model} has "
+                         f"{cfg.num_experts} experts (ids in [0, {cfg.num_experts}))")
+    s = t.sort(dim=-1).values
+    if bool((s[..., 1:] == s[..., :-1]).any()):
+        raise InputError(f"trace {path!r}: a token lists the same expert twice in its top_k; "
+                         f"each token's {cfg.top_k} experts must be distinct")
+
+
+def local_device(a: argparse.Namespace) -> str | None:
+    """The ranks' device type when it is known before connecting (None: ask the cluster)."""
+    import torch
+
+    if a.device == "cuda" and a.address is None and not torch.cuda.is_available():
+        raise InputError("--device cuda, but this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False): use --device cpu, or --address "
+                         "of a GPU cluster")
+    if a.device != "auto":
+        return a.device
+    if a.address is not None:
+        return None
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_runnable(run, device: str) -> None:
+    """The comm and experts backends can run on the ranks' device type (checked here when this
+    machine can tell: always for cpu, for cuda only on a CUDA machine)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return  # the ranks' machines decide; they fail with the reason (exit 3)
+    from epmoe.comm import resolve_backend
+    from epmoe.experts.select import resolve_experts
+
+    dev = torch.device(device)
+    resolve_backend(run.backend, run, dev)
+    resolve_experts(run.experts, run.cfg, run.quant, dev)
+
+
+def _check_writable_file(path: str | None, flag: str) -> None:
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {str(parent)!r} does not exist; create it or "
+                         f"pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise InputError(f"{flag} {path} is not writable; pick another path")
+
+
+def _check_plot_dir(path: str) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("--plot needs matplotlib: pip install matplotlib")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"--plot {path} is a file; give a folder")
+    q = p
+    while not q.exists():
+        q = q.parent
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise InputError(f"--plot {path}: {str(q)!r} is not writable; pick another folder")
+
+
+def _check_fault(world: int) -> None:
+    from epmoe.env import fault_spec
+    from epmoe.launch.faults import Fault
+
+    f = Fault.parse(fault_spec())
+    if f is not None and f.rank >= world:
+        raise ValueError(f"EPMOE_FAULT names rank {f.rank}, but the run has {world} rank(s)")
+
+
+__all__ = ["ClusterAddress", "build_run", "check_args", "check_launch", "check_runnable", "check_trace",
+           "local_device"]

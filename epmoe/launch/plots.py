@@ -1,0 +1,92 @@
+"""PNG plots of a run (`--plot DIR`), drawn from its summary with matplotlib's Agg canvas (no
+display, no pyplot global state):
+
+| file                   | shows                                                              |
+| load_heatmap.png       | (token, k) pairs routed per layer x logical expert, whole run      |
+| stage_times.png        | ms per step in each top-level stage, one stacked bar per rank      |
+| eplb_balancedness.png  | balancedness before / predicted / after each rebalance (--eplb)    |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _title(s: dict) -> str:
+    c, w = s["config"], s["world"]
+    return f"{c['model']}, {c['recipe']}, {w['form']} x{len(w['ranks'])}, {c['steps']} steps"
+
+
+def load_heatmap(s: dict, path: Path) -> Path:
+    load = s["load"]["tokens_per_layer_expert"]
+    fig = _figure(max(6.0, 0.25 * len(load[0]) + 2), max(2.5, 0.35 * len(load) + 1.5))
+    ax = fig.add_subplot()
+    im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("logical expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(load)))
+    ax.set_title(f"(token, k) pairs routed per layer x expert\n{_title(s)}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="pairs")
+    fig.savefig(path)
+    return path
+
+
+def stage_times(s: dict, path: Path) -> Path:
+    per_rank = s["timing"]["stages_ms_per_rank"]
+    top = [n for n in s["timing"]["stages_ms"] if "." not in n]  # sub-stages nest in these
+    fig = _figure(7.0, max(2.5, 0.4 * len(per_rank) + 1.5))
+    ax = fig.add_subplot()
+    left = [0.0] * len(per_rank)
+    for name in top:
+        vals = [r.get(name, 0.0) for r in per_rank]
+        ax.barh(range(len(per_rank)), vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median per call x calls per step)")
+    ax.set_title(f"where each rank's step goes\n{_title(s)}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path)
+    return path
+
+
+def eplb_balancedness(s: dict, path: Path) -> Path:
+    events = s["eplb"]["events"]
+    x = [e["step"] for e in events]
+    fig = _figure(6.0, 3.5)
+    ax = fig.add_subplot()
+    for key, style in (("balancedness_before", "o-"), ("balancedness_predicted", "s--"),
+                       ("balancedness_after", "^-")):
+        pts = [(xi, e.get(key)) for xi, e in zip(x, events) if e.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                    label=key.split("_", 1)[1])
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("rebalance after step")
+    ax.set_ylabel("mean / max pairs per rank")
+    ax.set_title(f"EPLB balancedness around each rebalance\n{_title(s)}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+def write_plots(summary: dict, out_dir: str) -> list[Path]:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = [load_heatmap(summary, d / "load_heatmap.png"),
+             stage_times(summary, d / "stage_times.png")]
+    if summary.get("eplb", {}).get("events"):
+        paths.append(eplb_balancedness(summary, d / "eplb_balancedness.png"))
+    return paths

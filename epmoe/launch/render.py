@@ -1,0 +1,147 @@
+"""Print a run's summary as tables that fit an 80-column terminal: the run (backend, experts,
+correctness, step time, balance), stages as rows (ms per step and share of the step), ranks,
+the hottest experts, and the EPLB section. Rich drops colours and styles by itself when stdout
+is not a terminal (no ANSI codes in a pipe or a file)."""
+
+from __future__ import annotations
+
+BAR_WIDTH = 16
+WIDTH = 80  # the terminal width every table fits
+
+
+def table(title: str, columns: list[tuple[str, str]], rows: list[list[str]], **kw):
+    """A rich Table whose cells wrap instead of being cut ("rou…"), without vertical rules (room
+    for the content in 80 columns). columns: (header, justify)."""
+    from rich import box
+    from rich.table import Table
+
+    kw.setdefault("box", box.SIMPLE_HEAD)
+    kw.setdefault("show_edge", False)
+    t = Table(title=title, title_justify="left", **kw)
+    natural = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, (h, _) in
+                  enumerate(columns))
+    for header, justify in columns:
+        if natural > WIDTH:  # one word per line: the column is as wide as its longest word
+            header = header.replace(" ", "\n")
+        t.add_column(header, justify=justify, overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def _bar(share: float) -> str:
+    n = max(0, min(BAR_WIDTH, round(share * BAR_WIDTH)))
+    return "#" * n
+
+
+def correctness_line(c: dict) -> str:
+    if not c.get("checked"):
+        return "not checked (--no-check)"
+    what = f"(max|out-ref|/max|ref|, float64 oracle, {c['tokens_checked']} tokens)"
+    err, tol = f"{c['max_rel_err']:.2e}", f"{c['tolerance']:.0e}"
+    if c["passed"]:
+        return f"[green]PASS[/green] max rel err {err} <= tol {tol} {what}"
+    return f"[red]FAIL[/red] max rel err {err} > tol {tol} {what}"
+
+
+def router_line(rt: dict) -> str:
+    verdict = "[green]PASS[/green]" if rt["passed"] else "[red]FAIL[/red]"
+    return (f"{verdict} top-k sets equal to the float64 router's for {rt['agreement']:.1%} of "
+            f"tokens (>= {rt['min_agreement']:.0%}), weights {rt['weight_rel_err']:.1e} "
+            f"(tol {rt['weight_tol']:.0e})")
+
+
+def run_table(s: dict):
+    from rich.markup import escape
+
+    c, w, t, ld, cfg = s["correctness"], s["world"], s["timing"], s["load"], s["config"]
+    rows = [["backend", escape(f"{w['backend']} ({w['backend_reason']})")],
+            ["experts", escape(str(w["experts"]))],
+            ["device", escape(w["device"])],
+            ["correctness", correctness_line(c)],
+            *([["router", router_line(c["router"])]] if c.get("router") else []),
+            ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "
+                          f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"],
+            ["balancedness", f"{ld['balancedness']:.3f} = mean/max (token,k) pairs per rank"]]
+    title = (f"epmoe: {cfg['model']}, {cfg['layers']} layer(s), {cfg['recipe']}, form "
+             f"{w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)")
+    return table(title, [("", "left"), ("", "left")], rows, show_header=False)
+
+
+def stage_table(s: dict):
+    """Stages as rows: measured ms per step, share of the step, and the cost model's prediction
+    with predicted / measured (`*`: measured under the 50 us noise floor)."""
+    t = s["timing"]
+    step = t["step_ms_median"] or 0.0
+    pred, ratio = t.get("predicted_ms") or {}, t.get("ratio") or {}
+    low = set(t.get("below_noise_floor", ()))
+    rows = []
+    for name, ms in t["stages_ms"].items():
+        parent, _, child = name.partition(".")
+        label = f"  {child}" if child else parent
+        share = ms / step if step > 0 else 0.0
+        p, r = pred.get(name), ratio.get(name)
+        rows.append([label, f"{ms:.3f}", f"{share:.0%}", "-" if p is None else f"{p:.3f}",
+                     "-" if r is None else f"{r:.2f}" + ("*" if name in low else ""),
+                     _bar(share)])
+    if t.get("predicted_step_ms") is not None:
+        r = t.get("step_ratio")
+        rows.append(["step", f"{step:.3f}", "100%", f"{t['predicted_step_ms']:.3f}",
+                     "-" if r is None else f"{r:.2f}", ""])
+    return table("stages: ms per step (median per call x calls per step, all ranks), share of "
+                 "the step, and the cost model's prediction",
+                 [("stage", "left"), ("ms/step", "right"), ("share", "right"),
+                  ("predicted", "right"), ("pred/meas", "right"), ("", "left")], rows)
+
+
+def prediction_line(s: dict) -> str | None:
+    info = s["timing"].get("prediction") or {}
+    if info.get("error"):
+        return f"no prediction: {info['error']}"
+    if not info:
+        return None
+    return (f"predicted by epmoe.plan with profile {info['profile']} on {info['topology']}, "
+            f"routing {info.get('routing', '?')}; * = measured under the 50 us noise floor")
+
+
+def rank_table(s: dict):
+    w, ld, t = s["world"], s["load"], s["timing"]
+    per_rank_ms = t.get("step_ms_median_per_rank") or []
+    rows = []
+    for r in w["ranks"]:
+        ms = per_rank_ms[r["rank"]] if r["rank"] < len(per_rank_ms) else None
+        rows.append([str(r["rank"]), str(r["node"]), r["host"],
+                     str(ld["tokens_per_rank"][r["rank"]]), "-" if ms is None else f"{ms:.2f}"])
+    return table("ranks: (token,k) pairs routed to each rank's experts (all layers and steps)",
+                 [("rank", "right"), ("node", "right"), ("host", "left"),
+                  ("pairs routed here", "right"), ("step ms", "right")], rows)
+
+
+def hot_experts_line(s: dict) -> str:
+    per_e = s["load"]["tokens_per_expert"]
+    tot = max(sum(per_e), 1)
+    hot = sorted(range(len(per_e)), key=lambda e: -per_e[e])[:8]
+    return ("expert load (share of (token,k) pairs, all layers), hottest first: "
+            + ", ".join(f"e{e} {per_e[e] / tot:.1%}" for e in hot)
+            + f"; coldest {min(per_e) / tot:.1%}, even share {1 / len(per_e):.1%}")
+
+
+def render(summary: dict, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(run_table(summary))
+    if "plan" in summary:
+        from epmoe.launch.plan_report import render_plan
+
+        render_plan(summary["plan"], console)
+    console.print(stage_table(summary))
+    line = prediction_line(summary)
+    if line:
+        console.print(line, markup=False, highlight=False)
+    console.print(rank_table(summary))
+    console.print(hot_experts_line(summary), markup=False, highlight=False)
+    if "eplb" in summary:
+        from epmoe.launch.eplb_report import render_eplb
+
+        render_eplb(summary["eplb"], console)
