@@ -14,7 +14,7 @@ from epmoe.launch.cli import main, parser
 from epmoe.launch.planning import PlannedLaunch, prepare, profile_for_device
 from epmoe.plan import Choice, LayerEntry, Plan, Topology
 from epmoe.plan.cost import STAGES
-from test_launch import ray_cluster  # noqa: F401  (one local Ray cluster for this module)
+from test_launch import cluster, joined  # noqa: F401  (one token-auth Ray cluster per module)
 
 TINY = ["--model", "deepseek-v3-tiny"]
 
@@ -197,9 +197,9 @@ def test_plan_flag_conflicts_exit_2(capsys, flags, match):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ray_plan_auto_ep2_explains_each_layer(ray_cluster, tmp_path, capsys):
+def test_ray_plan_auto_ep2_explains_each_layer(joined, tmp_path, capsys):
     rc, s = run_cli(tmp_path, *TINY, "--plan", "auto", "--ep", "2", "--tokens", "8",
-                    "--steps", "2", "--layers", "2")
+                    "--steps", "2", "--layers", "2", "--address", joined[0].address)
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     p = s["plan"]
     assert p["topology"].startswith("1x2 cpu") and len(p["layers"]) == 2
@@ -217,9 +217,10 @@ def test_ray_plan_auto_ep2_explains_each_layer(ray_cluster, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 4])
-def test_ray_mixed_plan_file_passes_the_oracle(ray_cluster, tmp_path, world):
+def test_ray_mixed_plan_file_passes_the_oracle(joined, tmp_path, world):
     path = _plan_file(tmp_path / "mixed.json", MIXED, world)
-    rc, s = run_cli(tmp_path, "--plan", path, "--tokens", "8", "--steps", "1")
+    rc, s = run_cli(tmp_path, "--plan", path, "--tokens", "8", "--steps", "1",
+                    "--address", joined[0].address)
     c = s["correctness"]
     assert rc == 0 and c["passed"] is True, c
     assert len(c["per_layer"]) == 4 and max(c["per_layer"]) <= c["tolerance"]
@@ -235,10 +236,11 @@ def test_ray_mixed_plan_file_passes_the_oracle(ray_cluster, tmp_path, world):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ray_sweep_ep2(ray_cluster, tmp_path, capsys):
+def test_ray_sweep_ep2(joined, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = main([*TINY, "--plan", "sweep", "--ep", "2", "--tokens", "8", "--steps", "2",
-               "--layers", "1", "--no-check", "--out", str(out), "--sweep-budget-s", "300"])
+               "--layers", "1", "--no-check", "--out", str(out), "--sweep-budget-s", "300",
+               "--address", joined[0].address])
     text = capsys.readouterr().out
     assert rc == 0, text
     s = json.loads(out.read_text())["sweep"]
