@@ -141,3 +141,15 @@ def test_comm_context_validates():
         CommContext(rank=2, world=2)
     with pytest.raises(ValueError, match=r"max_tokens_per_rank \(-1\) must be >= 0"):
         CommContext(max_tokens_per_rank=-1)
+
+
+def test_every_experts_backend_is_concrete():
+    """A backend whose methods slid out of its class body (e.g. under a module-level function)
+    imports fine on CPU but cannot be built on the GPU: catch it here."""
+    from epmoe.experts.deepgemm_experts import DeepGemmExperts
+    from epmoe.experts.triton_experts import TritonExperts
+
+    for cls in (TorchExperts, TritonExperts, DeepGemmExperts):
+        assert not cls.__abstractmethods__, (cls.__name__, sorted(cls.__abstractmethods__))
+        for name in ("run_contiguous", "run_masked", "apply", "run"):
+            assert callable(getattr(cls, name)), (cls.__name__, name)

@@ -101,6 +101,32 @@ def _weight_operand(w: QWeight, sm100: bool):
     return data.contiguous(), _pack_exponents(w.scale)
 
 
+def arch_unsupported(cfg: MoEConfig, quant: QuantConfig, sm_arch: int,
+                     inter: int | None = None) -> str | None:
+    """The pure rules of this backend (no device, no import; the planner calls them too) for
+    compute capability `sm_arch` x 10 (90 Hopper, 100 Blackwell) and intermediate `inter` per
+    rank (default the model's; a tp shard passes its slice)."""
+    inter = cfg.moe_intermediate if inter is None else inter
+    if sm_arch < 90:
+        return f"DeepGEMM needs SM90 or newer, device is SM{sm_arch}"
+    if quant.recipe in ("mxfp8", "w4a8_mxfp4") and sm_arch < 100:
+        return (f"recipe {quant.recipe} needs DeepGEMM's SM100 fp8/fp4 kernels; device is "
+                f"SM{sm_arch} (use triton, or fp8_block)")
+    if quant.recipe == "fp8_block" and sm_arch >= 100 and quant.scale_fmt == "fp32":
+        return ("SM100 DeepGEMM reads UE8M0 scales: use scale_fmt ue8m0_fp32 or "
+                "ue8m0_packed (fp32 block scales are not powers of two)")
+    if quant.recipe == "fp8_block" and sm_arch < 100 and quant.scale_fmt == "ue8m0_packed":
+        return "packed UE8M0 activation scales are SM100-only; use scale_fmt ue8m0_fp32 on SM90"
+    try:
+        quant.check_shapes(cfg, inter)
+    except ValueError as exc:
+        return str(exc)
+    if cfg.hidden % 128 or inter % 128:
+        return (f"hidden ({cfg.hidden}) and intermediate ({inter}) must be multiples of 128 "
+                f"for DeepGEMM")
+    return None
+
+
 class DeepGemmExperts(Experts):
     """Grouped expert MLPs on DeepGEMM. `timer`: an optional epmoe.timing.StageTimer; when set
     (the layer may set it), permute / gemm1 / act_quant / gemm2 / gather are timed separately."""
@@ -138,31 +164,6 @@ class DeepGemmExperts(Experts):
             return f"deep_gemm unavailable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         return arch_unsupported(cfg, quant, 10 * _arch_major(device))
 
-
-def arch_unsupported(cfg: MoEConfig, quant: QuantConfig, sm_arch: int,
-                     inter: int | None = None) -> str | None:
-    """The pure rules of this backend (no device, no import; the planner calls them too) for
-    compute capability `sm_arch` x 10 (90 Hopper, 100 Blackwell) and intermediate `inter` per
-    rank (default the model's; a tp shard passes its slice)."""
-    inter = cfg.moe_intermediate if inter is None else inter
-    if sm_arch < 90:
-        return f"DeepGEMM needs SM90 or newer, device is SM{sm_arch}"
-    if quant.recipe in ("mxfp8", "w4a8_mxfp4") and sm_arch < 100:
-        return (f"recipe {quant.recipe} needs DeepGEMM's SM100 fp8/fp4 kernels; device is "
-                f"SM{sm_arch} (use triton, or fp8_block)")
-    if quant.recipe == "fp8_block" and sm_arch >= 100 and quant.scale_fmt == "fp32":
-        return ("SM100 DeepGEMM reads UE8M0 scales: use scale_fmt ue8m0_fp32 or "
-                "ue8m0_packed (fp32 block scales are not powers of two)")
-    if quant.recipe == "fp8_block" and sm_arch < 100 and quant.scale_fmt == "ue8m0_packed":
-        return "packed UE8M0 activation scales are SM100-only; use scale_fmt ue8m0_fp32 on SM90"
-    try:
-        quant.check_shapes(cfg, inter)
-    except ValueError as exc:
-        return str(exc)
-    if cfg.hidden % 128 or inter % 128:
-        return (f"hidden ({cfg.hidden}) and intermediate ({inter}) must be multiples of 128 "
-                f"for DeepGEMM")
-    return None
 
     @property
     def alignment(self) -> int:

@@ -28,8 +28,8 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
                          me, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
                          BT: tl.constexpr, PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
-    """A step: BT received tokens, their K whole rows in one [BT, KP, CH] gather (all in
-    flight together), weighted and summed over k inside each thread (`ksum`)."""
+    """A step: BT received tokens, their K whole rows (K independent [BT, CH] loads, in flight
+    together), weighted and summed in k order (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_C)
@@ -49,9 +49,7 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
             r = tl.load(inv_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=-1)
             wk = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=0.0)
             v = r >= 0
-            y = tl.load(y_ptr + r.to(tl.int64)[:, :, None] * D + cols[None, None, :],
-                        mask=v[:, :, None] & cm[None, None, :], other=0.0)
-            acc = ksum(y, tl.where(v, wk, 0.0), PRE_ROUND)
+            acc = ksum(y_ptr, r.to(tl.int64), tl.where(v, wk, 0.0), v, cols, cm, D, PRE_ROUND)
             peer = arena_ptr + tl.multiple_of(
                 tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
             dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \

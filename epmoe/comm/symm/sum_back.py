@@ -28,8 +28,8 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
                      SLOT_MAJOR: tl.constexpr, HAS_W: tl.constexpr, D: tl.constexpr,
                      CH: tl.constexpr, BT: tl.constexpr, PRE_ROUND: tl.constexpr,
                      USE_TIMER: tl.constexpr):
-    """A step: BT own tokens, their S whole rows in one [BT, SP, CH] gather (in flight
-    together), summed in slot order inside each thread (`ksum`)."""
+    """A step: BT own tokens, their S whole rows (S independent [BT, CH] loads, in flight
+    together), summed in slot order (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP)
@@ -54,9 +54,7 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
                 row = (buf * S + j[None, :]) * TMAX + t64[:, None]
             else:
                 row = (buf * TMAX + t64[:, None]) * S + j[None, :]
-            y = tl.load(comb + row[:, :, None] * D + cols[None, None, :],
-                        mask=v[:, :, None] & cm[None, None, :], other=0.0)
-            acc = ksum(y, tl.where(v, wj, 0.0), PRE_ROUND)
+            acc = ksum(comb, row, tl.where(v, wj, 0.0), v, cols, cm, D, PRE_ROUND)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
                      mask=tm[:, None] & cm[None, :])
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)
@@ -72,7 +70,8 @@ def sum_back(arena: RankArena, op: int, region: str, valid_TS: torch.Tensor,
     _sum_back_kernel[(grid(opts, out.device, recv=True),)](
         arena.base, arena.peer_delta_W, out, valid_TS.contiguous(), w, t, arena.rank,
         opts.spin_limit, OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens),
-        W=arena.world, S=s, SP=next_pow2(s), SLOT_MAJOR=slot_major, HAS_W=weights_TS is not None, D=hidden,
+        W=arena.world, S=s, SP=next_pow2(s), SLOT_MAJOR=slot_major,
+        HAS_W=weights_TS is not None, D=hidden,
         CH=row_cols(hidden), BT=opts.tile(max(1, 4 // s)), PRE_ROUND=INTERPRET,
         USE_TIMER=USE_TIMER, num_warps=warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)

@@ -39,15 +39,26 @@ def pick(x2, kk, k):
 
 
 @triton.jit
-def ksum(y, w, PRE_ROUND: tl.constexpr):
-    """sum_k w[b, k] * y[b, k, :] in fp32 -> [B, CH], bit for bit the sequential
-    `acc = 0; acc = acc + w_k * y_k` over the valid k (k order; an empty slot has w = 0 and
-    y = 0). The slot axis lies in each thread's registers (the warps span the columns), and a
-    reduction within a thread folds its elements in index order; adding +0 at the end turns
-    the -0 of an all-zero sum that starts at -0 into the +0 the sequential sum has (every other
-    step is the same operation on the same values). Under the interpreter, numpy's sum over a
-    middle axis is sequential too; PRE_ROUND rounds to bf16 there (its cast truncates)."""
-    acc = tl.sum(w[:, :, None] * y.to(tl.float32), axis=1) + 0.0
+def ksum(ptr, row, w, v, cols, cm, D, PRE_ROUND: tl.constexpr):
+    """sum_k w[b, k] * rows[row[b, k], :] in fp32 -> [B, CH] (ptr: bf16 rows of D columns;
+    row int64 [B, KP]; v: valid slots; cols/cm: the columns and their mask), bit for bit the
+    sequential `acc = 0; acc = acc + w_k * y_k` in k order: an invalid slot loads 0 with
+    w = 0 and adds +0. The fold is written out slot by slot, each slot's rows a [B, CH] load
+    of its own (the KP loads are independent, so they are in flight together): a `tl.sum`
+    over a slot axis would let the compiler pick the order (a tree across threads for some
+    layouts), which changes the bits. Callers launch with enable_fp_fusion=False (mul then
+    add, no FMA), as the reference. Under the interpreter PRE_ROUND rounds to bf16 (its cast
+    truncates)."""
+    kk = tl.arange(0, row.shape[1])
+    acc = tl.zeros((row.shape[0], cols.shape[0]), dtype=tl.float32)
+    for k in tl.static_range(row.shape[1]):
+        rk = pick(row, kk, k)
+        vk = pick(v.to(tl.int32), kk, k) != 0
+        wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)  # one non-zero term: exact
+        y = tl.load(ptr + rk[:, None] * D + cols[None, :], mask=vk[:, None] & cm[None, :],
+                    other=0.0)
+        acc = acc + wk[:, None] * y.to(tl.float32)
+    acc = acc + 0.0
     if PRE_ROUND:
         acc = round_bf16(acc)
     return acc
