@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
                         "per rank, high-throughput above")
     g.add_argument("--experts", default="auto", choices=("auto", "torch", "triton", "deepgemm"),
                    help="experts backend")
+    g.add_argument("--micro-batches", type=int, default=1, choices=(1, 2),
+                   help="2: split each layer's tokens in two so that one half's dispatch / "
+                        "combine overlaps the other half's expert GEMMs (meant for ep >= 2)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default=DEFAULT_PRESET, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")

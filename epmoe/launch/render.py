@@ -61,7 +61,9 @@ def run_table(s: dict):
             ["correctness", correctness_line(c)],
             *([["router", router_line(c["router"])]] if c.get("router") else []),
             ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "
-                          f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"],
+                          f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"
+                          + ("" if t.get("overlap") is None else
+                             f"; overlap {t['overlap']:.2f}")],
             ["balancedness", f"{ld['balancedness']:.3f} = mean/max (token,k) pairs per rank"]]
     title = (f"epmoe: {cfg['model']}, {cfg['layers']} layer(s), {cfg['recipe']}, form "
              f"{w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)")

@@ -126,6 +126,16 @@ def check_router(x, ids, w, oracle, cfg) -> dict:
                 weight_rel_err=w_err)
 
 
+def _overlap(stages: dict, step_ms: float | None) -> float | None:
+    """(sum of the top-level stage times - step time) / that sum: the share of stage time
+    hidden under other stages (shared experts on a side stream, micro-batches)."""
+    from epmoe.overlap import overlap_fraction
+
+    if not step_ms:
+        return None
+    return overlap_fraction({k: v for k, v in stages.items() if "." not in k}, step_ms)
+
+
 def _median(xs):
     return statistics.median(xs) if xs else None
 
@@ -194,6 +204,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     step_ms_median_per_rank=[_median(r["step_ms"][1:] or r["step_ms"])
                                              for r in reports],
                     tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
+                    overlap=_overlap(stages, _median(timed)),
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median per call x calls per "
                          "step, over all ranks; stages_ms_per_rank: the same per rank)"),
