@@ -16,12 +16,6 @@ from epmoe.launch.errors import InputError
 MAX_SEED = 2**32  # seeds feed torch generators through small products: keep them in range
 
 
-def check_args(a: argparse.Namespace):
-    """Flags -> (RunConfig, ClusterAddress | None), every rule checked here."""
-    run = build_run(a)
-    return run, check_launch(a, run)
-
-
 def check_launch(a: argparse.Namespace, run) -> ClusterAddress | None:
     """The checks beyond the run itself (outputs, fault injection, the address) for the run
     the launch will start (the flags' own, or the planner's): -> the address to join."""
@@ -201,5 +195,5 @@ def _check_fault(world: int) -> None:
         raise ValueError(f"EPMOE_FAULT names rank {f.rank}, but the run has {world} rank(s)")
 
 
-__all__ = ["ClusterAddress", "build_run", "check_args", "check_launch", "check_runnable", "check_trace",
+__all__ = ["ClusterAddress", "build_run", "check_launch", "check_runnable", "check_trace",
            "local_device"]

@@ -102,10 +102,6 @@ class RunConfig:
                          experts=spec.experts,
                          num_slots=self.cfg.num_experts + self.redundant_experts)
 
-    def plan(self, rank: int, backend: str) -> LayerPlan:
-        """The plan of layer 0 (every layer's, unless the stack mixes forms)."""
-        return self.layer_plan(0, rank, backend)
-
     def validate(self) -> None:
         if self.world < 1:
             raise ValueError(f"world ({self.world}) must be >= 1")
