@@ -26,6 +26,7 @@ from test_symm_ll import run_round as ll_round
 
 pytestmark = pytest.mark.gpu
 OPTS = SymmOptions(num_sms=4, timeout_s=5.0)
+CHUNKED = SymmOptions(num_sms=4, timeout_s=5.0, chunk_cols=128)  # D = 256: 2 chunks per row
 
 
 @pytest.mark.parametrize("streams", [False, True])
@@ -36,7 +37,7 @@ def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
-                              options=OPTS, alignment=8)
+                              options=OPTS if world > 2 else CHUNKED, alignment=8)
     for _ in range(3):
         ht_round(comms, world, quant, *case_inputs(scenario, world, gen), gen, "cuda", streams)
     for c in comms:
@@ -51,7 +52,7 @@ def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
-                               options=OPTS)
+                               options=OPTS if world > 2 else CHUNKED)
     for _ in range(3):
         ll_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen, "cuda",
                  streams)

@@ -168,21 +168,23 @@ def run_round(comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False
     return outs
 
 
-CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds); the interpreter costs ~1 s
-    (2, "bf16", "fp32", "uneven", 8, 3),  # per rank and round: few rounds at 4 ranks
-    (2, "fp8_block", "fp32", "empty", 128, 1),
-    (4, "fp8_block", "ue8m0_packed", "all_to_one", 4, 1),
-    (4, "bf16", "fp32", "full", 8, 1),
+CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds, chunk_cols); the
+    (2, "bf16", "fp32", "uneven", 8, 3, 64),  # interpreter costs ~1 s per rank and round
+    (2, "fp8_block", "fp32", "empty", 128, 1, 0),  # (few rounds at 4 ranks)
+    (4, "fp8_block", "ue8m0_packed", "all_to_one", 4, 1, 0),
+    (4, "bf16", "fp32", "full", 8, 1, 128),
 ]
 
 
-@pytest.mark.parametrize("world,recipe,fmt,scenario,align,rounds", CASES)
-def test_ht_matches_all2all(world, recipe, fmt, scenario, align, rounds, seed):
+@pytest.mark.parametrize("world,recipe,fmt,scenario,align,rounds,chunk", CASES)
+def test_ht_matches_all2all(world, recipe, fmt, scenario, align, rounds, chunk, seed):
     """Rounds on one arena with fresh routing each (3 rounds: epochs 1..3 use both buffers and
-    reuse one, whose stale rows must not leak into the result)."""
+    reuse one, whose stale rows must not leak into the result). chunk_cols > 0 splits the
+    combines' rows into several column chunks (work items), as on the GPU."""
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = OPTS if world > 2 else SymmOptions(num_sms=2)  # 2 CTAs: the last-arrival path
+    opts = dataclasses.replace(opts, chunk_cols=chunk)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, options=opts,
                               alignment=align)
     for _ in range(rounds):

@@ -9,6 +9,8 @@ fresh random values each round; the masked region keeps the previous round's row
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,18 +75,19 @@ def run_round(lw, comms, world, quant, xs, ids, ws, gen, device="cpu", streams=F
         assert torch.equal(res[s], acc.to(torch.bfloat16)), f"rank {s}: combine differs"
 
 
-CASES = [  # (world, recipe, scale_fmt, scenario, rounds)
-    (2, "fp8_block", "fp32", "uneven", 3),
-    (2, "bf16", "fp32", "empty", 1),
-    (4, "fp8_block", "ue8m0_fp32", "all_to_one", 1),
+CASES = [  # (world, recipe, scale_fmt, scenario, rounds, chunk_cols: > 0 splits rows into
+    (2, "fp8_block", "fp32", "uneven", 3, 64),  # column chunks, as on the GPU)
+    (2, "bf16", "fp32", "empty", 1, 0),
+    (4, "fp8_block", "ue8m0_fp32", "all_to_one", 1, 128),
 ]
 
 
-@pytest.mark.parametrize("world,recipe,fmt,scenario,rounds", CASES)
-def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, seed):
+@pytest.mark.parametrize("world,recipe,fmt,scenario,rounds,chunk", CASES)
+def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, chunk, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = OPTS if world > 2 else SymmOptions(num_sms=2)
+    opts = dataclasses.replace(opts, chunk_cols=chunk)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, options=opts)
     for _ in range(rounds):
         run_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen)

@@ -3,7 +3,7 @@
 fp8 (1x128, fp32 scales), with the ratio to DeepEP measured in the same run where it can run.
 
     python -m epmoe.bench.comm [--json FILE] [--auto-table FILE] [--world 2] [--quick]
-        [--sweep 24:0:0,32:132:0] [--breakdown] [--jsonl FILE]
+        [--sweep 24:0:0,32:132:0:512:4] [--breakdown] [--jsonl FILE]
 
 One GPU: symm-ht / symm-ll run in the loopback world (W ranks' arenas on one GPU, rank by rank):
 the kernels' cost without a link, per rank (phase time / W); all2all and DeepEP need >= 2 GPUs
@@ -273,12 +273,19 @@ def _fmt(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps")
+
+
 def _sweep(spec: str) -> list[dict]:
-    """"24:0:0,32:132:2" -> [{num_sms, recv_sms, tile_tokens}] (0: the default)."""
+    """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps}]
+    (missing or 0: the default)."""
     out = []
     for item in filter(None, spec.split(",")):
-        vals = [int(v) for v in item.split(":")] + [0, 0]
-        out.append(dict(num_sms=vals[0], recv_sms=vals[1], tile_tokens=vals[2]))
+        vals = [int(v) for v in item.split(":")]
+        if not 1 <= len(vals) <= len(KNOBS):
+            raise ValueError(f"--sweep item '{item}': 1 to {len(KNOBS)} numbers "
+                             f"({':'.join(KNOBS)})")
+        out.append(dict(zip(KNOBS, vals + [0] * (len(KNOBS) - len(vals)))))
     return out
 
 
@@ -290,8 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
     p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")
     p.add_argument("--num-sms", type=int, default=24)
-    p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens, comma-"
-                                               "separated (0: default); overrides --num-sms")
+    p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
+                   "chunk_cols:num_warps, comma-separated (0 or missing: default); overrides "
+                   "--num-sms")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
     p.add_argument("--ht-tokens", help="comma-separated HT token counts (overrides --quick)")

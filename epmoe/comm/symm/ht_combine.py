@@ -7,7 +7,7 @@ Region `ht_comb` of the HT arena (see `ht_dispatch.py`).
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels._common import INTERPRET
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,7 +18,7 @@ from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
-from epmoe.comm.symm.tiles import ksum, row_cols, warps  # noqa: E402
+from epmoe.comm.symm.tiles import ksum  # noqa: E402
 
 OP_C = tl.constexpr(HT_COMBINE)
 
@@ -26,30 +26,28 @@ OP_C = tl.constexpr(HT_COMBINE)
 @triton.jit
 def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
                          me, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                         K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
+                         K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
                          BT: tl.constexpr, PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
-    """A step: BT received tokens, their K whole rows (K independent [BT, CH] loads, in flight
-    together), weighted and summed in k order (`ksum`)."""
+    """A work item: BT received tokens x one chunk of CK columns, their K row chunks (K
+    independent [BT, CK] loads, in flight together) weighted and summed in k order (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    NC: tl.constexpr = (D + CK - 1) // CK
     e = epoch(arena_ptr, OP_C)
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         n_total = tl.load(info_ptr)
-        cols = tl.arange(0, CH)
-        cm = cols < D
-        kk = tl.arange(0, KP)
-        for n0 in range(pid * BT, n_total, G * BT):
-            n = n0 + tl.arange(0, BT)
+        items = (n_total + BT - 1) // BT * NC
+        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one token block
+            n = (it // NC) * BT + tl.arange(0, BT)
+            cols = (it % NC) * CK + tl.arange(0, CK)
+            cm = cols < D
             nm = n < n_total
             n64 = n.to(tl.int64)
             st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
-            pm = nm[:, None] & (kk < K)[None, :]
-            r = tl.load(inv_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=-1)
-            wk = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=pm, other=0.0)
-            v = r >= 0
-            acc = ksum(y_ptr, r.to(tl.int64), tl.where(v, wk, 0.0), v, cols, cm, D, PRE_ROUND)
+            acc = ksum(y_ptr, inv_ptr, w_ptr, n64, nm, n64, 0, cols, cm, D, K, True, True,
+                       PRE_ROUND)
             peer = arena_ptr + tl.multiple_of(
                 tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
             dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
@@ -62,8 +60,8 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
 def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
     d = shape.hidden
     return dict(COMB=arena.layout.offset("ht_comb"), TMAX=max(1, shape.max_tokens),
-                W=shape.world, KP=next_pow2(shape.top_k), D=d, CH=row_cols(d), BT=opts.tile(1),
-                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=warps(),
+                W=shape.world, D=d, CK=opts.chunk(d), BT=opts.tile(16),
+                PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=opts.warps(),
                 enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
 

@@ -39,7 +39,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv,  # noqa: E402
                                   finish_send, peer_ptr, wait_acks, wait_ready)
-from epmoe.comm.symm.tiles import pick, row_cols, rows_per_step, warps  # noqa: E402
+from epmoe.comm.symm.tiles import pick, row_cols, rows_per_step  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
@@ -335,7 +335,7 @@ def max_rows(shape: HTShape, alignment: int) -> int:
     return max(a, (pairs + shape.num_local_experts * (a - 1) + a - 1) // a * a)
 
 
-def _consts(arena: RankArena, shape: HTShape) -> dict:
+def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
     lay = arena.layout
     e_l = shape.num_local_experts
     dw, sw = shape.data_bytes // 4, shape.scale_bytes // 4
@@ -344,7 +344,7 @@ def _consts(arena: RankArena, shape: HTShape) -> dict:
                 WP=next_pow2(shape.world), K=shape.top_k, KP=next_pow2(shape.top_k), E_L=e_l,
                 EP=next_pow2(e_l), DW=dw, SW=sw, CH=row_cols(dw), BSW=next_pow2(max(sw, 1)),
                 ROW_W=shape.row_words, MW=shape.meta_words, CW=shape.count_words,
-                USE_TIMER=USE_TIMER, num_warps=warps())
+                USE_TIMER=USE_TIMER, num_warps=opts.warps())
 
 
 def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
@@ -360,7 +360,7 @@ def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: tor
         arena.base, arena.peer_delta_W, data, scale, topk_ids_TK.contiguous(),
         topk_weights_TK.float().contiguous(), rt.pos_TK, rt.msg_TW, rt.total_C, t,
         arena.rank, opts.spin_limit, BT=opts.tile(rows_per_step(row_cols(shape.data_bytes // 4))),
-        **_consts(arena, shape))
+        **_consts(arena, shape, opts))
 
 
 def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: int,
@@ -381,7 +381,7 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     _dispatch_recv_kernel[(grid(opts, dev, recv=True),)](
         arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
         arena.rank, opts.spin_limit, M_MAX=m, BR=1024 if INTERPRET else 2048,
-        BT=opts.tile(min(4, rows_per_step(row_cols(dw)))), **_consts(arena, shape))
+        BT=opts.tile(min(4, rows_per_step(row_cols(dw)))), **_consts(arena, shape, opts))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
     x = QTensor(xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv,

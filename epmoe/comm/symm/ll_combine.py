@@ -19,7 +19,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
                                   arrive_last, ctrl_ptr, epoch, publish, wait_acks)
-from epmoe.comm.symm.tiles import row_cols, warps  # noqa: E402
+
 
 OP_D = tl.constexpr(LL_DISPATCH)
 OP_C = tl.constexpr(LL_COMBINE)
@@ -30,9 +30,11 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, counts_ptr, me, limit,
                          SLOTS: tl.constexpr, META: tl.constexpr, COMB: tl.constexpr,
                          TMAX: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
                          E_L: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                         CH: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
+                         CK: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A work item: BT expert rows x one chunk of CK columns, copied to their sources."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    NC: tl.constexpr = (D + CK - 1) // CK
     e_d = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D))  # the dispatch this combine answers
     e = epoch(arena_ptr, OP_C)
     buf = e % 2
@@ -44,10 +46,11 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, counts_ptr, me, limit,
         incl = tl.cumsum(cnt, axis=0)
         total = tl.sum(cnt, axis=0)
         meta_p = (arena_ptr + META).to(tl.pointer_type(tl.int32))
-        cols = tl.arange(0, CH)
-        cm = cols < D
-        for f0 in range(pid * BT, total, G * BT):
-            f = f0 + tl.arange(0, BT)
+        items = (total + BT - 1) // BT * NC
+        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one row block
+            f = (it // NC) * BT + tl.arange(0, BT)
+            cols = (it % NC) * CK + tl.arange(0, CK)
+            cm = cols < D
             fm = f < total
             le = tl.sum((f[:, None] >= incl[None, :]).to(tl.int32), axis=1)
             first = tl.sum(tl.where(ee[None, :] < le[:, None], cnt[None, :], 0), axis=1)
@@ -70,11 +73,11 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, counts_ptr, me, limit,
 
 
 # --------------------------------------------------------------------------------------------
-def _consts(arena: RankArena, shape: LLShape) -> dict:
+def _consts(arena: RankArena, shape: LLShape, opts: SymmOptions) -> dict:
     d = shape.hidden
     return dict(COMB=arena.layout.offset("ll_comb"), TMAX=max(1, shape.max_tokens),
                 W=shape.world, K=shape.top_k, D=d,
-                CH=row_cols(d), USE_TIMER=USE_TIMER, num_warps=warps())
+                CK=opts.chunk(d), USE_TIMER=USE_TIMER, num_warps=opts.warps())
 
 
 def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E: torch.Tensor,
@@ -89,7 +92,7 @@ def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor, counts_E
         arena.base, arena.peer_delta_W, y_ECD.contiguous(), counts_E, arena.rank,
         opts.spin_limit, SLOTS=lay.offset("ll_slots"), META=lay.offset("ll_meta"),
         E_L=shape.num_local_experts, EP=next_pow2(shape.num_local_experts), C=shape.capacity,
-        BT=opts.tile(8), **_consts(arena, shape))  # copies only: 8 rows fit the registers
+        BT=opts.tile(16), **_consts(arena, shape, opts))
 
 
 def combine_recv(arena: RankArena, shape: LLShape, topk_ids_TK: torch.Tensor,

@@ -31,7 +31,7 @@ from epmoe.comm.symm.arena import LL_DISPATCH, ArenaLayout, RankArena  # noqa: E
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sync import (C_SEQ, USE_TIMER, ctrl_ptr, epoch, finish_send,  # noqa: E402
                                   peer_ptr, wait_acks, wait_ready)
-from epmoe.comm.symm.tiles import pick, row_cols, warps  # noqa: E402
+from epmoe.comm.symm.tiles import pick, row_cols  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
 
@@ -195,7 +195,7 @@ def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: to
                          f"the run's worst case or use symm-ht")
     lay = arena.layout
     slot = torch.empty((t, shape.top_k), dtype=torch.int32, device=x_TD.device)
-    bt = opts.tile(1)
+    bt = opts.tile(2)
     _dispatch_send_kernel[(grid(opts, x_TD.device),)](
         arena.base, arena.peer_delta_W, x_TD.contiguous(), topk_ids_TK.contiguous(), slot, t,
         arena.rank, opts.spin_limit, SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
@@ -204,7 +204,7 @@ def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: to
         KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d,
         CH=row_cols(d), NG=shape.num_groups, NGP=next_pow2(max(1, row_cols(d) // GROUP)),
         FP8=shape.fp8, POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
-        BT=bt, SA=next_pow2(16 * bt), USE_TIMER=USE_TIMER, num_warps=warps())
+        BT=bt, SA=next_pow2(16 * bt), USE_TIMER=USE_TIMER, num_warps=opts.warps())
 
 
 def dispatch_recv(arena: RankArena, shape: LLShape, quant: QuantConfig,

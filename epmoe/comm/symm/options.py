@@ -15,6 +15,10 @@ class SymmOptions:
                 the layout rows of the HT dispatch, the sums of both combines); 0 = num_sms
     tile_tokens tokens (rows) per CTA step in every kernel; 0 = each kernel's default (a
                 tuning knob for the benchmark's sweep)
+    chunk_cols  columns per work item of the reducing kernels (both combines; a power of two);
+                0 = 1024 on GPU, the whole row under the interpreter
+    num_warps   warps per CTA of every kernel on GPU (a power of two); 0 = 16 (1 when
+                interpreting)
     timeout_s   bound of every spin-wait; a timeout raises naming rank, peer and phase (under
                 the interpreter it bounds polls: 1000 per second)
     exact_rows  symm-ht: sync once after the receive and return only the used rows (M exact)
@@ -24,6 +28,8 @@ class SymmOptions:
     num_sms: int = 24
     recv_sms: int = 0
     tile_tokens: int = 0
+    chunk_cols: int = 0
+    num_warps: int = 0
     timeout_s: float = 10.0
     exact_rows: bool = False
 
@@ -33,6 +39,12 @@ class SymmOptions:
         if self.recv_sms < 0 or self.tile_tokens < 0:
             raise ValueError(f"recv_sms ({self.recv_sms}) and tile_tokens ({self.tile_tokens}) "
                              f"must be >= 0 (0: the default)")
+        if self.chunk_cols < 0 or self.chunk_cols & (self.chunk_cols - 1):
+            raise ValueError(f"chunk_cols ({self.chunk_cols}) must be 0 (the default) or a "
+                             f"power of two")
+        if self.num_warps < 0 or self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
+            raise ValueError(f"num_warps ({self.num_warps}) must be 0 (the default) or a power "
+                             f"of two <= 32")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
 
@@ -45,6 +57,20 @@ class SymmOptions:
         """Tokens per CTA step: the override, else `default` (64 under the interpreter: its
         cost is per program step, not per element)."""
         return 64 if INTERPRET else (self.tile_tokens or default)
+
+
+    def chunk(self, row: int) -> int:
+        """Columns per work item of a reducing kernel for rows of `row` columns."""
+        from epmoe.comm.symm.tiles import chunk_cols  # noqa: PLC0415
+
+        return min(self.chunk_cols, chunk_cols(row)) if self.chunk_cols else chunk_cols(row)
+
+
+    def warps(self) -> int:
+        """Warps per CTA: the override on GPU, else `tiles.warps()`."""
+        from epmoe.comm.symm.tiles import warps  # noqa: PLC0415
+
+        return self.num_warps if self.num_warps and not INTERPRET else warps()
 
 
 def grid(opts: SymmOptions, device, recv: bool = False) -> int:

@@ -9,7 +9,7 @@ weighted, in k order), cast once. Rows sit in the arena's combine region, buffer
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels._common import INTERPRET
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,43 +18,39 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_recv, wait_ready  # noqa: E402
-from epmoe.comm.symm.tiles import ksum, row_cols, warps  # noqa: E402
+from epmoe.comm.symm.tiles import ksum  # noqa: E402
 
 
 @triton.jit
 def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, limit,
                      OP: tl.constexpr, COMB: tl.constexpr, TMAX: tl.constexpr,
-                     W: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                     W: tl.constexpr, S: tl.constexpr,
                      SLOT_MAJOR: tl.constexpr, HAS_W: tl.constexpr, D: tl.constexpr,
-                     CH: tl.constexpr, BT: tl.constexpr, PRE_ROUND: tl.constexpr,
+                     CK: tl.constexpr, BT: tl.constexpr, PRE_ROUND: tl.constexpr,
                      USE_TIMER: tl.constexpr):
-    """A step: BT own tokens, their S whole rows (S independent [BT, CH] loads, in flight
-    together), summed in slot order (`ksum`)."""
+    """A work item: BT own tokens x one chunk of CK columns, their S row chunks (S independent
+    [BT, CK] loads, in flight together) summed in slot order (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    NC: tl.constexpr = (D + CK - 1) // CK
     e = epoch(arena_ptr, OP)
     buf = e % 2
     ok = wait_ready(arena_ptr, OP, e, limit, W, USE_TIMER)
     if ok != 0:
         comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
-        cols = tl.arange(0, CH)
-        cm = cols < D
-        j = tl.arange(0, SP)
-        for t0 in range(pid * BT, T, G * BT):
-            t = t0 + tl.arange(0, BT)
+        items = (T + BT - 1) // BT * NC
+        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one token block
+            t = (it // NC) * BT + tl.arange(0, BT)
+            cols = (it % NC) * CK + tl.arange(0, CK)
+            cm = cols < D
             tm = t < T
             t64 = t.to(tl.int64)
-            m2 = tm[:, None] & (j < S)[None, :]
-            v = tl.load(valid_ptr + t64[:, None] * S + j[None, :], mask=m2, other=-1) >= 0
-            if HAS_W:
-                wj = tl.load(w_ptr + t64[:, None] * S + j[None, :], mask=m2, other=0.0)
+            if SLOT_MAJOR:  # row of slot j: row0 + j * rstride
+                acc = ksum(comb, valid_ptr, w_ptr, t64, tm, buf * S * TMAX + t64, TMAX, cols,
+                           cm, D, S, False, HAS_W, PRE_ROUND)
             else:
-                wj = tl.full((BT, SP), 1.0, dtype=tl.float32)
-            if SLOT_MAJOR:
-                row = (buf * S + j[None, :]) * TMAX + t64[:, None]
-            else:
-                row = (buf * TMAX + t64[:, None]) * S + j[None, :]
-            acc = ksum(comb, row, tl.where(v, wj, 0.0), v, cols, cm, D, PRE_ROUND)
+                acc = ksum(comb, valid_ptr, w_ptr, t64, tm, (buf * TMAX + t64) * S, 1, cols,
+                           cm, D, S, False, HAS_W, PRE_ROUND)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
                      mask=tm[:, None] & cm[None, :])
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)
@@ -70,10 +66,10 @@ def sum_back(arena: RankArena, op: int, region: str, valid_TS: torch.Tensor,
     _sum_back_kernel[(grid(opts, out.device, recv=True),)](
         arena.base, arena.peer_delta_W, out, valid_TS.contiguous(), w, t, arena.rank,
         opts.spin_limit, OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens),
-        W=arena.world, S=s, SP=next_pow2(s), SLOT_MAJOR=slot_major,
+        W=arena.world, S=s, SLOT_MAJOR=slot_major,
         HAS_W=weights_TS is not None, D=hidden,
-        CH=row_cols(hidden), BT=opts.tile(max(1, 4 // s)), PRE_ROUND=INTERPRET,
-        USE_TIMER=USE_TIMER, num_warps=warps(),
+        CK=opts.chunk(hidden), BT=opts.tile(max(2, 32 // s)), PRE_ROUND=INTERPRET,
+        USE_TIMER=USE_TIMER, num_warps=opts.warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
     return out
 

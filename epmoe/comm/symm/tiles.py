@@ -5,6 +5,12 @@ of two (`row_cols`), so one load puts ~64 KB in flight, and does every load of t
 its first store (stores may alias loads, so nothing after a store is hoisted above it).
 Per-row index vectors that several stores need come from one [BT, KP] tile load and are picked
 out per column (`pick`: an integer sum with one non-zero term, exact).
+
+The reducing kernels (both combines) hold K (or W) row tiles at once, so a whole row per slot
+would not fit the registers (8 x 7168 bf16 per token: the compiler spills or serialises the
+loads). They split rows into column chunks (`chunk_cols`, 1024 columns on GPU) and take
+(token block, chunk) work items: every slot's [BT, chunk] load of an item is independent, so
+all K are in flight together (~64 KB per CTA at BT = 4, K = 8).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 TILE_ELEMS = 16384  # elements of 4 bytes per step and CTA on GPU (64 KB)
-NUM_WARPS = 8
+NUM_WARPS = 16  # per CTA on GPU: one CTA per SM, so the warps are what hides latency
+CHUNK_COLS = 1024  # columns per work item of the reducing kernels on GPU
 
 
 def row_cols(n: int) -> int:
@@ -26,6 +33,12 @@ def row_cols(n: int) -> int:
 def rows_per_step(cols: int, elem_bytes: int = 4) -> int:
     """Default rows per step: ~TILE_ELEMS x 4 bytes per tile (1 for rows larger than that)."""
     return max(1, TILE_ELEMS * 4 // (cols * elem_bytes))
+
+
+def chunk_cols(n: int) -> int:
+    """Columns per work item of a reducing kernel: CHUNK_COLS on GPU (the whole row when it is
+    narrower), the whole row under the interpreter (its cost is per program step)."""
+    return row_cols(n) if INTERPRET else min(row_cols(n), CHUNK_COLS)
 
 
 def warps() -> int:
@@ -39,23 +52,36 @@ def pick(x2, kk, k):
 
 
 @triton.jit
-def ksum(ptr, row, w, v, cols, cm, D, PRE_ROUND: tl.constexpr):
-    """sum_k w[b, k] * rows[row[b, k], :] in fp32 -> [B, CH] (ptr: bf16 rows of D columns;
-    row int64 [B, KP]; v: valid slots; cols/cm: the columns and their mask), bit for bit the
-    sequential `acc = 0; acc = acc + w_k * y_k` in k order: an invalid slot loads 0 with
-    w = 0 and adds +0. The fold is written out slot by slot, each slot's rows a [B, CH] load
-    of its own (the KP loads are independent, so they are in flight together): a `tl.sum`
-    over a slot axis would let the compiler pick the order (a tree across threads for some
-    layouts), which changes the bits. Callers launch with enable_fp_fusion=False (mul then
-    add, no FMA), as the reference. Under the interpreter PRE_ROUND rounds to bf16 (its cast
-    truncates)."""
-    kk = tl.arange(0, row.shape[1])
-    acc = tl.zeros((row.shape[0], cols.shape[0]), dtype=tl.float32)
-    for k in tl.static_range(row.shape[1]):
-        rk = pick(row, kk, k)
-        vk = pick(v.to(tl.int32), kk, k) != 0
-        wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)  # one non-zero term: exact
-        y = tl.load(ptr + rk[:, None] * D + cols[None, :], mask=vk[:, None] & cm[None, :],
+def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constexpr,
+         INDIRECT: tl.constexpr, HAS_W: tl.constexpr, PRE_ROUND: tl.constexpr):
+    """sum_s w[n, s] * rows[row(n, s), cols] in fp32 -> [BT, CK] for BT tokens n64 (nm: in
+    range) and S slots (ptr: bf16 rows of D columns), bit for bit the sequential
+    `acc = 0; acc = acc + w_s * y_s` in slot order.
+
+    idx_ptr [*, S] int32 per token and slot: >= 0 marks a valid slot; INDIRECT: it is the row
+    itself, else the row is row0 + s * rstride (row0 [BT] int64). w_ptr [*, S] fp32 weights
+    (HAS_W; else 1). An invalid slot loads 0 with w = 0 and adds +0.
+
+    Every per-slot index and weight is its own [BT] load (no reduction over a slot tile: a
+    cross-thread reduction puts a barrier between the slots' row loads, which then cannot be
+    in flight together), and each slot's rows are a [BT, CK] load of their own; the fold is
+    written out slot by slot (a `tl.sum` over a slot axis would let the compiler pick the
+    order: a tree across threads for some layouts, which changes the bits). Callers launch
+    with enable_fp_fusion=False (mul then add, no FMA), as the reference. Under the
+    interpreter PRE_ROUND rounds to bf16 (its cast truncates)."""
+    acc = tl.zeros((n64.shape[0], cols.shape[0]), dtype=tl.float32)
+    for s in tl.static_range(S):
+        ik = tl.load(idx_ptr + n64 * S + s, mask=nm, other=-1)
+        v = ik >= 0
+        if INDIRECT:
+            rk = ik.to(tl.int64)
+        else:
+            rk = row0 + s * rstride
+        if HAS_W:
+            wk = tl.load(w_ptr + n64 * S + s, mask=nm & v, other=0.0)
+        else:
+            wk = tl.where(v, 1.0, 0.0)
+        y = tl.load(ptr + rk[:, None] * D + cols[None, :], mask=v[:, None] & cm[None, :],
                     other=0.0)
         acc = acc + wk[:, None] * y.to(tl.float32)
     acc = acc + 0.0
@@ -64,4 +90,5 @@ def ksum(ptr, row, w, v, cols, cm, D, PRE_ROUND: tl.constexpr):
     return acc
 
 
-__all__ = ["ksum", "pick", "row_cols", "rows_per_step", "warps", "TILE_ELEMS", "NUM_WARPS"]
+__all__ = ["chunk_cols", "ksum", "pick", "row_cols", "rows_per_step", "warps", "CHUNK_COLS",
+           "TILE_ELEMS", "NUM_WARPS"]
