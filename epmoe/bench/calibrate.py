@@ -75,9 +75,14 @@ def time_us(fn, dev, reps: int = 5, warmup: int = 1) -> float:
     return statistics.median(out)
 
 
+UNBOUNDED_GBPS = 1e9  # beta of a fit whose time does not grow with bytes: a fixed cost
+
+
 def fit_ab(points) -> tuple[float, float]:
-    """Least-squares t = alpha + bytes / beta over (bytes, us) points -> (alpha us, beta GB/s);
-    alpha clipped at 0 (then beta through the largest point)."""
+    """Least-squares t = alpha + bytes / beta over (bytes, us) points -> (alpha us, beta GB/s).
+    One size: no fixed cost visible (beta through the point). A time that does not grow with
+    the bytes (slope <= 0: a fixed cost, e.g. a host-bound launch sequence): alpha = the mean
+    time, beta = UNBOUNDED_GBPS. A negative intercept: alpha 0, beta through the largest."""
     pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0]
     if not pts:
         raise ValueError("no positive (bytes, us) points to fit")
@@ -89,8 +94,10 @@ def fit_ab(points) -> tuple[float, float]:
     mt = sum(t for _, t in pts) / n
     sxx = sum((b - mb) ** 2 for b, _ in pts)
     slope = sum((b - mb) * (t - mt) for b, t in pts) / sxx
+    if slope <= 0:
+        return mt, UNBOUNDED_GBPS
     alpha = mt - slope * mb
-    if slope <= 0 or alpha < 0:
+    if alpha < 0:
         b, t = max(pts)
         return 0.0, b / t / 1e3
     return alpha, 1.0 / slope / 1e3

@@ -12,6 +12,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["comm"]["quantize"]            | dispatch.quantize (quantized recipes)| quantize_bytes |
 | kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
 | kernels["local"]["combine"]            | combine                             | the cast       |
+| kernels["router"][cfg.router]          | router (MoELayer.route, timed alone)| router_bytes   |
 | mlp (alone)                            | shared, overlap_shared off          | tokens         |
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
@@ -100,6 +101,24 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict
     return out
 
 
+def _router_stage_us(layer, x, dev, reps: int) -> float | None:
+    """The "router" stage as the layer runs it when no routing is given (its gate + top-k)."""
+    import torch
+
+    timer = layer.timer
+    layer.route(x)
+    timer.collect()
+    timer.reset()
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        with timer.stage("router"):
+            layer.route(x)
+    out = _stage_us(timer, reps).get("router")
+    timer.reset()
+    return out
+
+
 def _build(model: str, quant, experts: str, tokens: int, dev):
     """A one-layer Runtime at ep 1 -> (its layer, the experts backend it really built)."""
     from epmoe.plan.run import RunConfig
@@ -168,6 +187,8 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
                 fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
                                max(st["dispatch"] - q, 1e-3))
             fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
+            fits.add_point("router", cfg.router, tr.router_bytes(n, d, e),
+                           _router_stage_us(layer, x, dev, reps))
     for (g, _, _), (nn, kk) in zip(GEMMS, ((2 * inter, d), (d, inter))):
         pts = tuple(sorted((m, t) for m, (_, t) in gemm[g].items()))
         if pts:
@@ -189,7 +210,8 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
     """The pooled points -> {table: {name: AlphaBeta}} (each fit says what it pooled)."""
     out: dict = {}
     for (table, name), pts in fits.points.items():
-        src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend"}
+        src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
+               "router": f"router stage ({name})"}
         note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}"))

@@ -185,6 +185,11 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
+    """The router stage: a measured fit of this router kind (kernels["router"]) when the
+    profile has one, else the gate GEMM at fp32 rates and the router's ops."""
+    if prof.has_kernel("router", cfg.router):
+        return prof.kernel("router", cfg.router).time_us(
+            tr.router_bytes(n, cfg.hidden, cfg.num_experts))
     flops = 2.0 * n * cfg.hidden * cfg.num_experts
     gpu = (flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
            + n * (6.0 * cfg.hidden + 24.0 * cfg.num_experts) / (prof.fig("hbm_GBps") * 1e3))

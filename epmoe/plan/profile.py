@@ -8,7 +8,8 @@ A `HardwareProfile` holds, for one GPU kind (or the CPU):
 - `kernels`: the bandwidth kernels (permute, gather, act_quant) as alpha-beta fits per
   experts backend, the comm side's activation quantizer under "comm", and the local comm
   backend's own work under "local" (dispatch beyond its quantize: the id mapping and its
-  launches; combine: the output cast) (`AlphaBeta`: t = alpha + bytes / beta);
+  launches; combine: the output cast) and the router per router kind under "router"
+  (`AlphaBeta`: t = alpha + bytes / beta);
 - `mlp`: the shared experts' dense MLP as the layer runs it (quantize, gate/up GEMM, act,
   down GEMM), measured time vs tokens per experts backend and recipe, alone or overlapped
   with the routed path on its side stream (`MlpCurve`);

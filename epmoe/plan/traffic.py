@@ -79,3 +79,8 @@ def local_dispatch_bytes(n_tokens: float, k: int) -> float:
 def local_combine_bytes(n_tokens: float, d: int) -> float:
     """The local backend's combine: the fp32 weighted sums read, bf16 rows written."""
     return n_tokens * d * 6.0
+
+
+def router_bytes(n_tokens: float, d: int, num_experts: int) -> float:
+    """The router: bf16 token rows read, fp32 logits written and read back for the top-k."""
+    return n_tokens * (2.0 * d + 8.0 * num_experts)
