@@ -26,6 +26,14 @@ def _check(path):
     curve = prof.curve("torch", "bf16", "contiguous", 256, 256)
     assert curve.prov.source == "measured" and len(curve.points) >= 2
     assert prof.kernel("torch", "permute").prov.source == "measured"
+    # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
+    for table, name in (("local", "dispatch"), ("local", "combine"),
+                        ("router", "sigmoid_grouped")):
+        fit = prof.kernel(table, name)
+        assert fit.prov.source == "measured" and "MoELayer.forward" in fit.prov.note
+    mlp = prof.mlp_curve("torch", "bf16", 128, 256, overlapped=False)
+    assert mlp is not None and mlp.prov.source == "measured" and len(mlp.points) == 3
+    assert not mlp.overlapped  # CPU: no side stream
     return prof
 
 

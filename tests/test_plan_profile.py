@@ -37,7 +37,7 @@ def test_every_number_has_provenance(name):
     assert provs and all(p["source"] in SOURCES and p["note"] for p in provs)
     n_figures = len(d["device"]) + len(d["gemm"]) + sum(len(t) for t in d["kernels"].values())
     n_figures += sum(len(t) for lt in d["comm"].values() for t in lt.values())
-    n_figures += sum(len(t) for t in d["collectives"].values())
+    n_figures += sum(len(t) for t in d["collectives"].values()) + len(d.get("mlp", ()))
     assert len(provs) == n_figures
 
 

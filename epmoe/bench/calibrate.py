@@ -5,14 +5,22 @@ What it measures, through the runtime's own code (the StageTimer stage names the
 predicts), each figure marked `measured` with the machine, date and command:
 - device: SMs / cores, compute capability, memory, HBM (or RAM) copy bandwidth, the host cost
   of one eager op and of a host sync; on CPU also the fp32 matmul rate;
-- experts: every available backend (torch; triton and deepgemm on CUDA) and recipe, at several
-  rows per expert: GEMM1/GEMM2 TFLOPS (-> curves) and permute / gather / act_quant times
-  (-> alpha-beta fits on epmoe/plan/traffic.py's byte counts); the comm-side quantizer;
+- the layer at one rank (calibrate_layer.py): for every available experts backend (torch;
+  triton and deepgemm on CUDA) and recipe, a one-layer Runtime's MoELayer.forward at several
+  token counts: GEMM1/GEMM2 TFLOPS vs rows per expert (-> curves), permute / gather /
+  act_quant, the dispatch quantizer, the local backend's dispatch and combine (-> alpha-beta
+  fits on epmoe/plan/traffic.py's byte counts) and the shared MLP (-> time vs tokens, alone
+  and, on CUDA, overlapped as the runtime runs it);
 - comm, with >= 2 ranks (spawned processes: gloo on CPU, NCCL on GPUs): collectives' alpha-
   beta and the comm backends' stage times (calibrate_comm.py).
 Everything it cannot measure here (one GPU: no comm; CPU: no fp8 peak) is copied from a base
 profile (`--base`, default: the shipped profile of this GPU kind, or cpu) and marked
 `inherited`. GPU libraries are imported lazily; `--quick` keeps a CPU run to seconds.
+
+Time on one H200 (DeepSeek-V3 dims, 256 experts at one rank; the sizes and why: see
+calibrate_layer.py): four (backend, recipe) layers, 6 token counts (3 with --quick), 5 timed
+forwards (3) each, alone and overlapped; most of it is building the weights and compiling
+(DeepGEMM's JIT, Triton's autotuner); `--budget-s` stops new sizes and layers when spent.
 """
 
 from __future__ import annotations
@@ -26,8 +34,7 @@ import sys
 import time
 
 from epmoe.plan import traffic as tr
-from epmoe.plan.profile import (AlphaBeta, Figure, GemmCurve, HardwareProfile, Provenance,
-                                load_profile)
+from epmoe.plan.profile import AlphaBeta, Figure, HardwareProfile, Provenance, load_profile
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
 
@@ -68,9 +75,14 @@ def time_us(fn, dev, reps: int = 5, warmup: int = 1) -> float:
     return statistics.median(out)
 
 
+UNBOUNDED_GBPS = 1e9  # beta of a fit whose time does not grow with bytes: a fixed cost
+
+
 def fit_ab(points) -> tuple[float, float]:
-    """Least-squares t = alpha + bytes / beta over (bytes, us) points -> (alpha us, beta GB/s);
-    alpha clipped at 0 (then beta through the largest point)."""
+    """Least-squares t = alpha + bytes / beta over (bytes, us) points -> (alpha us, beta GB/s).
+    One size: no fixed cost visible (beta through the point). A time that does not grow with
+    the bytes (slope <= 0: a fixed cost, e.g. a host-bound launch sequence): alpha = the mean
+    time, beta = UNBOUNDED_GBPS. A negative intercept: alpha 0, beta through the largest."""
     pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0]
     if not pts:
         raise ValueError("no positive (bytes, us) points to fit")
@@ -82,8 +94,10 @@ def fit_ab(points) -> tuple[float, float]:
     mt = sum(t for _, t in pts) / n
     sxx = sum((b - mb) ** 2 for b, _ in pts)
     slope = sum((b - mb) * (t - mt) for b, t in pts) / sxx
+    if slope <= 0:
+        return mt, UNBOUNDED_GBPS
     alpha = mt - slope * mb
-    if slope <= 0 or alpha < 0:
+    if alpha < 0:
         b, t = max(pts)
         return 0.0, b / t / 1e3
     return alpha, 1.0 / slope / 1e3
@@ -148,91 +162,19 @@ def measure_device(dev, clock: Clock, base: HardwareProfile) -> dict:
 
 
 # ------------------------------------------------------------------------------ experts
-def _make_experts(name, cfg, quant, e_local, dev):
-    import torch
-
-    from epmoe.experts.select import make_experts
-    from epmoe.weights import build_expert_weights
-
-    g = torch.Generator(device=dev).manual_seed(0)
-    w13 = torch.randn(e_local, 2 * cfg.moe_intermediate, cfg.hidden, device=dev, generator=g,
-                      dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e_local, cfg.hidden, cfg.moe_intermediate, device=dev, generator=g,
-                     dtype=torch.bfloat16) * 0.02
-    weights = build_expert_weights(w13, w2, quant, range(e_local), dev)
-    experts, _ = make_experts(name, weights, cfg, quant, dev)
-    return experts
-
-
-def _apply(experts, xq, ids, w):
-    """The experts' one entry point on a TokenBatch (what all2all / DeepEP HT hand over)."""
-    from epmoe.comm.base import TokenBatch
-
-    return experts.run(TokenBatch(xq, ids, w))
-
-
-def measure_experts(name, cfg, quant, e_local, rows_per_expert, dev, clock: Clock, reps: int):
-    """-> (curves, kernel fits) for one backend and recipe, from the runtime's stage times."""
-    import torch
-
-    from epmoe.quant import quantize_act
-    from epmoe.timing import StageTimer
-
-    experts = _make_experts(name, cfg, quant, e_local, dev)
-    k, d, inter = cfg.top_k, cfg.hidden, cfg.moe_intermediate
-    align = getattr(experts, "alignment", 1)
-    pts = {"gemm1": [], "gemm2": []}
-    kern = {"permute": [], "gather": [], "act_quant": []}
-    for m in rows_per_expert:
-        if clock.left() < 0:
-            clock.skipped.append(f"{name}/{quant.recipe} m>={m}: time budget")
-            break
-        n = max(1, e_local * m // k)
-        ids = ((torch.arange(n)[:, None] * k + torch.arange(k)[None, :]) % e_local)
-        ids = ids.to(torch.int32).to(dev)
-        w = torch.full((n, k), 1.0 / k, device=dev)
-        xq = quantize_act(torch.randn(n, d, device=dev, dtype=torch.bfloat16), quant)
-        timer = StageTimer(enabled=True, device=dev)
-        experts.timer = timer
-        _apply(experts, xq, ids, w)  # warm-up: compiles, JIT
-        timer.collect()
-        timer.reset()
-        for _ in range(reps):
-            _apply(experts, xq, ids, w)
-        # per apply: the torch reference records its GEMMs once per expert, so sum the calls
-        st = {s.split(".")[-1]: sum(v) * 1e3 / reps for s, v in timer.collect().items()}
-        pairs = n * k
-        rows = sum(-(-c // align) * align for c in torch.bincount(
-            ids.flatten().long().cpu(), minlength=e_local).tolist())
-        m_pad = rows / e_local
-        for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
-            if st.get(g):
-                pts[g].append((m_pad, tr.gemm_flops(rows, nn, kk) / st[g] / 1e6))
-        for kname, nbytes in (("permute", tr.permute_bytes(n, pairs, d, quant)),
-                              ("gather", tr.gather_bytes(n, pairs, d)),
-                              ("act_quant", tr.act_quant_bytes(rows, inter, quant))):
-            if st.get(kname):
-                kern[kname].append((nbytes, st[kname]))
-    recipe = "bf16" if name == "torch" else quant.recipe
-    what = f"{name} experts, {quant.recipe}, E={e_local}, D={d}, I={inter}"
-    curves = [GemmCurve(name, recipe, "contiguous", nn, kk, tuple(sorted(pts[g])),
-                        clock.prov(what))
-              for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)) if pts[g]]
-    fits = {kname: AlphaBeta(*fit_ab(p), clock.prov(what)) for kname, p in kern.items() if p}
-    return curves, fits
-
-
 def measure_quantize(cfg, quant, dev, clock: Clock) -> AlphaBeta:
     import torch
 
-    from epmoe.quant import quantize_act
+    from epmoe.kernels.quantize import quantize_tokens
 
     q = quant if quant.recipe != "bf16" else type(quant)("fp8_block")
     pts = []
     for n in (256, 4096) if dev.type == "cpu" else (1024, 16384):
         x = torch.randn(n, cfg.hidden, device=dev, dtype=torch.bfloat16)
-        pts.append((tr.quantize_bytes(n, cfg.hidden, q), time_us(lambda: quantize_act(x, q), dev)))
-    return AlphaBeta(*fit_ab(pts), clock.prov(f"epmoe.quant.quantize_act {q.recipe}"))
+        pts.append((tr.quantize_bytes(n, cfg.hidden, q),
+                    time_us(lambda: quantize_tokens(x, q), dev)))
+    return AlphaBeta(*fit_ab(pts), clock.prov(f"epmoe.kernels.quantize.quantize_tokens (the "
+                                              f"comm's quantizer) {q.recipe}, alone"))
 
 
 # ------------------------------------------------------------------------------ assembly
@@ -270,34 +212,36 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
         if kind == "cpu" else ""
     clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
     device = measure_device(dev, clock, base)
+    from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
     from epmoe.config import QuantConfig, get_preset
 
-    cfg = get_preset(args.model or DEFAULT_MODEL[kind])
+    model = args.model or DEFAULT_MODEL[kind]
+    cfg = get_preset(model)
     backends = ["torch"]
     if kind == "cuda":
-        backends = ["triton", "deepgemm"] + (["torch"] if not args.quick else [])
-    recipes = ["bf16"] if kind == "cpu" else ["fp8_block"] if args.quick else ["fp8_block",
-                                                                                  "bf16"]
-    rows = (4, 16, 64) if kind == "cpu" else (128, 1024) if args.quick else (32, 128, 512, 2048)
-    e_local = min(cfg.num_experts, 16 if kind == "cpu" else 32)
-    curves, kernels = [], {}
-    for name in backends:
-        for recipe in recipes:
+        backends = ["deepgemm", "triton"] + (["torch"] if not args.quick else [])
+    recipes = ["bf16"] if kind == "cpu" else ["fp8_block", "bf16"]
+    fits = LayerFits()
+    for recipe in recipes:
+        for name in backends:
+            if clock.left() < 0:
+                clock.skipped.append(f"{name}/{recipe}: time budget")
+                continue
+            if name == "torch" and recipe != recipes[0]:
+                continue  # the reference computes in fp32 whatever the recipe
             fmt = "ue8m0_fp32" if recipe == "fp8_block" and device["sm_arch"].value >= 100 \
                 else "fp32"
             try:
-                c, f = measure_experts(name, cfg, QuantConfig(recipe, fmt), e_local, rows, dev,
-                                       clock, reps=3 if args.quick else 10)
+                measure_layer(model, cfg, QuantConfig(recipe, fmt), name, dev, clock, fits,
+                              args.quick, reps=3 if args.quick else 5)
             except (ImportError, OSError, RuntimeError, ValueError) as exc:
                 clock.skipped.append(f"{name}/{recipe}: {type(exc).__name__}: "
                                      f"{str(exc).splitlines()[0][:120]}")
-                continue
-            curves += c
-            if f:
-                kernels.setdefault(name, {}).update(f)
-            if name == "torch":
-                break  # the reference computes in fp32 whatever the recipe
-    kernels["comm"] = {"quantize": measure_quantize(cfg, QuantConfig("fp8_block"), dev, clock)}
+    kernels = finish(fits, clock, fit_ab)
+    if "quantize" not in kernels.get("comm", {}):  # no quantized recipe ran through the layer
+        kernels.setdefault("comm", {})["quantize"] = measure_quantize(
+            cfg, QuantConfig("fp8_block"), dev, clock)
+    curves = fits.gemm
     measured = {(c.backend, c.recipe, c.layout) for c in curves}
     gemm, kern, comm, coll = tuple(curves), {}, {}, {}
     if base is not None:  # curves measured here replace the base's of the same kind
@@ -311,8 +255,12 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                 for c, t in base.collectives.items()}
     for b, t in kernels.items():
         kern.setdefault(b, {}).update(t)
+    mlp_keys = {(c.backend, c.recipe, c.overlapped) for c in fits.mlp}
+    mlp = tuple(fits.mlp) + (() if base is None else tuple(
+        _inherited(c, base.name) for c in base.mlp
+        if (c.backend, c.recipe, c.overlapped) not in mlp_keys))
     prof = HardwareProfile(args.name or f"{gpu}-calibrated", gpu,
-                           f"calibrated on {clock.note}", device, gemm, kern, comm, coll)
+                           f"calibrated on {clock.note}", device, gemm, kern, comm, coll, mlp)
     world = args.ranks if args.ranks is not None else \
         (torch.cuda.device_count() if kind == "cuda" else 2)
     if world >= 2:

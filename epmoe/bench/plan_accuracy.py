@@ -17,7 +17,15 @@ against the best measured (within 5%?).
     python -m epmoe.bench.plan_accuracy --json runs/plan_accuracy.json [--quick]
 
 --quick: CUDA 4096 tokens only (fp8 and bf16); CPU ep 1 and 2 only. Profile: --profile, else by
-device (epmoe.launch.planning.profile_for_device).
+device (epmoe.launch.planning.profile_for_device). --calibrate [full|quick]: first run
+`python -m epmoe.bench.calibrate` here (into --calibrate-out, default next to --json, else a
+temporary file; --profile, if given, is its base) and predict with the profile it wrote, so
+one command measures the machine and then judges the model on it:
+
+    python -m epmoe.bench.plan_accuracy --quick --calibrate --calibrate-budget-s 120 \
+        --budget-s 120 --json runs/plan_accuracy.json
+
+The report (stdout and JSON "profile") names the profile used and its provenance counts.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 WITHIN = 0.20
@@ -96,7 +105,18 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="default: by device")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="no new launch after this many seconds (default 240)")
+    ap.add_argument("--calibrate", nargs="?", const="full", default=None,
+                    choices=("full", "quick"), help="calibrate this machine first (full unless "
+                    "'quick') and predict with that profile")
+    ap.add_argument("--calibrate-out", default=None, help="where the calibrated profile goes "
+                    "(default: <--json without .json>.profile.json, else a temporary file)")
+    ap.add_argument("--calibrate-budget-s", type=float, default=120.0,
+                    help="calibration time budget (default 120)")
     args = ap.parse_args(argv)
+    if args.calibrate:
+        args.profile = calibrate_first(args)
+        if args.profile is None:
+            return 2
     import torch
 
     from epmoe.launch.cli import build_run, parser
@@ -107,6 +127,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # in-process ranks as the Ray workers: one thread each
     layers = args.layers or (1 if cuda else 2)
     steps = args.steps or (12 if cuda else 6)
+    from epmoe.launch.planning import local_device, profile_for_device
+    from epmoe.plan.profile import load_profile
+
+    profile = args.profile or profile_for_device(*local_device())[0]
+    prof = load_profile(profile)
+    used = dict(name=prof.name, source=profile, calibrated=bool(args.calibrate),
+                provenance=prof.provenance_counts())
+    print(f"profile: {prof.name} ({profile}): " + ", ".join(
+        f"{k} {v}" for k, v in used["provenance"].items() if v), flush=True)
     t0, results = time.monotonic(), []
     for g in groups(cuda, args.quick, layers, steps):
         left = args.budget_s - (time.monotonic() - t0)
@@ -145,8 +174,31 @@ def main(argv=None) -> int:
                            if cuda else "cpu", cpus=os.cpu_count(),
                            load_avg=os.getloadavg()[0],
                            date=datetime.date.today().isoformat(), command=sys.argv,
-                           summary=summary, groups=results), f, indent=1)
+                           profile=used, summary=summary, groups=results), f, indent=1)
     return 0
+
+
+def calibrate_first(args) -> str | None:
+    """Run the calibration (args.calibrate: full | quick) -> the profile file it wrote, or
+    None (its error is on stderr)."""
+    from epmoe.bench import calibrate
+
+    out = args.calibrate_out
+    if out is None and args.json:
+        out = os.path.splitext(args.json)[0] + ".profile.json"
+    if out is None:
+        out = os.path.join(tempfile.mkdtemp(prefix="epmoe-calibrate-"), "profile.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    argv = ["--out", out, "--budget-s", str(args.calibrate_budget_s)]
+    argv += ["--quick"] if args.calibrate == "quick" else []
+    argv += ["--base", args.profile] if args.profile else []
+    t = time.monotonic()
+    print(f"calibrating ({args.calibrate}): python -m epmoe.bench.calibrate {' '.join(argv)}",
+          flush=True)
+    if calibrate.main(argv) != 0:
+        return None
+    print(f"calibrated in {time.monotonic() - t:.0f} s", flush=True)
+    return out
 
 
 if __name__ == "__main__":

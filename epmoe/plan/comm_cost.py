@@ -21,7 +21,8 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan.profile import HardwareProfile
 from epmoe.plan.routing import RoutingStats, finite_max
 from epmoe.plan.topology import Topology
-from epmoe.plan.traffic import LL_HEADER_BYTES, act_row_bytes, quantize_bytes
+from epmoe.plan.traffic import (LL_HEADER_BYTES, act_row_bytes, local_combine_bytes,
+                                local_dispatch_bytes, quantize_bytes)
 
 HT = ("deepep-ht", "symm-ht")
 LL = ("deepep-ll", "symm-ll")
@@ -31,7 +32,7 @@ BACKENDS = ("local", "allgather", "all2all", "deepep-ht", "deepep-ll", "symm-ht"
 # all2all's split sizes go to the host (.tolist()); allgather reads the max row count.
 HOST_SYNCS = {"deepep-ht": 1, "all2all": 1, "allgather": 1}
 # Torch ops launched around the transfers (counted in epmoe/comm/*.py and layer.py).
-DISPATCH_OPS = {"local": 4, "allgather": 12, "all2all": 20, "deepep-ht": 6, "deepep-ll": 3,
+DISPATCH_OPS = {"local": 7, "allgather": 12, "all2all": 20, "deepep-ht": 6, "deepep-ll": 3,
                 "symm-ht": 3, "symm-ll": 3}
 COMBINE_OPS = {"local": 2, "allgather": 4, "all2all": 6, "deepep-ht": 2, "deepep-ll": 2,
                "symm-ht": 2, "symm-ll": 2}
@@ -138,9 +139,13 @@ def _count_us(c: CommCase, backend: str) -> float:
 
 def dispatch_cost(backend: str, c: CommCase) -> CommCost:
     cfg, d, k = c.cfg, c.cfg.hidden, c.cfg.top_k
-    if backend == "local":
+    if backend == "local":  # quantize, then the id mapping (comm/local.py), one timed stage
         q = quantize_us(c, c.tokens)
-        return CommCost(max(q, launch_us(c.prof, DISPATCH_OPS["local"])), q)
+        if c.prof.has_kernel("local", "dispatch"):
+            rest = c.prof.kernel("local", "dispatch").time_us(local_dispatch_bytes(c.tokens, k))
+        else:  # host-bound: the mapping's torch ops are issued after the quantize
+            rest = launch_us(c.prof, DISPATCH_OPS["local"])
+        return CommCost(q + rest, q)
     if backend in LL:
         if c.tokens > c.max_tokens:
             raise ValueError(f"tokens per rank ({c.tokens}) exceed the low-latency capacity "
@@ -180,7 +185,10 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
     d = c.cfg.hidden
     hbm = c.prof.fig("hbm_GBps") * 1e3
     if backend == "local":  # cast the replicated output once
-        return CommCost(max(c.tokens * d * 6.0 / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
+        nbytes = local_combine_bytes(c.tokens, d)
+        if c.prof.has_kernel("local", "combine"):
+            return CommCost(c.prof.kernel("local", "combine").time_us(nbytes))
+        return CommCost(max(nbytes / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
     if backend in LL or backend in HT:
         per = c.stats.pairs_rank if backend in LL else c.stats.hit_rank
         row = 2.0 * d  # bf16 rows back; LL reduces the k rows per token at the receiver

@@ -163,7 +163,9 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     st.update(ex)
     comb = combine_cost(cand.backend, case)
     st["combine"] = comb.us
-    st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep)
+    overlap = work.overlap_shared if work.overlap_shared is not None else \
+        prof.fig("sm_arch") > 0
+    st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep, overlap)
     ar_bytes = {}
     st["all_reduce"] = 0.0
     if plan.needs_all_reduce:
@@ -178,13 +180,16 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
         notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
                      imbalance=stats.imbalance)
     mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
-    overlap = work.overlap_shared if work.overlap_shared is not None else \
-        prof.fig("sm_arch") > 0
     return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes,
                            overlap)
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
+    """The router stage: a measured fit of this router kind (kernels["router"]) when the
+    profile has one, else the gate GEMM at fp32 rates and the router's ops."""
+    if prof.has_kernel("router", cfg.router):
+        return prof.kernel("router", cfg.router).time_us(
+            tr.router_bytes(n, cfg.hidden, cfg.num_experts))
     flops = 2.0 * n * cfg.hidden * cfg.num_experts
     gpu = (flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
            + n * (6.0 * cfg.hidden + 24.0 * cfg.num_experts) / (prof.fig("hbm_GBps") * 1e3))
@@ -263,17 +268,24 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     return s
 
 
-def _shared_us(cand, cfg, quant, prof, plan, n) -> float:
-    """The shared experts: the backend's dense path (run_dense: quantize, GEMM1, act+quant,
-    GEMM2 over every row, no permute / gather). Split like tp when it tiles, else rank 0
-    runs it whole."""
+def _shared_us(cand, cfg, quant, prof, plan, n, overlapped: bool) -> float:
+    """The shared experts' stage as layer.py times it: the backend's quantize_input, then its
+    run_dense (GEMM1, act+quant, GEMM2 over every row, no permute / gather). Split like tp
+    when it tiles, else rank 0 runs it whole. A measured MLP curve of the backend and recipe
+    (alone, or overlapped with the routed path on its side stream) gives the time; without
+    one, the GEMM curves (Triton's run_dense is its masked GEMM) plus the kernel fits."""
     if not cfg.num_shared_experts:
         return 0.0
     _, sl = plan.shared_slice(cfg, quant)
     width = sl[1] if sl is not None else cfg.shared_intermediate
     d = cfg.hidden
-    us = _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, 2 * width, d)
-    us += _gemm_us(prof, cand.experts, quant, "contiguous", n, 1, d, width)
+    recipe = "bf16" if cand.experts == "torch" else quant.recipe
+    curve = prof.mlp_curve(cand.experts, recipe, width, d, overlapped)
+    if curve is not None:
+        return curve.time_us(n, width, d)
+    layout = "masked" if cand.experts == "triton" else "contiguous"
+    us = _gemm_us(prof, cand.experts, quant, layout, n, 1, 2 * width, d)
+    us += _gemm_us(prof, cand.experts, quant, layout, n, 1, d, width)
     us += prof.kernel(cand.experts, "act_quant").time_us(tr.act_quant_bytes(n, width, quant))
     if cand.experts == "torch":
         us = max(us, launch_us(prof, sum(TORCH_OPS.values())))

@@ -6,8 +6,13 @@ A `HardwareProfile` holds, for one GPU kind (or the CPU):
 - `gemm`: grouped-GEMM throughput curves, TFLOPS vs rows per expert, per experts backend,
   recipe, layout and (N, K) (`GemmCurve`);
 - `kernels`: the bandwidth kernels (permute, gather, act_quant) as alpha-beta fits per
-  experts backend, and the comm side's activation quantizer under "comm" (`AlphaBeta`:
-  t = alpha + bytes / beta);
+  experts backend, the comm side's activation quantizer under "comm", and the local comm
+  backend's own work under "local" (dispatch beyond its quantize: the id mapping and its
+  launches; combine: the output cast) and the router per router kind under "router"
+  (`AlphaBeta`: t = alpha + bytes / beta);
+- `mlp`: the shared experts' dense MLP as the layer runs it (quantize, gate/up GEMM, act,
+  down GEMM), measured time vs tokens per experts backend and recipe, alone or overlapped
+  with the routed path on its side stream (`MlpCurve`);
 - `comm`: per comm backend, per link class, dispatch and combine fits (`LinkFit`: alpha, beta
   on a reference link, optional per-SM rate and SM count, count-exchange cost);
 - `collectives`: all_reduce / all_gather / reduce_scatter / all_to_all per link class
@@ -37,6 +42,7 @@ SCHEMA = 1
 DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
                   "peak_tflops_fp32", "launch_us", "sync_us")
 KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
+LOCAL_KERNELS = ("dispatch", "combine")  # kernels["local"]: the local comm backend's own work
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -146,6 +152,53 @@ class GemmCurve:
 
 
 @dataclass(frozen=True)
+class MlpCurve:
+    """The shared experts' MLP of one experts backend and recipe, timed as the layer's "shared"
+    stage: points are (tokens, us), tokens ascending, at width `width` (its intermediate) and
+    hidden `hidden`. overlapped: timed on the side stream while the routed path runs (the
+    CUDA default, layer.py), else alone. Between points: linear in log-log; below the first,
+    the first point's time (weight-read and launch bound); above the last, linear in tokens.
+    Another (width, hidden) scales the time by the FLOP ratio."""
+
+    backend: str
+    recipe: str
+    width: int
+    hidden: int
+    overlapped: bool
+    points: tuple[tuple[float, float], ...]
+    prov: Provenance
+
+    def __post_init__(self):
+        pts = tuple((float(n), float(t)) for n, t in self.points)
+        if not pts or any(n <= 0 or t <= 0 for n, t in pts):
+            raise ValueError(f"MLP curve {self.key} needs points (tokens > 0, us > 0), got "
+                             f"{self.points}")
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"MLP curve {self.key}: tokens must increase, got {pts}")
+        object.__setattr__(self, "points", pts)
+
+    @property
+    def key(self) -> str:
+        side = "overlapped" if self.overlapped else "alone"
+        return f"{self.backend}/{self.recipe}/{side}/{self.width}x{self.hidden}"
+
+    def time_us(self, tokens: float, width: int | None = None, hidden: int | None = None) -> float:
+        pts = self.points
+        if tokens <= 0:
+            return 0.0
+        if tokens <= pts[0][0]:
+            us = pts[0][1]
+        elif tokens >= pts[-1][0]:
+            us = pts[-1][1] * tokens / pts[-1][0]
+        else:
+            i = bisect.bisect_left([p[0] for p in pts], tokens)
+            (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+            f = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            us = math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+        return us * (width or self.width) * (hidden or self.hidden) / (self.width * self.hidden)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """gpu: the GPU kind (topology.LINK_SPECS key: h200, b200, cpu, ...); device["sm_arch"]:
     compute capability x 10 (90 Hopper, 100 Blackwell; 0 for the CPU)."""
@@ -158,12 +211,14 @@ class HardwareProfile:
     kernels: Mapping[str, Mapping[str, AlphaBeta]] = field(default_factory=dict)
     comm: Mapping[str, Mapping[str, Mapping[str, LinkFit]]] = field(default_factory=dict)
     collectives: Mapping[str, Mapping[str, LinkFit]] = field(default_factory=dict)
+    mlp: tuple[MlpCurve, ...] = ()
 
     def __post_init__(self):
         missing = [f for f in DEVICE_FIGURES if f not in self.device]
         if missing:
             raise ValueError(f"profile {self.name!r} lacks device figures {missing}")
         object.__setattr__(self, "gemm", tuple(self.gemm))
+        object.__setattr__(self, "mlp", tuple(self.mlp))
 
     # ------------------------------------------------------------------ lookups
     def fig(self, name: str) -> float:
@@ -183,8 +238,25 @@ class HardwareProfile:
         raise KeyError(f"profile {self.name!r} has no GEMM curve for {backend}/{recipe} "
                        f"(has {have}); calibrate on a machine that runs it")
 
+    def mlp_curve(self, backend: str, recipe: str, width: int, hidden: int,
+                  overlapped: bool) -> MlpCurve | None:
+        """The shared-MLP curve of (backend, recipe) nearest to (width, hidden) in log space,
+        the overlapped one if asked and measured, else the one timed alone; None when the
+        profile has none (the model then adds up its GEMM curves and kernel fits)."""
+        for side in dict.fromkeys((overlapped, False)):
+            cands = [c for c in self.mlp
+                     if (c.backend, c.recipe, c.overlapped) == (backend, recipe, side)]
+            if cands:
+                return min(cands, key=lambda c: abs(math.log(c.width / width)) +
+                           abs(math.log(c.hidden / hidden)))
+        return None
+
+    def has_kernel(self, table: str, name: str) -> bool:
+        return name in self.kernels.get(table, {})
+
     def kernel(self, experts: str, name: str) -> AlphaBeta:
-        """experts: an experts backend, or "comm" for the dispatch-side quantizer."""
+        """experts: an experts backend, "comm" for the dispatch-side quantizer, or "local"
+        for the local comm backend's own work (LOCAL_KERNELS)."""
         table = self.kernels.get(experts, {})
         if name not in table:
             raise KeyError(f"profile {self.name!r} has no {name!r} kernel fit for {experts!r}")
@@ -266,7 +338,10 @@ def from_dict(d: Mapping) -> HardwareProfile:
             comm={b: {l: {dr: _linkfit(f) for dr, f in t.items()} for l, t in lt.items()}
                   for b, lt in d.get("comm", {}).items()},
             collectives={c: {l: _linkfit(f) for l, f in t.items()}
-                         for c, t in d.get("collectives", {}).items()})
+                         for c, t in d.get("collectives", {}).items()},
+            mlp=tuple(MlpCurve(c["backend"], c["recipe"], int(c["width"]), int(c["hidden"]),
+                               bool(c["overlapped"]), tuple(tuple(p) for p in c["points"]),
+                               _prov(c["prov"])) for c in d.get("mlp", ())))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"profile {d.get('name', '?')!r} is malformed: missing or bad "
                          f"{exc}") from None

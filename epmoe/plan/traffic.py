@@ -68,3 +68,19 @@ def quantize_bytes(n_tokens: float, d: int, quant: QuantConfig) -> float:
 def expert_weight_bytes(num_experts: int, d: int, inter: int, quant: QuantConfig) -> float:
     """w13 [E, 2I, D] and w2 [E, D, I]."""
     return num_experts * 3.0 * inter * d * weight_bytes_per_elem(quant)
+
+
+def local_dispatch_bytes(n_tokens: float, k: int) -> float:
+    """The local backend's id mapping (comm/base.py to_local) beyond its quantize: the int32
+    ids and fp32 weights of every (token, k) slot read and written once."""
+    return n_tokens * k * 8.0 * 2
+
+
+def local_combine_bytes(n_tokens: float, d: int) -> float:
+    """The local backend's combine: the fp32 weighted sums read, bf16 rows written."""
+    return n_tokens * d * 6.0
+
+
+def router_bytes(n_tokens: float, d: int, num_experts: int) -> float:
+    """The router: bf16 token rows read, fp32 logits written and read back for the top-k."""
+    return n_tokens * (2.0 * d + 8.0 * num_experts)

@@ -1,0 +1,218 @@
+"""The stages of one MoE layer at one rank, measured through the runtime's own code.
+
+`measure_layer(...)` builds a one-layer `Runtime` (ep 1, the model's dims, its synthetic
+weights, the local comm backend, the experts backend under test and its shared experts) and
+times `MoELayer.forward` with the runtime's `StageTimer` on balanced synthetic routing at a
+few token counts, so that every figure below covers exactly what the runtime's stage covers:
+
+| figure (profile)                       | from the stages                     | over           |
+|----------------------------------------|-------------------------------------|----------------|
+| gemm curves (backend, recipe)          | experts.gemm1 / experts.gemm2       | aligned rows   |
+| kernels[backend] permute/gather/act_q. | experts.permute / .gather / .act_q. | traffic.py     |
+| kernels["comm"]["quantize"]            | dispatch.quantize (quantized recipes)| quantize_bytes |
+| kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
+| kernels["local"]["combine"]            | combine                             | the cast       |
+| kernels["router"][cfg.router]          | router (MoELayer.route, timed alone)| router_bytes   |
+| mlp (alone)                            | shared, overlap_shared off          | tokens         |
+| mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
+|                                        | runtime runs it by default          |                |
+
+Sizes are given in rows per expert (m); tokens = m x E / k with every expert holding m rows
+(E = the model's experts, all on this one rank, as plan_accuracy's ep 1 launches run them).
+GPU: m = 4 and 128 are DeepSeek-V3's 128 and 4096 tokens at ep 1 (plan_accuracy's shapes);
+256 / 512 / 1024 are 4096 tokens per rank at ep 2 / 4 / 8 (E / ep local experts); 32 sits
+between. GEMM points come from the sizes whose rows fill their aligned blocks (m = 128 ..
+1024: the curve's x is the aligned rows per expert; m = 4 and 32 also occupy one 128-row
+block per expert, which the model maps to m = 128). Each size: one warm-up forward, then
+`reps` forwards, each after a device synchronize (as each runtime step starts).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from epmoe.plan import traffic as tr
+from epmoe.plan.profile import AlphaBeta, GemmCurve, MlpCurve
+
+ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
+                   ("cuda", True): (4, 128, 512),
+                   ("cpu", False): (4, 16, 64), ("cpu", True): (4, 16, 64)}
+GEMMS = (("gemm1", "2I", "D"), ("gemm2", "D", "I"))
+
+
+@dataclass
+class LayerFits:
+    """What the layer runs gave: curves, kernel fits per table, shared-MLP curves."""
+
+    gemm: list = field(default_factory=list)
+    kernels: dict = field(default_factory=dict)
+    mlp: list = field(default_factory=list)
+    points: dict = field(default_factory=dict)  # (table, name) -> [(bytes, us)], pooled
+
+    def add_point(self, table: str, name: str, nbytes: float, us: float | None) -> None:
+        if us and nbytes > 0:
+            self.points.setdefault((table, name), []).append((nbytes, us))
+
+
+def token_counts(cfg, rows_per_expert) -> list[int]:
+    """Tokens that give each expert m rows under balanced routing (m x E / k, rounded up)."""
+    e, k = cfg.num_experts, cfg.top_k
+    return sorted({max(1, math.ceil(m * e / k)) for m in rows_per_expert})
+
+
+def balanced_routing(n: int, cfg, device, seed: int = 0):
+    """Routing of n tokens: token t takes experts (t k + j) mod E (distinct when k <= E), rows
+    shuffled so that consecutive tokens do not share experts; weights 1 / k."""
+    import torch
+
+    from epmoe.router import Routing
+
+    e, k = cfg.num_experts, cfg.top_k
+    ids = (torch.arange(n)[:, None] * k + torch.arange(k)[None, :]) % e
+    g = torch.Generator().manual_seed(seed)
+    ids = ids[torch.randperm(n, generator=g)]
+    return Routing(ids.to(torch.int32).to(device), torch.full((n, k), 1.0 / k, device=device))
+
+
+def _stage_us(timer, reps: int) -> dict[str, float]:
+    """Per stage: median call x calls per forward, in us (the run report's rule)."""
+    return {s: statistics.median(v) * len(v) / reps * 1e3 for s, v in timer.collect().items()
+            if v}
+
+
+def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict[str, float]:
+    import torch
+
+    layer.overlap_shared = overlapped
+    timer = layer.timer
+    layer.forward(x, routing)  # warm-up (compiles at a new shape)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    timer.collect()
+    timer.reset()
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        layer.forward(x, routing)
+    out = _stage_us(timer, reps)
+    timer.reset()
+    return out
+
+
+def _router_stage_us(layer, x, dev, reps: int) -> float | None:
+    """The "router" stage as the layer runs it when no routing is given (its gate + top-k)."""
+    import torch
+
+    timer = layer.timer
+    layer.route(x)
+    timer.collect()
+    timer.reset()
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        with timer.stage("router"):
+            layer.route(x)
+    out = _stage_us(timer, reps).get("router")
+    timer.reset()
+    return out
+
+
+def _build(model: str, quant, experts: str, tokens: int, dev):
+    """A one-layer Runtime at ep 1 -> (its layer, the experts backend it really built)."""
+    from epmoe.plan.run import RunConfig
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(model=model, quant=quant, experts=experts, tokens=tokens, layers=1,
+                    steps=1, check=False)
+    rt = Runtime(run, device=dev)
+    layer = rt.layers[0]
+    return rt, layer, layer.experts.name
+
+
+def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerFits,
+                  quick: bool, reps: int) -> None:
+    """Times one (experts backend, recipe) and adds its curves and points to `fits`."""
+    import torch
+
+    kind = dev.type
+    ns = token_counts(cfg, ROWS_PER_EXPERT[(kind, quick)])
+    rt, layer, built = _build(model, quant, experts, max(ns), dev)
+    if built != experts:
+        raise RuntimeError(f"asked for experts {experts!r}, the runtime built {built!r}")
+    e, k, d, inter = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.moe_intermediate
+    align = layer.experts.alignment
+    recipe = "bf16" if experts == "torch" else quant.recipe
+    what = (f"{experts} experts, {quant.recipe}, {cfg.name} at ep 1 (E={e}, D={d}, I={inter}), "
+            f"MoELayer.forward stages, balanced routing")
+    modes = (False, True) if kind == "cuda" and layer.shared_experts is not None else (False,)
+    # warm-up at the middle size first: Triton's autotuner picks its config at the first call
+    mid = ns[len(ns) // 2]
+    x_mid = torch.randn(mid, d, device=dev, dtype=torch.bfloat16)
+    layer.forward(x_mid, balanced_routing(mid, cfg, dev))
+    gemm = {g: {} for g, _, _ in GEMMS}
+    shared = {m: [] for m in modes}
+    for n in ns:
+        if clock.left() < 0:
+            clock.skipped.append(f"{experts}/{quant.recipe} tokens>={n}: time budget")
+            break
+        x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+        routing = balanced_routing(n, cfg, dev)
+        counts = torch.bincount(routing.topk_ids_TK.flatten().long().cpu(), minlength=e)
+        rows = sum(-(-c // align) * align for c in counts.tolist())
+        real = n * k
+        for overlapped in modes:
+            st = _forward_stages(layer, x, routing, dev, reps, overlapped)
+            if st.get("shared"):
+                shared[overlapped].append((float(n), st["shared"]))
+            if overlapped:
+                continue
+            for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
+                if st.get(f"experts.{g}"):  # keep, per aligned size, the least padded run
+                    m_pad = rows / e
+                    prev = gemm[g].get(m_pad)
+                    if prev is None or real > prev[0]:
+                        gemm[g][m_pad] = (real, tr.gemm_flops(rows, nn, kk) / st[
+                            f"experts.{g}"] / 1e6)
+            fits.add_point(experts, "permute", tr.permute_bytes(n, real, d, quant),
+                           st.get("experts.permute"))
+            fits.add_point(experts, "gather", tr.gather_bytes(n, real, d),
+                           st.get("experts.gather"))
+            fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
+                           st.get("experts.act_quant"))
+            q = st.get("dispatch.quantize", 0.0)
+            fits.add_point("comm", "quantize", tr.quantize_bytes(n, d, quant), q or None)
+            if st.get("dispatch"):
+                fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
+                               max(st["dispatch"] - q, 1e-3))
+            fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
+            fits.add_point("router", cfg.router, tr.router_bytes(n, d, e),
+                           _router_stage_us(layer, x, dev, reps))
+    for (g, _, _), (nn, kk) in zip(GEMMS, ((2 * inter, d), (d, inter))):
+        pts = tuple(sorted((m, t) for m, (_, t) in gemm[g].items()))
+        if pts:
+            fits.gemm.append(GemmCurve(experts, recipe, "contiguous", nn, kk, pts,
+                                       clock.prov(f"{what}, aligned rows per expert")))
+    width = cfg.shared_intermediate
+    for overlapped, pts in shared.items():
+        if pts:
+            side = "on its side stream with the routed path running" if overlapped \
+                else "alone (overlap_shared off)"
+            fits.mlp.append(MlpCurve(experts, recipe, width, d, overlapped, tuple(sorted(pts)),
+                                     clock.prov(f"{what}: the shared stage {side}")))
+    del layer, rt
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+
+
+def finish(fits: LayerFits, clock, fit_ab) -> dict:
+    """The pooled points -> {table: {name: AlphaBeta}} (each fit says what it pooled)."""
+    out: dict = {}
+    for (table, name), pts in fits.points.items():
+        src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
+               "router": f"router stage ({name})"}
+        note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
+        out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
+            f"MoELayer.forward at ep 1: {note}"))
+    return out

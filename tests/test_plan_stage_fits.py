@@ -1,0 +1,112 @@
+"""The calibrated stage terms (shared-MLP curves, the local backend's dispatch / combine, the
+router) in the cost model: their arithmetic on synthetic profiles, their JSON round trip and
+the spec-derived fallbacks when a profile lacks them."""
+
+import dataclasses
+
+import pytest
+
+from epmoe.bench.calibrate import UNBOUNDED_GBPS, fit_ab
+from epmoe.config import MoEConfig, QuantConfig
+from epmoe.plan import traffic as tr
+from epmoe.plan.comm_cost import DISPATCH_OPS
+from epmoe.plan.cost import Candidate, Workload, predict_layer
+from epmoe.plan.profile import AlphaBeta, MlpCurve, Provenance, load_profile
+from epmoe.plan.synthetic import synthetic_profile
+from epmoe.plan.topology import Topology
+
+M = Provenance("measured", "test")
+CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
+                num_shared_experts=1, num_moe_layers=1)
+FP8, BF16 = QuantConfig("fp8_block"), QuantConfig("bf16")
+ONE = Topology.parse("1x1")
+LOCAL = Candidate("ep_dp", "local", "triton")
+
+
+def _curve(overlapped=False, pts=((128, 100.0), (4096, 1000.0)), width=128, hidden=256):
+    return MlpCurve("triton", "fp8_block", width, hidden, overlapped, pts, M)
+
+
+def test_mlp_curve_interpolates_log_log_and_scales_by_flops():
+    c = _curve()
+    assert c.time_us(128) == 100.0 and c.time_us(4096) == 1000.0
+    assert c.time_us(16) == 100.0  # below the first point: its (fixed-cost bound) time
+    assert c.time_us(8192) == pytest.approx(2000.0)  # above the last: linear in tokens
+    mid = (128 * 4096) ** 0.5  # geometric middle -> geometric mean of the times
+    assert c.time_us(mid) == pytest.approx((100.0 * 1000.0) ** 0.5)
+    assert c.time_us(4096, width=64) == pytest.approx(500.0)
+    assert c.time_us(4096, width=128, hidden=512) == pytest.approx(2000.0)
+    with pytest.raises(ValueError, match="tokens must increase"):
+        _curve(pts=((4096, 1.0), (128, 2.0)))
+    with pytest.raises(ValueError, match="needs points"):
+        _curve(pts=((0, 1.0),))
+
+
+def test_mlp_curve_lookup_prefers_overlapped_then_alone():
+    prof = synthetic_profile().replace(mlp=(_curve(False), _curve(True, ((128, 300.0),))))
+    assert prof.mlp_curve("triton", "fp8_block", 128, 256, True).overlapped
+    assert not prof.mlp_curve("triton", "fp8_block", 128, 256, False).overlapped
+    alone = synthetic_profile().replace(mlp=(_curve(False),))
+    assert not alone.mlp_curve("triton", "fp8_block", 128, 256, True).overlapped
+    assert alone.mlp_curve("deepgemm", "fp8_block", 128, 256, False) is None
+
+
+def _calibrated(prof):
+    kern = {**prof.kernels, "local": {"dispatch": AlphaBeta(200.0, 1.0, M),
+                                      "combine": AlphaBeta(7.0, 2.0, M)},
+            "router": {CFG.router: AlphaBeta(30.0, 4.0, M)}}
+    return prof.replace(kernels=kern, mlp=(_curve(False), _curve(True, ((128, 300.0),
+                                                                          (4096, 3000.0)))))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_calibrated_terms_set_their_stages(overlap):
+    base = synthetic_profile(kernel_GBps=10.0)
+    prof = _calibrated(base)
+    n = 1024
+    p = predict_layer(LOCAL, Workload(CFG, FP8, n, overlap_shared=overlap), ONE, prof)
+    s = p.stages_us
+    q = tr.quantize_bytes(n, CFG.hidden, FP8) / 10e3
+    assert s["dispatch.quantize"] == pytest.approx(q)
+    assert s["dispatch"] == pytest.approx(q + 200.0 + tr.local_dispatch_bytes(n, 4) / 1e3)
+    assert s["combine"] == pytest.approx(7.0 + tr.local_combine_bytes(n, 256) / 2e3)
+    assert s["router"] == pytest.approx(30.0 + tr.router_bytes(n, 256, 16) / 4e3)
+    assert s["shared"] == pytest.approx(prof.mlp_curve("triton", "fp8_block", 128, 256,
+                                                       overlap).time_us(n))
+    # the same workload without the calibrated terms: the model's own terms
+    p0 = predict_layer(LOCAL, Workload(CFG, FP8, n, overlap_shared=overlap), ONE, base)
+    assert p0.stages_us["dispatch"] == pytest.approx(q)  # launch_us 0 in the synthetic one
+    assert p0.stages_us["shared"] != s["shared"]
+
+
+def test_fallbacks_on_spec_profiles():
+    """Spec profiles have no calibrated stage terms: the local dispatch is its quantize plus
+    the id mapping's launches; the shared MLP comes from the GEMM curves."""
+    cfg = CFG.replace(hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8,
+                      n_group=8, topk_group=4)
+    for name in ("h200", "h100", "b200"):
+        prof = load_profile(name)
+        assert not prof.mlp and "local" not in prof.kernels and "router" not in prof.kernels
+        p = predict_layer(Candidate("ep_dp", "local", "deepgemm"), Workload(cfg, FP8, 4096),
+                          ONE, prof)
+        s = p.stages_us
+        assert s["dispatch"] == pytest.approx(s["dispatch.quantize"] + DISPATCH_OPS["local"]
+                                              * prof.fig("launch_us"))
+        assert s["shared"] > 0 and s["router"] > 0
+
+
+def test_fit_ab_fixed_cost_and_no_fixed_cost():
+    a, b = fit_ab([(1e3, 300.0), (1e5, 290.0), (1e6, 295.0)])  # host-bound: flat in bytes
+    assert a == pytest.approx(295.0) and b == UNBOUNDED_GBPS
+    assert AlphaBeta(a, b, M).time_us(1e9) == pytest.approx(295.0, abs=0.01)
+
+
+def test_json_round_trip_keeps_the_new_terms(tmp_path):
+    prof = _calibrated(synthetic_profile())
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = load_profile(str(path))
+    assert back == prof and back.mlp[1].overlapped
+    legacy = dataclasses.replace(prof, mlp=())  # a profile written before these terms
+    legacy.save(path)
+    assert load_profile(str(path)).mlp == ()
