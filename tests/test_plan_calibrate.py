@@ -28,7 +28,7 @@ def _check(path):
     assert prof.kernel("torch", "permute").prov.source == "measured"
     # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
     for table, name in (("local", "dispatch"), ("local", "combine"),
-                        ("router", "sigmoid_grouped")):
+                        ("router", "sigmoid_grouped"), ("layer", "tail")):
         fit = prof.kernel(table, name)
         assert fit.prov.source == "measured" and "MoELayer.forward" in fit.prov.note
     mlp = prof.mlp_curve("torch", "bf16", 128, 256, overlapped=False)

@@ -110,3 +110,21 @@ def test_json_round_trip_keeps_the_new_terms(tmp_path):
     legacy = dataclasses.replace(prof, mlp=())  # a profile written before these terms
     legacy.save(path)
     assert load_profile(str(path)).mlp == ()
+
+
+def test_layer_tail_adds_to_the_total_only_when_measured():
+    """kernels["layer"]["tail"] (the measured forward minus its composed stages) is added to
+    the layer's total, over the output's bytes; never negative; absent -> 0."""
+    work = Workload(CFG, FP8, 512)
+    base = predict_layer(LOCAL, work, ONE, synthetic_profile())
+    assert base.tail_us == 0.0
+    tail = AlphaBeta(40.0, 100.0, M)  # 40 us + bytes / (100 GB/s)
+    prof = synthetic_profile()
+    prof = prof.replace(kernels={**prof.kernels, "layer": {"tail": tail}})
+    p = predict_layer(LOCAL, work, ONE, prof)
+    want = 40.0 + 512 * CFG.hidden * 2.0 / (100.0 * 1e3)
+    assert p.tail_us == pytest.approx(want)
+    assert p.total_us == pytest.approx(base.total_us + want)
+    assert p.stages_us == base.stages_us  # a term of the total, not a stage
+    neg = prof.replace(kernels={**prof.kernels, "layer": {"tail": AlphaBeta(-1e6, 1e9, M)}})
+    assert predict_layer(LOCAL, work, ONE, neg).tail_us == 0.0

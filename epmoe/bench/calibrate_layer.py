@@ -16,6 +16,9 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | mlp (alone)                            | shared, overlap_shared off          | tokens         |
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
+| kernels["layer"]["tail"]               | the whole forward (as run by        | output bytes   |
+|                                        | default) - its stages composed as   |                |
+|                                        | the cost model composes them        |                |
 
 Sizes are given in rows per expert (m); tokens = m x E / k with every expert holding m rows
 (E = the model's experts, all on this one rank, as plan_accuracy's ep 1 launches run them).
@@ -34,6 +37,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from epmoe.plan import traffic as tr
+from epmoe.plan.cost import layer_body_us
 from epmoe.plan.profile import AlphaBeta, GemmCurve, MlpCurve
 
 ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
@@ -83,6 +87,9 @@ def _stage_us(timer, reps: int) -> dict[str, float]:
 
 
 def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict[str, float]:
+    """Stage times of `reps` forwards, and "forward": the median whole forward (us)."""
+    import time
+
     import torch
 
     layer.overlap_shared = overlapped
@@ -92,11 +99,22 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict
         torch.cuda.synchronize(dev)
     timer.collect()
     timer.reset()
+    whole = []
     for _ in range(reps):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        layer.forward(x, routing)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            layer.forward(x, routing)
+            b.record()
+            b.synchronize()
+            whole.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            layer.forward(x, routing)
+            whole.append((time.perf_counter() - t0) * 1e6)
     out = _stage_us(timer, reps)
+    out["forward"] = statistics.median(whole)
     timer.reset()
     return out
 
@@ -166,6 +184,9 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             st = _forward_stages(layer, x, routing, dev, reps, overlapped)
             if st.get("shared"):
                 shared[overlapped].append((float(n), st["shared"]))
+            if overlapped == modes[-1]:  # as the runtime runs by default
+                tail = st["forward"] - layer_body_us(st, overlapped)
+                fits.add_point("layer", "tail", n * d * 2.0, max(tail, 1e-3))
             if overlapped:
                 continue
             for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
@@ -211,7 +232,8 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
     out: dict = {}
     for (table, name), pts in fits.points.items():
         src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
-               "router": f"router stage ({name})"}
+               "router": f"router stage ({name})",
+               "layer": "whole forward minus its stages as the model composes them"}
         note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}"))

@@ -43,10 +43,12 @@ WITHIN = 0.20
 FLOOR_MS = 0.05
 
 
-def groups(cuda: bool, quick: bool, layers: int, steps: int) -> list[dict]:
-    """One dict of launch flags (and an experts restriction) per sweep."""
+def groups(cuda: bool, quick: bool, layers: int, steps: int,
+           tokens: tuple[int, ...] | None = None) -> list[dict]:
+    """One dict of launch flags (and an experts restriction) per sweep (CUDA: `tokens`
+    overrides the token counts, e.g. one between the calibration's sizes)."""
     if cuda:
-        tokens = (4096,) if quick else (128, 4096)
+        tokens = tokens or ((4096,) if quick else (128, 4096))
         return [dict(flags=["--model", "deepseek-v3", "--quant", recipe, "--tokens", str(t),
                             "--layers", str(layers), "--steps", str(steps), "--no-check",
                             "--device", "cuda"], experts=("triton", "deepgemm"))
@@ -103,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="default: 1 on CUDA, 2 on CPU")
     ap.add_argument("--steps", type=int, default=None, help="default: 12 on CUDA, 6 on CPU")
     ap.add_argument("--profile", default=None, help="default: by device")
+    ap.add_argument("--tokens", default=None, help="CUDA: comma-separated token counts "
+                    "(default 4096 with --quick, else 128,4096); a count the calibration did "
+                    "not measure checks interpolation, not a fit")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="no new launch after this many seconds (default 240)")
     ap.add_argument("--calibrate", nargs="?", const="full", default=None,
@@ -113,6 +118,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate-budget-s", type=float, default=120.0,
                     help="calibration time budget (default 120)")
     args = ap.parse_args(argv)
+    try:
+        tokens = tuple(int(v) for v in args.tokens.split(",")) if args.tokens else None
+    except ValueError:
+        ap.error(f"--tokens ({args.tokens}) must be comma-separated integers")
+    if tokens and min(tokens) < 1:
+        ap.error(f"--tokens ({args.tokens}) must be >= 1")
     if args.calibrate:
         args.profile = calibrate_first(args)
         if args.profile is None:
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
     print(f"profile: {prof.name} ({profile}): " + ", ".join(
         f"{k} {v}" for k, v in used["provenance"].items() if v), flush=True)
     t0, results = time.monotonic(), []
-    for g in groups(cuda, args.quick, layers, steps):
+    for g in groups(cuda, args.quick, layers, steps, tokens):
         left = args.budget_s - (time.monotonic() - t0)
         if left <= 0:
             print(f"budget spent: skipping {' '.join(g['flags'])}", flush=True)

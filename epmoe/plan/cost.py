@@ -121,20 +121,38 @@ class LayerPrediction:
     notes: dict
 
     overlap_shared: bool = False
+    tail_us: float = 0.0
 
     @property
     def total_us(self) -> float:
         """The layer's time: the top-level stages in sequence, except that an overlapped
-        shared MLP (a side stream on CUDA, layer.py) hides behind dispatch -> combine (SM
-        contention between the two is not modelled)."""
-        s = self.stages_us
-        routed = s["dispatch"] + s["experts"] + s["combine"]
-        body = max(routed, s["shared"]) if self.overlap_shared else routed + s["shared"]
-        return s["relayout"] + s["router"] + body + s["all_reduce"]
+        shared MLP (a side stream on CUDA, layer.py) hides behind dispatch -> combine, plus
+        the layer's tail (`tail_us`: what a measured forward takes beyond that composition
+        of its own stages: the shared add and casts, the side stream's join, launch gaps,
+        SM contention; calibrated, 0 without a measurement)."""
+        return layer_body_us(self.stages_us, self.overlap_shared) + self.tail_us
+
+    @property
 
     @property
     def comm_us(self) -> float:
         return sum(self.stages_us.get(s, 0.0) for s in COMM_STAGES)
+
+
+def layer_body_us(s: dict, overlap_shared: bool) -> float:
+    """The stages of one layer composed as the runtime runs them (no tail)."""
+    routed = s.get("dispatch", 0.0) + s.get("experts", 0.0) + s.get("combine", 0.0)
+    shared = s.get("shared", 0.0)
+    body = max(routed, shared) if overlap_shared else routed + shared
+    return s.get("relayout", 0.0) + s.get("router", 0.0) + body + s.get("all_reduce", 0.0)
+
+
+def _tail_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
+    """The layer's measured tail (kernels["layer"]["tail"], over the n x hidden bf16 bytes
+    of the layer's output), else 0."""
+    if prof.has_kernel("layer", "tail"):
+        return max(0.0, prof.kernel("layer", "tail").time_us(n * cfg.hidden * 2.0))
+    return 0.0
 
 
 def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: HardwareProfile,
@@ -181,7 +199,7 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
                      imbalance=stats.imbalance)
     mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
     return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes,
-                           overlap)
+                           overlap, _tail_us(cfg, prof, n_rep))
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
