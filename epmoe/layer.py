@@ -55,6 +55,17 @@ class MoELayer:
             else self.weights.gate_ED
         return route_tokens(x_TD, gate, self.cfg, self.weights.bias_E)
 
+    def route_physical(self, x_TD: torch.Tensor, routing: Routing | None,
+                       token_offset: int = 0) -> tuple[Routing, torch.Tensor]:
+        """The router stage: the logical routing (the router's unless given) and its physical
+        ids (replica choice when the layer has a replica map)."""
+        if routing is None:
+            routing = self.route(x_TD)
+        ids = routing.topk_ids_TK
+        if self.replica_map is not None:
+            ids = self.replica_map.to_physical(ids, token_offset)
+        return routing, ids
+
     def forward(self, x_TD: torch.Tensor, routing: Routing | None = None,
                 token_offset: int = 0) -> torch.Tensor:
         """x [T, D] bf16 -> out [T, D] bf16. routing: precomputed logical routing (synthetic
@@ -64,11 +75,8 @@ class MoELayer:
             raise ValueError(f"x must be [T, hidden={self.cfg.hidden}], got {tuple(x_TD.shape)}")
         t = self.timer
         with t.stage("router"):
-            if routing is None:
-                routing = self.route(x_TD)
-            ids, w = routing.topk_ids_TK, routing.topk_weights_TK
-            if self.replica_map is not None:
-                ids = self.replica_map.to_physical(ids, token_offset)
+            routing, ids = self.route_physical(x_TD, routing, token_offset)
+        w = routing.topk_weights_TK
         self.last_routing, self.last_physical_ids = routing, ids
         x_in = x_TD
         if self.cfg.apply_router_weight_on_input:

@@ -128,3 +128,17 @@ def test_layer_tail_adds_to_the_total_only_when_measured():
     assert p.stages_us == base.stages_us  # a term of the total, not a stage
     neg = prof.replace(kernels={**prof.kernels, "layer": {"tail": AlphaBeta(-1e6, 1e9, M)}})
     assert predict_layer(LOCAL, work, ONE, neg).tail_us == 0.0
+
+
+def test_dispatch_quantize_reads_the_experts_backends_own_fit():
+    """kernels["comm"]["quantize.<experts>"] (each backend's quantizer, its scale layout)
+    wins over the pooled "quantize" fit; a backend without its own fit uses the pooled one."""
+    prof = synthetic_profile()
+    comm = {**prof.kernels.get("comm", {}), "quantize": AlphaBeta(100.0, 1e9, M),
+            "quantize.deepgemm": AlphaBeta(300.0, 1e9, M)}
+    prof = prof.replace(kernels={**prof.kernels, "comm": comm})
+    work = Workload(CFG, FP8, 512)
+    dg = predict_layer(Candidate("ep_dp", "local", "deepgemm"), work, ONE, prof)
+    tri = predict_layer(LOCAL, work, ONE, prof)
+    assert dg.stages_us["dispatch.quantize"] == pytest.approx(300.0, rel=1e-3)
+    assert tri.stages_us["dispatch.quantize"] == pytest.approx(100.0, rel=1e-3)

@@ -120,18 +120,19 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict
 
 
 def _router_stage_us(layer, x, dev, reps: int) -> float | None:
-    """The "router" stage as the layer runs it when no routing is given (its gate + top-k)."""
+    """The "router" stage as the layer runs it when no routing is given (its gate + top-k and
+    the replica map's physical ids: `MoELayer.route_physical`, the stage's whole body)."""
     import torch
 
     timer = layer.timer
-    layer.route(x)
+    layer.route_physical(x, None)
     timer.collect()
     timer.reset()
     for _ in range(reps):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         with timer.stage("router"):
-            layer.route(x)
+            layer.route_physical(x, None)
     out = _stage_us(timer, reps).get("router")
     timer.reset()
     return out
@@ -203,7 +204,8 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
                            st.get("experts.act_quant"))
             q = st.get("dispatch.quantize", 0.0)
-            fits.add_point("comm", "quantize", tr.quantize_bytes(n, d, quant), q or None)
+            for name in ("quantize", f"quantize.{experts}"):  # pooled, and per backend
+                fits.add_point("comm", name, tr.quantize_bytes(n, d, quant), q or None)
             if st.get("dispatch"):
                 fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
                                max(st["dispatch"] - q, 1e-3))

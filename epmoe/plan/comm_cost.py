@@ -57,6 +57,7 @@ class CommCase:
     max_tokens: int
     sms: int | None = None
     reuse_layout: bool = False
+    experts: str = ""  # the experts backend (its quantizer's scale layout): a fit per backend
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ def quantize_us(c: CommCase, n_tokens: float) -> float:
     nbytes = quantize_bytes(n_tokens, c.cfg.hidden, c.quant)
     if nbytes == 0:
         return 0.0
-    return c.prof.kernel("comm", "quantize").time_us(nbytes)
+    own = f"quantize.{c.experts}"
+    return c.prof.kernel("comm", own if c.prof.has_kernel("comm", own) else "quantize") \
+        .time_us(nbytes)
 
 
 def _mean(x) -> float:

@@ -133,8 +133,6 @@ class LayerPrediction:
         return layer_body_us(self.stages_us, self.overlap_shared) + self.tail_us
 
     @property
-
-    @property
     def comm_us(self) -> float:
         return sum(self.stages_us.get(s, 0.0) for s in COMM_STAGES)
 
@@ -168,7 +166,7 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     inter = cfg.moe_intermediate // world if cand.form == "tp" else cfg.moe_intermediate
     e_local = work.num_slots if cand.form == "tp" else work.num_slots // world
     case = CommCase(cfg, quant, topo, prof, stats, n_rep if cand.backend == "local" else t,
-                    work.max_tokens or t, work.comm_sms, work.reuse_layout)
+                    work.max_tokens or t, work.comm_sms, work.reuse_layout, cand.experts)
     st: dict[str, float] = {"router": _router_us(cfg, prof, n_rep)}
     disp = dispatch_cost(cand.backend, case)
     st["dispatch"], st["dispatch.quantize"] = disp.us, disp.quantize_us
