@@ -9,16 +9,21 @@ few token counts, so that every figure below covers exactly what the runtime's s
 |----------------------------------------|-------------------------------------|----------------|
 | gemm curves (backend, recipe)          | experts.gemm1 / experts.gemm2       | aligned rows   |
 | kernels[backend] permute/gather/act_q. | experts.permute / .gather / .act_q. | traffic.py     |
-| kernels["comm"]["quantize"]            | dispatch.quantize (quantized recipes)| quantize_bytes |
-| kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
-| kernels["local"]["combine"]            | combine                             | the cast       |
-| kernels["router"][cfg.router]          | router (MoELayer.route, timed alone)| router_bytes   |
 | mlp (alone)                            | shared, overlap_shared off          | tokens         |
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
-| kernels["layer"]["tail"]               | the whole forward (as run by        | output bytes   |
-|                                        | default) - its stages composed as   |                |
-|                                        | the cost model composes them        |                |
+| - host-bound stages, from forwards that run the layer's own router (below) -               |
+| kernels["comm"]["quantize(.backend)"]  | dispatch.quantize (quantized recipes)| quantize_bytes |
+| kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
+| kernels["local"]["combine"]            | combine                             | the cast       |
+| kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
+| kernels["layer"]["tail"]               | the whole forward minus its stages  | output bytes   |
+|                                        | composed as the cost model does     |                |
+
+The first rows come from forwards on balanced synthetic routing (every expert m rows: the
+GEMM curves' x is exact). The host-bound rows come from forwards that run the layer's own
+router as a launch does: a small stage's event time is its host launch time when the GPU is
+idle and its GPU time when it queues behind the router's work, so it must be timed behind it.
 
 Sizes are given in rows per expert (m); tokens = m x E / k with every expert holding m rows
 (E = the model's experts, all on this one rank, as plan_accuracy's ep 1 launches run them).
@@ -119,25 +124,6 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict
     return out
 
 
-def _router_stage_us(layer, x, dev, reps: int) -> float | None:
-    """The "router" stage as the layer runs it when no routing is given (its gate + top-k and
-    the replica map's physical ids: `MoELayer.route_physical`, the stage's whole body)."""
-    import torch
-
-    timer = layer.timer
-    layer.route_physical(x, None)
-    timer.collect()
-    timer.reset()
-    for _ in range(reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        with timer.stage("router"):
-            layer.route_physical(x, None)
-    out = _stage_us(timer, reps).get("router")
-    timer.reset()
-    return out
-
-
 def _build(model: str, quant, experts: str, tokens: int, dev):
     """A one-layer Runtime at ep 1 -> (its layer, the experts backend it really built)."""
     from epmoe.plan.run import RunConfig
@@ -185,9 +171,6 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             st = _forward_stages(layer, x, routing, dev, reps, overlapped)
             if st.get("shared"):
                 shared[overlapped].append((float(n), st["shared"]))
-            if overlapped == modes[-1]:  # as the runtime runs by default
-                tail = st["forward"] - layer_body_us(st, overlapped)
-                fits.add_point("layer", "tail", n * d * 2.0, max(tail, 1e-3))
             if overlapped:
                 continue
             for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
@@ -203,15 +186,10 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
                            st.get("experts.gather"))
             fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
                            st.get("experts.act_quant"))
-            q = st.get("dispatch.quantize", 0.0)
-            for name in ("quantize", f"quantize.{experts}"):  # pooled, and per backend
-                fits.add_point("comm", name, tr.quantize_bytes(n, d, quant), q or None)
-            if st.get("dispatch"):
-                fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
-                               max(st["dispatch"] - q, 1e-3))
-            fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
-            fits.add_point("router", cfg.router, tr.router_bytes(n, d, e),
-                           _router_stage_us(layer, x, dev, reps))
+        # the stages a launch's host and queue shape (small GPU work behind the router's):
+        # timed in forwards that run the layer's own router, as a launch does by default
+        st = _forward_stages(layer, x, None, dev, reps, modes[-1])
+        _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1])
     for (g, _, _), (nn, kk) in zip(GEMMS, ((2 * inter, d), (d, inter))):
         pts = tuple(sorted((m, t) for m, (_, t) in gemm[g].items()))
         if pts:
@@ -227,6 +205,23 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     del layer, rt
     if kind == "cuda":
         torch.cuda.empty_cache()
+
+
+def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
+                       overlapped: bool) -> None:
+    """Router, dispatch.quantize (pooled and per experts backend), the local backend's
+    dispatch / combine, and the layer's tail, from one forward with the layer's router."""
+    d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
+    q = st.get("dispatch.quantize", 0.0)
+    for name in ("quantize", f"quantize.{experts}"):  # pooled, and per backend
+        fits.add_point("comm", name, tr.quantize_bytes(n, d, quant), q or None)
+    if st.get("dispatch"):
+        fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
+                       max(st["dispatch"] - q, 1e-3))
+    fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
+    fits.add_point("router", cfg.router, tr.router_bytes(n, d, e), st.get("router"))
+    tail = st["forward"] - layer_body_us(st, overlapped)
+    fits.add_point("layer", "tail", n * d * 2.0, max(tail, 1e-3))
 
 
 def finish(fits: LayerFits, clock, fit_ab) -> dict:
