@@ -11,10 +11,13 @@ placement group removed, the private cluster stopped).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from contextlib import contextmanager
 from typing import Callable
+
+import torch
 
 from epmoe.env import SAFETY_ENV, forwarded_env, logger
 from epmoe.launch.blame import Failure, Heartbeat, RankFailure, RankState, attribute
@@ -74,8 +77,18 @@ class InProcessDriver:
         return run_steps(self)
 
     def close(self):
-        if getattr(self, "rt", None) is not None:
-            self.rt.close()
+        """Close the runtime and hand its device memory back before the next launch in this
+        process (a sweep builds one model per candidate: without this the previous ones'
+        weights could still be held by reference cycles and the caching allocator)."""
+        rt, self.rt = getattr(self, "rt", None), None
+        if rt is None:
+            return
+        cuda = rt.device.type == "cuda"
+        rt.close()
+        del rt
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 class RayDriver:
