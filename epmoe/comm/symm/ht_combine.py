@@ -18,7 +18,7 @@ from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
-from epmoe.comm.symm.tiles import ksum  # noqa: E402
+from epmoe.comm.symm.tiles import ksum, num_items, work_item  # noqa: E402
 
 OP_C = tl.constexpr(HT_COMBINE)
 
@@ -38,11 +38,8 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         n_total = tl.load(info_ptr)
-        items = (n_total + BT - 1) // BT * NC
-        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one token block
-            n = (it // NC) * BT + tl.arange(0, BT)
-            cols = (it % NC) * CK + tl.arange(0, CK)
-            cm = cols < D
+        for it in range(pid, num_items(n_total, BT, NC), G):
+            n, cols, cm = work_item(it, BT, CK, NC, D)
             nm = n < n_total
             n64 = n.to(tl.int64)
             st = tl.load(src_tok_ptr + n64, mask=nm, other=0)

@@ -19,6 +19,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
                                   arrive_last, ctrl_ptr, epoch, publish, wait_acks)
+from epmoe.comm.symm.tiles import num_items, work_item  # noqa: E402
 
 
 OP_D = tl.constexpr(LL_DISPATCH)
@@ -46,11 +47,8 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, counts_ptr, me, limit,
         incl = tl.cumsum(cnt, axis=0)
         total = tl.sum(cnt, axis=0)
         meta_p = (arena_ptr + META).to(tl.pointer_type(tl.int32))
-        items = (total + BT - 1) // BT * NC
-        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one row block
-            f = (it // NC) * BT + tl.arange(0, BT)
-            cols = (it % NC) * CK + tl.arange(0, CK)
-            cm = cols < D
+        for it in range(pid, num_items(total, BT, NC), G):
+            f, cols, cm = work_item(it, BT, CK, NC, D)
             fm = f < total
             le = tl.sum((f[:, None] >= incl[None, :]).to(tl.int32), axis=1)
             first = tl.sum(tl.where(ee[None, :] < le[:, None], cnt[None, :], 0), axis=1)

@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import RankArena  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_recv, wait_ready  # noqa: E402
-from epmoe.comm.symm.tiles import ksum  # noqa: E402
+from epmoe.comm.symm.tiles import ksum, num_items, work_item  # noqa: E402
 
 
 @triton.jit
@@ -38,11 +38,8 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
     ok = wait_ready(arena_ptr, OP, e, limit, W, USE_TIMER)
     if ok != 0:
         comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
-        items = (T + BT - 1) // BT * NC
-        for it in range(pid, items, G):  # neighbouring CTAs: chunks of one token block
-            t = (it // NC) * BT + tl.arange(0, BT)
-            cols = (it % NC) * CK + tl.arange(0, CK)
-            cm = cols < D
+        for it in range(pid, num_items(T, BT, NC), G):
+            t, cols, cm = work_item(it, BT, CK, NC, D)
             tm = t < T
             t64 = t.to(tl.int64)
             if SLOT_MAJOR:  # row of slot j: row0 + j * rstride

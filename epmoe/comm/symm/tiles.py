@@ -52,6 +52,20 @@ def pick(x2, kk, k):
 
 
 @triton.jit
+def num_items(n, BT: tl.constexpr, NC: tl.constexpr):
+    """Work items of a chunked kernel over n rows: row blocks of BT x NC column chunks."""
+    return (n + BT - 1) // BT * NC
+
+
+@triton.jit
+def work_item(it, BT: tl.constexpr, CK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+    """Work item `it` -> (its BT rows, its CK columns, their mask < D). Items run chunk-fastest,
+    so neighbouring CTAs take the chunks of one row block (its index loads hit in L2)."""
+    cols = (it % NC) * CK + tl.arange(0, CK)
+    return (it // NC) * BT + tl.arange(0, BT), cols, cols < D
+
+
+@triton.jit
 def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constexpr,
          INDIRECT: tl.constexpr, HAS_W: tl.constexpr, PRE_ROUND: tl.constexpr):
     """sum_s w[n, s] * rows[row(n, s), cols] in fp32 -> [BT, CK] for BT tokens n64 (nm: in
@@ -90,5 +104,5 @@ def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constex
     return acc
 
 
-__all__ = ["chunk_cols", "ksum", "pick", "row_cols", "rows_per_step", "warps", "CHUNK_COLS",
+__all__ = ["chunk_cols", "ksum", "num_items", "pick", "work_item", "row_cols", "rows_per_step", "warps", "CHUNK_COLS",
            "TILE_ELEMS", "NUM_WARPS"]
