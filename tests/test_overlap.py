@@ -42,9 +42,15 @@ def test_micro_batches_match_one_batch_and_the_oracle(recipe, seed):
     rt = Runtime(run, device="cpu")
     one = _outputs(rt, 1)
     two = _outputs(rt, 2)
-    for (x1, o1, i1, _), (x2, o2, i2, _) in zip(one, two):
-        assert torch.equal(x1, x2) and torch.equal(i1, i2)
-        assert max_rel_err(o2, o1.double()) <= TOLERANCE[recipe], f"{recipe=} {seed=}"
+    # Layer 0 sees the same input; the halves' sums round differently in bf16, so from layer
+    # 1 on the inputs agree only within the tolerance (and the router may then break a
+    # near-tie differently): each layer is held to the oracle on its own input below.
+    (x1, o1, i1, _), (x2, o2, i2, _) = one[0], two[0]
+    assert torch.equal(x1, x2) and torch.equal(i1, i2)
+    for l, ((x1, o1, i1, _), (x2, o2, i2, _)) in enumerate(zip(one, two)):
+        assert max_rel_err(x2, x1.double()) <= TOLERANCE[recipe], f"layer {l} input"
+        if torch.equal(i1, i2):
+            assert max_rel_err(o2, o1.double()) <= TOLERANCE[recipe], f"{recipe=} {seed=} {l=}"
     _check_against_oracle(run, two, f"micro_batches=2 {recipe=} {seed=}")
 
 
