@@ -1,0 +1,137 @@
+"""Compile the symm kernels for sm_90 on a machine without a GPU and report what ptxas says.
+
+    python tools/sm90_kernel_check.py [--hidden 7168] [--warps 16] [--json]
+
+For each kernel of `epmoe/comm/symm` at DeepSeek-V3 shapes and the backends' default tiles:
+registers per thread, spilled bytes, and how many 16-byte (v4) global loads / stores the PTX
+holds next to narrower ones. A quick way to see, before spending device time, whether a change
+made a kernel spill or lose its wide memory accesses. Pointer arguments are compiled as
+16-byte aligned, as the launches' specialization makes them for these (aligned) tensors.
+Needs the triton wheel's bundled ptxas; no CUDA driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real, before epmoe reads it
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+ARENA = dict(arena_ptr="*u8", delta_ptr="*i64")
+
+
+def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = True) -> dict:
+    """-> {registers, spill_bytes, v4_loads, v4_stores, narrow_loads, narrow_stores}."""
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+                           for k, t in sig.items() if t.startswith("*")})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return dict(registers=int(regs.group(1)) if regs else None,
+                spill_bytes=int(spill.group(1)) if spill else 0,
+                v4_loads=len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)),
+                v4_stores=len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+                narrow_loads=len(re.findall(r"ld\.global(\.nc)?\.b(16|8)\b", ptx)),
+                narrow_stores=len(re.findall(r"st\.global\.b(16|8)\b", ptx)))
+
+
+def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 128,
+            tokens: int = 4096) -> list[tuple]:
+    """(name, jit fn, signature, constexprs, fp fusion) at the backends' default tiles."""
+    from epmoe.comm.symm import ht_combine, ht_dispatch, ll_combine, sum_back
+    from epmoe.comm.symm.arena import HT_COMBINE, LL_COMBINE
+    from epmoe.comm.symm.sync import USE_TIMER
+    from epmoe.comm.symm.tiles import CHUNK_COLS, next_pow2, row_cols, rows_per_step
+
+    dw = hidden * 2 // 4  # bf16 rows as int32 words
+    ck = min(row_cols(hidden), CHUNK_COLS)
+    ht = dict(ROWS=4096, META=8192, CNT=16384, TMAX=tokens, W=world, WP=next_pow2(world),
+              K=top_k, KP=next_pow2(top_k), E_L=local_experts, EP=next_pow2(local_experts),
+              DW=dw, SW=0, CH=row_cols(dw), BSW=1, ROW_W=dw, MW=28, CW=132,
+              USE_TIMER=USE_TIMER)
+    return [
+        ("ht dispatch_send", ht_dispatch._dispatch_send_kernel,
+         dict(**ARENA, x_ptr="*i32", s_ptr="*i32", ids_ptr="*i32", w_ptr="*fp32",
+              pos_ptr="*i32", msg_ptr="*i32", total_ptr="*i32", T="i32", me="i32",
+              limit="i64"), dict(**ht, BT=rows_per_step(row_cols(dw))), True),
+        ("ht dispatch_recv", ht_dispatch._dispatch_recv_kernel,
+         dict(**ARENA, xo_ptr="*i32", so_ptr="*i32", row_expert_ptr="*i32", inv_ptr="*i32",
+              wo_ptr="*fp32", src_tok_ptr="*i32", info_ptr="*i32", align="i32", me="i32",
+              limit="i64"), dict(**ht, M_MAX=world * tokens * top_k, BT=4, BR=2048), True),
+        ("ht combine_send", ht_combine._combine_send_kernel,
+         dict(**ARENA, y_ptr="*bf16", inv_ptr="*i32", w_ptr="*fp32", src_tok_ptr="*i32",
+              info_ptr="*i32", me="i32", limit="i64"),
+         dict(COMB=4096, TMAX=tokens, W=world, K=top_k, D=hidden, CK=ck, BT=16,
+              PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
+        ("ht sum_back", sum_back._sum_back_kernel,
+         dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*i32", T="i32", me="i32",
+              limit="i64"),
+         dict(OP=HT_COMBINE, COMB=4096, TMAX=tokens, W=world, S=world, SLOT_MAJOR=True,
+              HAS_W=False, D=hidden, CK=ck, BT=max(2, 32 // world), PRE_ROUND=False,
+              USE_TIMER=USE_TIMER), False),
+        ("ll combine_send", ll_combine._combine_send_kernel,
+         dict(**ARENA, y_ptr="*bf16", counts_ptr="*i32", me="i32", limit="i64"),
+         dict(SLOTS=4096, META=8192, COMB=16384, TMAX=128, W=world, K=top_k,
+              E_L=local_experts, EP=next_pow2(local_experts), C=256, D=hidden, CK=ck, BT=16,
+              USE_TIMER=USE_TIMER), True),
+        ("ll sum_back", sum_back._sum_back_kernel,
+         dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*fp32", T="i32", me="i32",
+              limit="i64"),
+         dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, S=top_k, SLOT_MAJOR=False,
+              HAS_W=True, D=hidden, CK=ck, BT=max(2, 32 // top_k), PRE_ROUND=False,
+              USE_TIMER=USE_TIMER), False),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--warps", type=int, default=16, help="warps per CTA (the GPU default)")
+    p.add_argument("--only", default="", help="comma-separated kernel names (substrings)")
+    p.add_argument("--json", action="store_true", help="one JSON object per kernel")
+    a = p.parse_args(argv)
+    if a.hidden % 128 or a.hidden < 128:
+        p.error(f"--hidden ({a.hidden}) must be a positive multiple of 128")
+    if not os.path.exists(PTXAS):
+        print(f"no ptxas at {PTXAS} (the triton wheel bundles it)", file=sys.stderr)
+        return 2
+    want = [w for w in a.only.split(",") if w]
+    if not a.json:
+        print(f"{'kernel':<18} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
+              f"{'narrow ld/st':>13}")
+    for name, fn, sig, consts, fusion in kernels(a.hidden):
+        if want and not any(w in name for w in want):
+            continue
+        r = compile_sm90(fn, sig, consts, a.warps, fusion)
+        if a.json:
+            print(json.dumps(dict(kernel=name, warps=a.warps, **r)))
+        else:
+            print(f"{name:<18} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
+                  f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
