@@ -135,6 +135,23 @@ def test_sms_limit_the_bandwidth_until_the_link_saturates():
     assert us[3] == pytest.approx(us[4])  # 100 GB/s of link reached: more SMs do not help
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sms_also_copy_the_ranks_own_rows(ranks):
+    """SM-bound: the time is every row this rank's SMs move (own rows too) over SMs x rate,
+    while the link carries only the rows that leave the rank."""
+    t = topo(1, ranks, nvl=1e6)  # a link that never binds
+    st = routing_stats(CFG, RoutingSpec(), ranks, ranks)
+    prof = synthetic_profile(per_sm_GBps=10.0, sms=4)
+    tokens = 256
+    cost = dispatch_cost("deepep-ht", CommCase(CFG, BF16, t, prof, st, tokens, tokens,
+                                               reuse_layout=True))
+    row = 2 * CFG.hidden + CFG.top_k * 8  # bf16 row + (id, weight) per slot
+    all_rows = tokens * sum(st.hit_rank)  # sent by a mean rank, its own included
+    assert cost.notes["dispatch.sm_bytes"] >= all_rows * row  # the hottest receiver >= mean
+    assert cost.kernel_us == pytest.approx(cost.notes["dispatch.sm_bytes"] / (40.0 * 1e3))
+    assert cost.link_bytes["nvlink"] == pytest.approx(all_rows * row * (ranks - 1) / ranks)
+
+
 def test_gemm_time_is_flops_over_the_curve():
     prof = synthetic_profile(tflops={"torch": 100.0})  # the reference: no row alignment
     w = Workload(CFG, BF16, 512)

@@ -86,6 +86,7 @@ def test_gemm_curve_interpolation():
 
 def test_link_fit_scales_with_the_link_and_the_sms():
     f = LinkFit(10.0, 300.0, 450.0, Provenance("estimate", "t"), per_sm_GBps=5.0, sms=20)
-    assert f.bandwidth_GBps(450.0) == 100.0  # 20 SMs x 5 GB/s < 300
-    assert f.bandwidth_GBps(450.0, sms=100) == 300.0  # the link caps
-    assert f.bandwidth_GBps(900.0, sms=1000) == 600.0  # twice the link, twice the cap
+    assert f.bandwidth_GBps(450.0) == 300.0
+    assert f.bandwidth_GBps(900.0) == 600.0  # twice the link, twice the bandwidth
+    assert f.sm_GBps() == 100.0 and f.sm_GBps(7) == 35.0  # default 20 SMs x 5 GB/s
+    assert LinkFit(1.0, 1.0, 1.0, Provenance("estimate", "t")).sm_GBps(20) is None

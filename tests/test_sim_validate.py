@@ -1,13 +1,21 @@
-"""The simulator against DeepEP's published H800 tables (predicted from the spec profile)."""
+"""The simulator against published tables (predicted from the spec profiles): DeepEP's own
+H800 tables and a third party's DeepEP run on H100, and the table-file format."""
 
 import json
 
+import pytest
+
 from epmoe.sim.__main__ import main
-from epmoe.sim.validate import PUBLISHED, predict, table, validate
+from epmoe.sim.validate import load_table, predict, shipped_tables, table, validate
+
+
+def _rows(name):
+    (path,) = [p for p in shipped_tables() if p.stem == name]
+    return load_table(path).rows
 
 
 def test_deepep_ep8_rows_within_20_percent():
-    rows = [r for r in PUBLISHED if r.ep == 8]
+    rows = [r for r in _rows("deepep-v1-h800") if r.ep == 8]
     assert {(r.mode, r.direction) for r in rows} == {("ht", "dispatch"), ("ht", "combine"),
                                                      ("ll", "dispatch"), ("ll", "combine")}
     for r in rows:
@@ -17,12 +25,47 @@ def test_deepep_ep8_rows_within_20_percent():
 
 def test_every_row_is_predicted_and_printed(capsys):
     res = validate()
-    assert len(res) == len(PUBLISHED)
+    n = sum(len(load_table(p).rows) for p in shipped_tables())
+    assert len(res) == n and n >= 24
     assert all(r.predicted > 0 and r.kernel_us > 0 for r in res)
-    # intranode rows are NVLink-bound; internode LL rows RDMA-bound
-    assert {r.link for r in res if r.row.ep == 8} == {"nvlink"}
-    assert {r.link for r in res if r.row.ep > 8 and r.row.mode == "ll"} == {"rdma"}
-    assert all(len(line) <= 80 for line in table(res).splitlines())
+    h800 = [r for r in res if r.row.table == "deepep-v1-h800"]
+    # H800 intranode rows are NVLink-bound (its 160 GB/s links); internode LL rows RDMA-bound
+    assert {r.limit for r in h800 if r.row.ep == 8} == {"nvlink"}
+    assert {r.limit for r in h800 if r.row.ep > 8 and r.row.mode == "ll"} == {"rdma"}
+    # the same kernels on H100's 450 GB/s links at 20 SMs: the SMs bound them
+    assert {r.limit for r in res if r.row.table == "deepep-v1-h100-tilescale"} == {"sm"}
+    text = table(res)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert text.count("published vs this model") == len(shipped_tables())
     assert main(["validate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc) == len(PUBLISHED) and {"error", "predicted", "published"} <= set(doc[0])
+    assert len(doc) == n and {"error", "predicted", "published", "limit"} <= set(doc[0])
+
+
+def test_a_table_of_microseconds_and_one_of_bandwidth_agree():
+    """The H100 table gives each figure as time and as DeepEP's GB/s: the model's two
+    predictions must be the same kernel time (bandwidth = DeepEP's bytes / that time)."""
+    rows = _rows("deepep-v1-h100-tilescale")
+    for d in ("dispatch", "combine"):
+        us, gbs = (predict(next(r for r in rows if r.direction == d and r.unit == u))
+                   for u in ("us", "GB/s"))
+        assert us.kernel_us == gbs.kernel_us
+        published_bytes = gbs.row.published * us.row.published  # GB/s x us = kB
+        assert gbs.predicted * us.predicted == pytest.approx(published_bytes, rel=0.01)
+
+
+def test_a_table_file_from_the_user(tmp_path, capsys):
+    f = tmp_path / "mine.toml"
+    f.write_text('name = "mine"\nsource = "a test"\ngpu = "b200"\ntokens = 4096\n'
+                 'hidden = 4096\ntop_k = 8\ndispatch = "bf16"\nrows = [\n'
+                 '  { mode = "ht", ep = 4, direction = "dispatch", published = 100.0, '
+                 'unit = "us", experts = 128, sms = 24 },\n]\n')
+    assert main(["validate", "--table", str(f), "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["table"] == "mine" and doc["gpu"] == "b200" and doc["predicted"] > 0
+    f.write_text(f.read_text().replace('unit = "us"', 'unit = "ms"'))
+    assert main(["validate", "--table", str(f)]) == 2
+    assert "unit ('ms') must be one of ('GB/s', 'us')" in capsys.readouterr().err
+    f.write_text(f.read_text().replace("sms = 24", "smz = 24"))
+    with pytest.raises(ValueError, match=r"row 0: unknown keys \['smz'\]"):
+        load_table(f)

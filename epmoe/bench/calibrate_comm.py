@@ -271,13 +271,16 @@ def _fit_backend(prof, name, res, world, kind, cfg, clock, cls, link) -> dict:
             continue
         if direction not in old:
             continue
+        f = old[direction]
+        sm_driven = f.per_sm_GBps is not None and f.sms
+        # SM-driven: the fit is the SM-limited rate over every row the SMs copy (own rows too)
+        key = f"{direction}.sm_bytes" if sm_driven else f"{direction}.{cls}_bytes"
         pts = []
         for t, us in res[direction]:
             c = cost_fn(name, CommCase(cfg, quant, topo, prof, stats, t, t))
-            pts.append((c.notes.get(f"{direction}.{cls}_bytes", 0.0), us - (c.us - c.kernel_us)))
+            pts.append((c.notes.get(key, 0.0), us - (c.us - c.kernel_us)))
         alpha, beta = fit_ab(pts)
-        f = old[direction]
-        if f.per_sm_GBps is not None and f.sms:  # SM-driven: the fit is the SM-limited rate
+        if sm_driven:
             out[direction] = dataclasses.replace(f, alpha_us=alpha, per_sm_GBps=beta / f.sms,
                                                  prov=what)
         else:

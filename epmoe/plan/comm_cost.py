@@ -10,7 +10,9 @@ Mechanisms (each a term below, each constant from the profile, which says where 
   routing statistics plus the finite-batch maximum over ranks), the sending side the mean;
 - fixed per-call latency: alpha per transfer and per collective call, the count exchange
   (plus a host sync where the backend waits for counts on the host), op launches;
-- SMs given to comm: SM-driven copies reach min(link efficiency x link, SMs x per-SM rate).
+- SMs given to comm: an SM-driven transfer also takes the rows its SMs move (every row the
+  rank sends or receives, its own rows included: they are copied by the same SMs) over
+  SMs x the per-SM rate; the transfer takes the longer of that and its slowest link class.
 """
 
 from __future__ import annotations
@@ -114,15 +116,30 @@ def _classes(c: CommCase, per_token, two_hop: bool) -> dict[str, tuple[float, fl
     return out
 
 
+def _sm_rows(c: CommCase, per_token) -> float:
+    """Rows the SMs of the busiest rank move: max(sent by a mean rank, received by the hottest),
+    own rows included."""
+    world, x_max = c.topo.world, max(per_token)
+    hot = finite_max(world * c.tokens * x_max, world * c.tokens * x_max, world)
+    return max(c.tokens * sum(per_token), hot)
+
+
 def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,
-              sms: int | None) -> tuple[float, dict, dict]:
-    """max over link classes of alpha + max(sent, received hot) bytes / bandwidth."""
+              sms: int | None, sm_rows: float = 0.0) -> tuple[float, dict, dict]:
+    """max over link classes of alpha + max(link time, SM time): link time = max(sent,
+    received hot) bytes / the class's bandwidth; SM time = sm_rows bytes / what the SMs copy
+    (SM-driven fits only)."""
     worst, link_bytes, notes = 0.0, {}, {}
     for cls, (sent, recv) in rows.items():
         fit = c.prof.comm_fit(backend, cls, direction)
-        bw = fit.bandwidth_GBps(c.topo.link(cls).GBps, sms)
-        us = fit.alpha_us + max(sent, recv) * row_bytes / (bw * 1e3)
-        worst = max(worst, us)
+        bw = fit.bandwidth_GBps(c.topo.link(cls).GBps)
+        us = max(sent, recv) * row_bytes / (bw * 1e3)
+        sm_bw = fit.sm_GBps(sms)
+        if sm_bw is not None and sm_rows:
+            notes[f"{direction}.sm_GBps"] = sm_bw
+            notes[f"{direction}.sm_bytes"] = sm_rows * row_bytes
+            us = max(us, sm_rows * row_bytes / (sm_bw * 1e3))
+        worst = max(worst, fit.alpha_us + us)
         link_bytes[cls] = sent * row_bytes
         notes[f"{direction}.{cls}_GBps"] = bw
         notes[f"{direction}.{cls}_bytes"] = max(sent, recv) * row_bytes
@@ -162,7 +179,8 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
     row = act_row_bytes(d, c.quant) + k * META_BYTES_PER_K
     if backend in HT:
         rows = _classes(c, c.stats.hit_rank, two_hop=True)
-        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms)
+        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms,
+                                  _sm_rows(c, c.stats.hit_rank))
         total = q + _count_us(c, backend) + us + launch_us(c.prof, DISPATCH_OPS[backend])
         return CommCost(total, q, lb, notes, us)
     if backend == "all2all":
@@ -197,7 +215,7 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
         row = 2.0 * d  # bf16 rows back; LL reduces the k rows per token at the receiver
         rows = _classes(c, per, two_hop=backend in HT)
         us, lb, notes = _transfer(c, backend, "combine", rows, row,
-                                  None if backend in LL else c.sms)
+                                  None if backend in LL else c.sms, _sm_rows(c, per))
         return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
     if backend == "all2all":
         rows = _classes(c, c.stats.hit_rank, two_hop=False)

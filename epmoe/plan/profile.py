@@ -89,7 +89,8 @@ class LinkFit:
     alpha_us     fixed cost per call (launch, signalling), excluding the count exchange
     beta_GBps    asymptotic bandwidth measured on a link of `link_GBps` nominal per direction
                  (it scales with the topology's link: beta * link / link_GBps)
-    per_sm_GBps  SM-driven copy rate per SM given to comm (None: not SM-limited)
+    per_sm_GBps  SM-driven copy rate per SM given to comm, on every row the SMs move, the
+                 rank's own rows included (None: not SM-limited)
     sms          SMs the backend takes by default (None: not SM-driven, or all of them)
     count_us     count/layout exchange per call when the layout is not cached (0: none)
     """
@@ -102,13 +103,14 @@ class LinkFit:
     sms: int | None = None
     count_us: float = 0.0
 
-    def bandwidth_GBps(self, link_GBps: float, sms: int | None = None) -> float:
-        """Usable bandwidth on a link of `link_GBps` with `sms` SMs (default: self.sms)."""
-        bw = self.beta_GBps * link_GBps / self.link_GBps
+    def bandwidth_GBps(self, link_GBps: float) -> float:
+        """Usable bandwidth on a link of `link_GBps` nominal per direction."""
+        return self.beta_GBps * link_GBps / self.link_GBps
+
+    def sm_GBps(self, sms: int | None = None) -> float | None:
+        """What `sms` SMs (default: self.sms) copy per second, or None: not SM-driven."""
         n = self.sms if sms is None else sms
-        if self.per_sm_GBps is not None and n is not None:
-            bw = min(bw, n * self.per_sm_GBps)
-        return bw
+        return None if self.per_sm_GBps is None or n is None else n * self.per_sm_GBps
 
 
 @dataclass(frozen=True)

@@ -127,11 +127,14 @@ def _h200_comm() -> tuple[dict, dict]:
     c_b = rows * 2 * D
     ht_a_d = 240.0 - d_b / (ll_beta * 1e3)
     ht_a_c = 257.0 - c_b / (ll_beta * 1e3)
-    sm_d = d_b / ((c_b / 127.0 / 1e3 - ht_a_d) * 20) / 1e3
-    sm_c = c_b / ((c_b / 120.0 / 1e3 - ht_a_c) * 20) / 1e3
+    # At 20 SMs the SMs bound the time; they copy the rank's own rows too (as many as cross
+    # at EP 2), so the per-SM rate is over twice the crossing bytes.
+    sm_d = 2 * d_b / ((c_b / 127.0 / 1e3 - ht_a_d) * 20) / 1e3
+    sm_c = 2 * c_b / ((c_b / 120.0 / 1e3 - ht_a_c) * 20) / 1e3
     ht = P("derived", f"{DEV}: DeepEP v1 HT bf16 at 4096 tokens/rank: 240 / 257 us with 48 SMs "
                       f"(alpha, at the SM-driven NVLink cap measured by LL), 127 / 120 GB/s "
-                      f"with 20 SMs (the per-SM rate)")
+                      f"across NVLink with 20 SMs (the per-SM rate, over every row the SMs "
+                      f"copy: the crossing ones and the rank's own)")
     cnt = 20.0  # estimate: get_dispatch_layout + notify_dispatch: two launches, one barrier
     rd = P("spec", "one 400 Gb/s NIC per GPU at the IB payload efficiency of a 4096-byte MTU "
                    "(4096 / (4096 + 42 header bytes)); alpha = the NVLink alpha + 2 x (3 - 1) us "

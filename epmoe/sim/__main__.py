@@ -2,8 +2,9 @@
 
     python -m epmoe.sim [SWEEP.toml|SWEEP.json] [--out DIR] [--json]
         a sweep (default: the packaged DeepSeek-V3 one) -> table, DIR/sim.json, DIR/*.png
-    python -m epmoe.sim validate [--json]
-        predict DeepEP's published H800 tables from the spec profile; print the error per row
+    python -m epmoe.sim validate [--table FILE ...] [--profile P] [--json]
+        predict published tables (default: the shipped ones in epmoe/sim/published/, DeepEP
+        v1 on H800 and on H100) from the spec profiles; print the error per row
 
 Exit codes: 0 done, 2 bad input (one line on stderr).
 """
@@ -27,19 +28,24 @@ def parser() -> argparse.ArgumentParser:
                    help="sweep file (.toml or .json), or 'validate'")
     p.add_argument("--out", default=None, help="directory for sim.json and the PNG plots")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--profile", default="h800", help="validate: the profile to predict with")
+    p.add_argument("--profile", default=None,
+                   help="validate: predict every row with this profile (default: each table's "
+                        "GPU's spec profile)")
+    p.add_argument("--table", action="append", default=None,
+                   help="validate: a published-table TOML file (repeatable; default: the "
+                        "shipped tables; the format is in epmoe/sim/validate.py)")
     return p
 
 
 def _validate(args) -> int:
     from epmoe.sim.validate import table, validate
 
-    res = validate(args.profile)
+    res = validate(args.table, args.profile)
     if args.json:
         print(json.dumps([{**asdict(r.row), "predicted": r.predicted, "error": r.error,
-                           "kernel_us": r.kernel_us, "link": r.link} for r in res], indent=1))
+                           "kernel_us": r.kernel_us, "limit": r.limit} for r in res], indent=1))
     else:
-        print(table(res))
+        print(table(res, args.profile))
     return 0
 
 

@@ -1,64 +1,75 @@
-"""The cost model against published numbers nobody here measured: DeepEP's v1 tables.
+"""The cost model against published numbers nobody here measured.
 
-Source: deepseek-ai/DeepEP, docs/legacy.md "Performance" (the README before V2; the LL table
-as updated on 2025-06-05, when low-latency kernels started to use NVLink within a node).
-H800 (NVLink ~160 GB/s), one CX7 400 Gb/s NIC per GPU.
-- Normal (HT) kernels: 4096 tokens/rank, hidden 7168, 256 experts, top-8, top-4 groups, FP8
-  dispatch, BF16 combine; tests/test_intranode.py and test_internode.py at 24 SMs with a
-  cached layout. "Bottleneck bandwidth": intranode NVL = received rows (own ones included) x
-  row bytes / time; internode RDMA = (token, node) pairs (own node included) x row bytes /
-  time. Internode routing: one expert group per node, min(nodes, 4) groups kept.
-- Low-latency kernels: 128 tokens/rank, hidden 7168, top-8, FP8 dispatch / BF16 combine,
-  tests/test_low_latency.py (288 experts; 256 where 288 does not divide over the ranks);
-  the latency of each kernel.
+A published table is a TOML file (the shipped ones are in `epmoe/sim/published/`): its
+`name`, `source` (where the figures were printed), the `gpu` (a shipped profile) and the
+defaults of the measured case (`tokens` per rank, `hidden`, `top_k`, the `dispatch` recipe,
+`gpus_per_node`), then `rows`, one inline table per figure:
 
-Predictions use the spec-derived `h800` profile and `Topology.parse("Nx8", gpu="h800")`: no
-constant here or in the profile was fitted to these rows (see epmoe/plan/specs.py).
+    rows = [
+      { mode = "ht", ep = 8, direction = "dispatch", published = 153.0, unit = "GB/s",
+        experts = 256, sms = 24 },
+    ]
+
+with `mode` ht (DeepEP's normal kernels) or ll (low latency), `unit` us (the kernel's
+latency) or GB/s in DeepEP's convention: intranode, every received row (the rank's own
+included) x row bytes / time; internode, every (token, destination node) pair (own node
+included) x row bytes / time. Optional per row: `n_group` / `topk_group` (group-limited
+routing), `sms` (SMs given to the HT kernels), `tokens`. Rows are predicted with the table's
+GPU profile (or one given) and `Topology.parse("Nx8")`; no constant in a profile is fitted to
+any row (see epmoe/plan/specs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from epmoe.config import QuantConfig, get_preset
 from epmoe.plan.comm_cost import CommCase, combine_cost, dispatch_cost
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec, routing_stats
 from epmoe.plan.topology import Topology
+from epmoe.plan.traffic import act_row_bytes
 
-SOURCE = "deepseek-ai/DeepEP docs/legacy.md (v1 README), H800 + CX7 400 Gb/s"
-HT_SMS = 24  # tests/test_intranode.py / test_internode.py: `for i in (24, )`, num_sms = 24
+PUBLISHED_DIR = Path(__file__).parent / "published"
+MODES, DIRECTIONS, UNITS = ("ht", "ll"), ("dispatch", "combine"), ("GB/s", "us")
+BACKEND = {"ht": "deepep-ht", "ll": "deepep-ll"}
 
 
 @dataclass(frozen=True)
 class Row:
-    """One published figure: mode ht|ll, ep ranks, direction, value, unit (GB/s or us)."""
+    """One published figure and the case it was measured on."""
 
+    table: str
+    source: str
+    gpu: str
     mode: str
     ep: int
     direction: str
     published: float
     unit: str
+    experts: int
+    tokens: int
+    hidden: int
+    top_k: int
+    dispatch: str  # the recipe of the dispatched rows (combine rows are bf16)
+    gpus_per_node: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    sms: int | None = None
 
     @property
     def name(self) -> str:
         return f"{self.mode.upper()} EP{self.ep} {self.direction}"
 
 
-PUBLISHED = (
-    Row("ht", 8, "dispatch", 153.0, "GB/s"), Row("ht", 8, "combine", 158.0, "GB/s"),
-    Row("ht", 16, "dispatch", 43.0, "GB/s"), Row("ht", 16, "combine", 43.0, "GB/s"),
-    Row("ht", 32, "dispatch", 58.0, "GB/s"), Row("ht", 32, "combine", 57.0, "GB/s"),
-    Row("ht", 64, "dispatch", 51.0, "GB/s"), Row("ht", 64, "combine", 50.0, "GB/s"),
-    Row("ll", 8, "dispatch", 77.0, "us"), Row("ll", 8, "combine", 114.0, "us"),
-    Row("ll", 16, "dispatch", 118.0, "us"), Row("ll", 16, "combine", 195.0, "us"),
-    Row("ll", 32, "dispatch", 155.0, "us"), Row("ll", 32, "combine", 273.0, "us"),
-    Row("ll", 64, "dispatch", 173.0, "us"), Row("ll", 64, "combine", 314.0, "us"),
-    Row("ll", 128, "dispatch", 192.0, "us"), Row("ll", 128, "combine", 369.0, "us"),
-    Row("ll", 256, "dispatch", 194.0, "us"), Row("ll", 256, "combine", 360.0, "us"),
-)
-HIDDEN = 7168
-FP8 = QuantConfig("fp8_block")
+@dataclass(frozen=True)
+class Table:
+    name: str
+    source: str
+    rows: tuple[Row, ...]
 
 
 @dataclass(frozen=True)
@@ -66,61 +77,107 @@ class Result:
     row: Row
     predicted: float
     kernel_us: float
-    link: str  # the bottleneck link class in the model
+    limit: str  # what bounds the transfer in the model: nvlink, rdma or sm
 
     @property
     def error(self) -> float:
         return (self.predicted - self.row.published) / self.row.published
 
 
-def _case(row: Row, prof) -> tuple[CommCase, object]:
-    nodes = max(1, row.ep // 8)
-    topo = Topology.parse(f"{nodes}x{min(row.ep, 8)}", gpu="h800")
-    base = get_preset("deepseek-v3")
-    if row.mode == "ht":
-        tokens, e = 4096, 256
-        groups = (nodes, min(nodes, 4)) if nodes > 1 else (1, 1)
-    else:
-        tokens, e = 128, 288 if 288 % row.ep == 0 else 256
-        groups = (1, 1)
-    cfg = base.replace(num_experts=e, hidden=HIDDEN, top_k=8, n_group=groups[0],
-                       topk_group=groups[1], router="sigmoid_grouped")
-    stats = routing_stats(cfg, RoutingSpec(), topo.world, topo.gpus_per_node)
-    case = CommCase(cfg, FP8, topo, prof, stats, tokens, tokens,
-                    sms=HT_SMS if row.mode == "ht" else None, reuse_layout=True)
-    return case, stats
+ROW_KEYS = {f.name for f in fields(Row)} - {"table", "source", "gpu"}
+TABLE_KEYS = {"name", "source", "gpu", "tokens", "hidden", "top_k", "dispatch",
+              "gpus_per_node", "rows"}
+
+
+def load_table(path) -> Table:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"published table {str(p)!r} does not exist")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"published table {str(p)!r} does not parse: {exc}") from None
+    extra = set(d) - TABLE_KEYS
+    missing = {"name", "source", "gpu", "rows"} - set(d)
+    if extra or missing:
+        raise ValueError(f"published table {p.name}: unknown keys {sorted(extra)}, missing "
+                         f"{sorted(missing)}; allowed: {sorted(TABLE_KEYS)}")
+    defaults = {k: d[k] for k in ("tokens", "hidden", "top_k", "dispatch", "gpus_per_node")
+                if k in d}
+    rows = []
+    for i, r in enumerate(d["rows"]):
+        bad = set(r) - ROW_KEYS
+        if bad:
+            raise ValueError(f"published table {p.name} row {i}: unknown keys {sorted(bad)}; "
+                             f"allowed: {sorted(ROW_KEYS)}")
+        try:
+            row = Row(table=d["name"], source=d["source"], gpu=d["gpu"], **{**defaults, **r})
+        except TypeError as exc:
+            raise ValueError(f"published table {p.name} row {i}: {exc}") from None
+        _check(row, f"published table {p.name} row {i}")
+        rows.append(row)
+    return Table(d["name"], d["source"], tuple(rows))
+
+
+def _check(r: Row, where: str) -> None:
+    for what, value, allowed in (("mode", r.mode, MODES), ("direction", r.direction, DIRECTIONS),
+                                 ("unit", r.unit, UNITS)):
+        if value not in allowed:
+            raise ValueError(f"{where}: {what} ({value!r}) must be one of {allowed}")
+    if r.published <= 0 or r.ep < 2 or r.experts % r.ep:
+        raise ValueError(f"{where}: needs published > 0, ep >= 2 and experts ({r.experts}) "
+                         f"divisible by ep ({r.ep})")
+    QuantConfig(r.dispatch)
+
+
+def shipped_tables() -> list[Path]:
+    return sorted(PUBLISHED_DIR.glob("*.toml"))
 
 
 def predict(row: Row, prof=None) -> Result:
-    prof = load_profile(prof or "h800")
-    case, stats = _case(row, prof)
-    backend = "deepep-ht" if row.mode == "ht" else "deepep-ll"
-    cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(backend, case)
-    t = cost.kernel_us
-    d = row.direction
-    link = max(("nvlink", "rdma"), key=lambda c: cost.notes.get(f"{d}.{c}_bytes", 0.0) /
-               cost.notes.get(f"{d}.{c}_GBps", 1.0))  # the class that takes longest
-    if row.mode == "ll":
-        return Result(row, t, t, link)
-    row_bytes = HIDDEN + HIDDEN / 128 * 4 if row.direction == "dispatch" else 2.0 * HIDDEN
-    if row.ep <= 8:  # received rows, own ones included
-        units = case.topo.world * case.tokens * stats.hit_rank[0]
+    prof = load_profile(prof or row.gpu)
+    g = min(row.ep, row.gpus_per_node)
+    topo = Topology.parse(f"{row.ep // g}x{g}", gpu=row.gpu)
+    cfg = get_preset("deepseek-v3").replace(num_experts=row.experts, hidden=row.hidden,
+                                            top_k=row.top_k, n_group=row.n_group,
+                                            topk_group=row.topk_group, router="sigmoid_grouped")
+    stats = routing_stats(cfg, RoutingSpec(), topo.world, topo.gpus_per_node)
+    case = CommCase(cfg, QuantConfig(row.dispatch), topo, prof, stats, row.tokens, row.tokens,
+                    sms=row.sms if row.mode == "ht" else None, reuse_layout=True)
+    cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(BACKEND[row.mode],
+                                                                            case)
+    t, d = cost.kernel_us, row.direction
+    limit = max(("nvlink", "rdma", "sm"), key=lambda c: cost.notes.get(f"{d}.{c}_bytes", 0.0)
+                / cost.notes.get(f"{d}.{c}_GBps", 1.0))
+    if row.unit == "us":
+        return Result(row, t, t, limit)
+    row_bytes = (act_row_bytes(row.hidden, QuantConfig(row.dispatch)) if d == "dispatch"
+                 else 2.0 * row.hidden)
+    if topo.num_nodes == 1:  # received rows, own ones included
+        units = topo.world * row.tokens * stats.hit_rank[0]
     else:  # (token, node) pairs, own node included
-        units = case.tokens * stats.nodes_per_token
-    return Result(row, units * row_bytes / (t * 1e3), t, link)
+        units = row.tokens * stats.nodes_per_token
+    return Result(row, units * row_bytes / (t * 1e3), t, limit)
 
 
-def validate(prof=None) -> list[Result]:
-    return [predict(r, prof) for r in PUBLISHED]
+def validate(tables=None, prof=None) -> list[Result]:
+    """Every row of the given table files (default: the shipped ones)."""
+    out = []
+    for path in tables or shipped_tables():
+        out += [predict(r, prof) for r in load_table(path).rows]
+    return out
 
 
-def table(results: list[Result]) -> str:
-    lines = ["DeepEP published (H800) vs this model (the spec-derived h800 profile)",
-             f"source: {SOURCE}",
-             f"{'case':<22}{'published':>12}{'model':>12}{'error':>9}  {'limit':<7}"
-             f"{'kernel us':>10}", "-" * 74]
-    for r in results:
-        lines.append(f"{r.row.name:<22}{r.row.published:>8.0f} {r.row.unit:<4}"
-                     f"{r.predicted:>7.0f} {r.row.unit:<4}{100 * r.error:>+8.1f}%  {r.link:<7}"
-                     f"{r.kernel_us:>10.0f}")
-    return "\n".join(lines)
+def table(results: list[Result], prof=None) -> str:
+    """80 columns: a header per published table, one line per row."""
+    out = []
+    for name, group in itertools.groupby(results, key=lambda r: r.row.table):
+        group = list(group)
+        out += ["", f"{name}: published vs this model (profile {prof or group[0].row.gpu})",
+                f"source: {group[0].row.source}"[:80],
+                f"{'case':<22}{'published':>12}{'model':>12}{'error':>9}  {'limit':<7}"
+                f"{'kernel us':>10}", "-" * 74]
+        out += [f"{r.row.name:<22}{r.row.published:>8.0f} {r.row.unit:<4}{r.predicted:>7.0f} "
+                f"{r.row.unit:<4}{100 * r.error:>+8.1f}%  {r.limit:<7}{r.kernel_us:>10.0f}"
+                for r in group]
+    return "\n".join(out[1:])
