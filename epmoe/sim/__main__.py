@@ -2,11 +2,16 @@
 
     python -m epmoe.sim [SWEEP.toml|SWEEP.json] [--out DIR] [--json]
         a sweep (default: the packaged DeepSeek-V3 one) -> table, DIR/sim.json, DIR/*.png
+    python -m epmoe.sim SWEEP --run GPU [--address A] [--run-steps N] [--run-timeout S]
+        also launch the sweep's GPU rows for real (python -m epmoe.launch per row, on the
+        --address Ray cluster or a private one each) and put the measurement beside the
+        prediction (table, sim.json, the step plot)
     python -m epmoe.sim validate [--table FILE ...] [--profile P] [--json]
         predict published tables (default: the shipped ones in epmoe/sim/published/, DeepEP
         v1 on H800 and on H100) from the spec profiles; print the error per row
 
-Exit codes: 0 done, 2 bad input (one line on stderr).
+Exit codes: 0 done, 2 bad input (one line on stderr); with --run also 1 a launch failed its
+oracle check, 3 no launch succeeded.
 """
 
 from __future__ import annotations
@@ -34,6 +39,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--table", action="append", default=None,
                    help="validate: a published-table TOML file (repeatable; default: the "
                         "shipped tables; the format is in epmoe/sim/validate.py)")
+    run = p.add_argument_group("running the sweep for real (--run)")
+    run.add_argument("--run", metavar="GPU", default=None,
+                     help="launch the rows of this sweep gpu (the cluster's profile: cpu, "
+                          "h200, ...) with python -m epmoe.launch and report the measurement")
+    run.add_argument("--address", default=None,
+                     help="the Ray cluster to launch on (default: a private one per launch)")
+    run.add_argument("--run-steps", type=int, default=4, help="steps per launch (default 4)")
+    run.add_argument("--run-timeout", type=float, default=600.0,
+                     help="seconds per launch before it is stopped (default 600)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="the launches' --device")
     return p
 
 
@@ -57,12 +73,20 @@ def main(argv=None) -> int:
         from epmoe.sim.sweep import Sweep, run, table
 
         sweep = Sweep.load(args.sweep)
+        opts = _measure_options(args, sweep)
         rows = run(sweep)
     except (ValueError, KeyError) as exc:
         print(f"error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
+    code = 0
+    if opts is not None:
+        from epmoe.sim import measure
+
+        rows = measure.measure(rows, sweep, opts)
+        code = measure.exit_code(rows)
     doc = {"sweep": asdict(sweep), "rows": rows,
-           "note": "predicted by epmoe.plan.cost from the named profiles; not measured"}
+           "note": "step_ms etc. predicted by epmoe.plan.cost from the named profiles; "
+                   "rows[].measured (with --run) measured by python -m epmoe.launch"}
     if args.out:
         from epmoe.sim.plots import plot
 
@@ -72,8 +96,31 @@ def main(argv=None) -> int:
         paths = plot(rows, out, sweep.name)
         print(f"wrote {out / 'sim.json'} and {', '.join(p.name for p in paths)}",
               file=sys.stderr)
-    print(json.dumps(doc, indent=1) if args.json else table(rows))
-    return 0
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(table(rows))
+        if opts is not None:
+            print("\n" + measure.table(rows))
+    return code
+
+
+def _measure_options(args, sweep):
+    """--run's options, checked before anything is predicted or launched."""
+    if args.run is None:
+        if args.address:
+            raise ValueError("--address needs --run GPU (which sweep rows to launch there)")
+        return None
+    from epmoe.sim.measure import MeasureOptions
+
+    if args.run not in sweep.gpus:
+        raise ValueError(f"--run {args.run!r} is not one of the sweep's gpus {list(sweep.gpus)}")
+    if args.address:
+        from epmoe.launch.cluster import parse_address
+
+        parse_address(args.address)
+    return MeasureOptions(args.run, args.address, args.run_steps, args.run_timeout,
+                          args.device)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 count (the LL / HT regimes); a line per (gpu, routing, redundancy) of the planner's picks,
 colour by GPU, dash by routing and redundancy.
 
-step_time.png   predicted MoE-stack step time vs EP size (log-log)
+step_time.png   predicted MoE-stack step time vs EP size (log-log); with `--run`, the
+                measured steps as crosses in the series' colour
 comm_share.png  the share of dispatch + combine + all-reduce + relayout in that time
 link_bytes.png  MB one rank sends per layer, NVLink (solid) and RDMA (dashed), vs EP size
                 (log scale: a class a point does not use is left out)
@@ -28,8 +29,14 @@ def _panels(rows):
             for t, s in sorted(out.items())}
 
 
-def _figure(plt, panels, title, ylabel, ys, log_y):
-    """ys: [(field, scale, linestyle or None)] drawn per series."""
+def _measured(rs):
+    return [(r["ep"], r["measured"]["step_ms"]) for r in rs
+            if r.get("measured", {}).get("status") == "ok"]
+
+
+def _figure(plt, panels, title, ylabel, ys, log_y, measured=False):
+    """ys: [(field, scale, linestyle or None)] drawn per series; measured: crosses at the
+    rows' measured step."""
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 5),
                              squeeze=False)
     gpus = sorted({g for s in panels.values() for g, _ in s})
@@ -41,6 +48,10 @@ def _figure(plt, panels, title, ylabel, ys, log_y):
                 ls = style or STYLES[variants.index(var) % len(STYLES)]
                 ax.plot([r["ep"] for r in rs], [r[field] * scale for r in rs], ls=ls,
                         marker="o", ms=3, color=colors[gpu], label=f"{gpu} {var}")
+            pts = _measured(rs) if measured else []
+            if pts:
+                ax.plot(*zip(*pts), ls="none", marker="x", ms=8, color=colors[gpu],
+                        label=f"{gpu} {var} measured")
         ax.set_xscale("log", base=2)
         if log_y:
             ax.set_yscale("log")
@@ -51,7 +62,9 @@ def _figure(plt, panels, title, ylabel, ys, log_y):
     handles, labels = axes[0][0].get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     fig.legend(uniq.values(), uniq.keys(), loc="lower center", ncol=4, fontsize=7)
-    fig.suptitle(f"{title}: {ylabel} (model, not measured)".strip(": "))
+    what = "lines: model, crosses: measured" if measured and any(
+        _measured(rs) for s in panels.values() for rs in s.values()) else "model, not measured"
+    fig.suptitle(f"{title}: {ylabel} ({what})".strip(": "))
     fig.subplots_adjust(bottom=0.12 + 0.035 * ((len(uniq) + 3) // 4), top=0.88)
     return fig
 
@@ -71,7 +84,7 @@ def plot(rows: list[dict], out_dir, title: str = "") -> list[Path]:
             ("comm_share", "comm share %", [("comm_share", 100.0, None)], False),
             ("link_bytes", "MB/rank/layer (NVLink -, RDMA --)",
              [("nvlink_MB", 1.0, "-"), ("rdma_MB", 1.0, "--")], True)):
-        fig = _figure(plt, panels, title, ylabel, ys, log_y)
+        fig = _figure(plt, panels, title, ylabel, ys, log_y, measured=name == "step_time")
         paths.append(out / f"{name}.png")
         fig.savefig(paths[-1], dpi=80)
         plt.close(fig)

@@ -132,7 +132,7 @@ def run(sweep: Sweep) -> list[dict]:
         quant = QuantConfig(sweep.quant, fmt)
         for ep in sweep.ep:
             g = sweep.node_size(prof.gpu, ep)
-            topo = Topology(ep // g, g, prof.gpu)
+            topo = Topology.parse(f"{ep // g}x{g}", gpu=prof.gpu)  # cpu: tcp within a node
             for rspec in sweep.routing:
                 spec = RoutingSpec.parse(rspec)
                 for rpr in sweep.redundant_per_rank:
