@@ -55,7 +55,7 @@ def test_redundancy_lowers_the_skewed_step():
     ('{"ep": [0]}', "ep"),
     ('{"candidates": ["ep_dp/deepep"]}', "form/backend/experts"),
     ('{"model": "nope"}', "unknown preset"),
-    ("{not json", "does not parse"),
+    ("{not json", "is not JSON"),
 ])
 def test_bad_sweep_exits_2(tmp_path, capsys, text, msg):
     f = tmp_path / "bad.json"

@@ -158,7 +158,7 @@ def _count_us(c: CommCase, backend: str) -> float:
 
 
 def dispatch_cost(backend: str, c: CommCase) -> CommCost:
-    cfg, d, k = c.cfg, c.cfg.hidden, c.cfg.top_k
+    d, k = c.cfg.hidden, c.cfg.top_k
     if backend == "local":  # quantize, then the id mapping (comm/local.py), one timed stage
         q = quantize_us(c, c.tokens)
         if c.prof.has_kernel("local", "dispatch"):

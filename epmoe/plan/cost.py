@@ -214,7 +214,7 @@ def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
 
 def _expert_rows(cand, work, topo, stats, n_rep):
     """(tokens in, pairs, expected rows per local slot) on the hottest rank."""
-    cfg, world, k = work.cfg, topo.world, work.cfg.top_k
+    world, k = topo.world, work.cfg.top_k
     if cand.form == "tp":  # every expert here, load balanced by construction
         pairs = n_rep * k
         return n_rep, pairs, [pairs / work.num_slots] * work.num_slots

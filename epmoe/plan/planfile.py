@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.config import QuantConfig
+from epmoe.docfile import read_doc
 from epmoe.plan.forms import LayerPlan, LayerSpec
 
 PLAN_SCHEMA = 1
@@ -165,11 +166,5 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> "Plan":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"plan file {str(p)!r} does not exist; write one with "
-                             f"python -m epmoe.plan --out {p}")
-        try:
-            return cls.from_dict(json.loads(p.read_text()))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"plan file {str(p)!r} is not JSON: {exc}") from None
+        return cls.from_dict(read_doc(path, "plan file", f"; write one with python -m "
+                                                         f"epmoe.plan --out {path}"))

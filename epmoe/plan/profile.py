@@ -36,6 +36,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, Mapping
 
+from epmoe.docfile import read_doc
+
 Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
 SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
 SCHEMA = 1
@@ -367,10 +369,5 @@ def load_profile(spec) -> HardwareProfile:
             raise ValueError(f"profile {s!r} is neither a shipped profile "
                              f"({', '.join(shipped_profiles())}) nor a JSON file")
         return from_dict(json.loads(root.read_text()))
-    if not path.is_file():
-        raise ValueError(f"profile file {s!r} does not exist; write one with python -m "
-                         f"epmoe.bench.calibrate --out {s}")
-    try:
-        return from_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"profile file {s!r} is not JSON: {exc}") from None
+    return from_dict(read_doc(path, "profile file", f"; write one with python -m "
+                                                    f"epmoe.bench.calibrate --out {s}"))

@@ -21,11 +21,12 @@ kind's spec (`LINK_SPECS`); pass `links=` to override one class.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
+
+from epmoe.docfile import read_doc
 
 LinkKind = Literal["nvlink", "rdma", "pcie", "tcp"]
 LINK_KINDS = ("nvlink", "rdma", "pcie", "tcp")
@@ -182,14 +183,7 @@ class Topology:
 
     @classmethod
     def from_json(cls, path) -> "Topology":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"topology file {str(p)!r} does not exist")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"topology file {str(p)!r} is not JSON: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_doc(path, "topology file"))
 
     @classmethod
     def resolve(cls, spec, gpu: str = "h200") -> "Topology":

@@ -18,12 +18,10 @@ gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink dom
 
 from __future__ import annotations
 
-import json
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from epmoe.config import QuantConfig, get_preset
+from epmoe.docfile import read_doc
 from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.profile import load_profile
@@ -69,14 +67,7 @@ class Sweep:
 
     @classmethod
     def load(cls, path) -> "Sweep":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"sweep file {str(p)!r} does not exist")
-        try:
-            d = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"sweep file {str(p)!r} does not parse: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_doc(path, "sweep file"))
 
     def check(self) -> None:
         get_preset(self.model)

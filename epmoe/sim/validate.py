@@ -22,11 +22,11 @@ any row (see epmoe/plan/specs.py).
 from __future__ import annotations
 
 import itertools
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from epmoe.config import QuantConfig, get_preset
+from epmoe.docfile import read_doc
 from epmoe.plan.comm_cost import CommCase, combine_cost, dispatch_cost
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec, routing_stats
@@ -91,12 +91,7 @@ TABLE_KEYS = {"name", "source", "gpu", "tokens", "hidden", "top_k", "dispatch",
 
 def load_table(path) -> Table:
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"published table {str(p)!r} does not exist")
-    try:
-        d = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"published table {str(p)!r} does not parse: {exc}") from None
+    d = read_doc(p, "published table")
     extra = set(d) - TABLE_KEYS
     missing = {"name", "source", "gpu", "rows"} - set(d)
     if extra or missing:
