@@ -172,7 +172,8 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
                              f"({c.max_tokens})")
         row = act_row_bytes(d, c.quant) + LL_HEADER_BYTES  # quantized inside the kernel
         rows = _classes(c, c.stats.pairs_rank, two_hop=False)
-        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, None)
+        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms,
+                                  _sm_rows(c, c.stats.pairs_rank))
         return CommCost(us + _count_us(c, backend) + launch_us(c.prof, DISPATCH_OPS[backend]),
                         0.0, lb, notes, us)
     q = quantize_us(c, c.tokens)
@@ -214,8 +215,7 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
         per = c.stats.pairs_rank if backend in LL else c.stats.hit_rank
         row = 2.0 * d  # bf16 rows back; LL reduces the k rows per token at the receiver
         rows = _classes(c, per, two_hop=backend in HT)
-        us, lb, notes = _transfer(c, backend, "combine", rows, row,
-                                  None if backend in LL else c.sms, _sm_rows(c, per))
+        us, lb, notes = _transfer(c, backend, "combine", rows, row, c.sms, _sm_rows(c, per))
         return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
     if backend == "all2all":
         rows = _classes(c, c.stats.hit_rank, two_hop=False)

@@ -151,13 +151,7 @@ def _h200_comm() -> tuple[dict, dict]:
         "deepep-ll": {"nvlink": pair(ll_a_d, ll_a_c, ll_beta, NVL_H200, ll),
                       "rdma": pair(ll_a_d + 4, ll_a_c + 4, rdma_bw, 50.0, rd)},
     }
-    inh = "assumed equal to DeepEP's until calibrated (device-side counts: one launch)"
-    for ours, theirs in (("symm-ht", "deepep-ht"), ("symm-ll", "deepep-ll")):
-        f = comm[theirs]["nvlink"]
-        comm[ours] = {"nvlink": {k: LinkFit(v.alpha_us, v.beta_GBps, v.link_GBps,
-                                            P("estimate", f"{theirs}: {inh}"), v.per_sm_GBps,
-                                            v.sms, 5.0 if k == "dispatch" else 0.0)
-                                 for k, v in f.items()}}
+    comm.update(_symm_comm(comm, rows))
     nccl = P("estimate", "NCCL per-call latency intranode (small messages)")
     a2a = 163.0 - 15.0
     coll = {
@@ -175,6 +169,36 @@ def _h200_comm() -> tuple[dict, dict]:
     for name in coll:
         coll[name]["rdma"] = LinkFit(25.0, 45.0, 50.0, ib)
     return comm, coll
+
+
+def _symm_comm(comm: dict, ht_rows: float) -> dict:
+    """symm-ht / symm-ll: SM-driven on 24 SMs (SymmOptions.num_sms). The per-SM rate from the
+    loopback world (both ranks' kernels on one H200, rank by rank: every row a local copy, so
+    the time is the kernels' own cost without a link), over every row the model says their SMs
+    move; alpha, count exchange and the link as DeepEP's (not measured for symm: one GPU)."""
+    src = ("lent H200, BENCHMARKS.md section 7, third session (2026-12-01): python -m "
+           "epmoe.bench.comm --quick --iters 20 --breakdown --check, loopback 2 ranks, 24 SMs")
+    sel = 128 * K  # LL: (token, expert) pairs of both ranks at 128 tokens/rank
+    cases = {  # backend: (measured dispatch / combine us, SM bytes dispatch / combine)
+        "symm-ht": ((549.8, 774.5), "bf16 4096 tokens/rank",
+                    (2 * ht_rows * (tr.act_row_bytes(D, BF16) + K * 8), 2 * ht_rows * 2 * D)),
+        "symm-ll": ((35.7, 61.7), "fp8 128 tokens/rank",
+                    (sel * (tr.act_row_bytes(D, FP8) + tr.LL_HEADER_BYTES), sel * 2 * D)),
+    }
+    out = {}
+    for ours, (us, what, sm_bytes) in cases.items():
+        theirs = comm["deepep-" + ours.split("-")[1]]["nvlink"]
+        fits = {}
+        for i, k in enumerate(("dispatch", "combine")):
+            f = theirs[k]
+            per_sm = sm_bytes[i] / ((us[i] - f.alpha_us) * 24) / 1e3
+            prov = P("derived", f"{src}: {ours} {what} {k} {us[i]} us -> {per_sm:.1f} GB/s per "
+                                f"SM over the rows the SMs move; alpha and link efficiency "
+                                f"assumed DeepEP's (a 2-GPU run calibrates them)")
+            fits[k] = LinkFit(f.alpha_us, f.beta_GBps, f.link_GBps, prov, per_sm, 24,
+                              5.0 if k == "dispatch" else 0.0)
+        out[ours] = {"nvlink": fits}
+    return out
 
 
 def _device_h200() -> dict:
