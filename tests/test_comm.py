@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from dist import RankError, RankTimeout, run_ranks
+from epmoe.ranks import RankError, RankTimeout, run_ranks
 from epmoe.comm import CommContext, make_comm, resolve_backend
 from epmoe.comm.base import TokenBatch
 from epmoe.comm.wire import all_gather_rows, all_to_all_rows, as_wire, from_wire

@@ -16,7 +16,7 @@ from epmoe.launch.report import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err
 from epmoe.runtime import Runtime
-from tests.dist import run_ranks
+from epmoe.ranks import run_ranks
 
 # ---------------------------------------------------------------------------------- recorder
 

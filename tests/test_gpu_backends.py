@@ -99,7 +99,7 @@ def _rank_cases(rank, world, gloo_group, cases):
 def gpu_results():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from dist import run_ranks
+    from epmoe.ranks import run_ranks
 
     cases = [(b, e, r) for b in BACKENDS for e in EXPERTS for r in RECIPES]
     return run_ranks(_rank_cases, 2, cases, timeout=600.0)

@@ -11,7 +11,7 @@ import torch
 from epmoe.config import QuantConfig, get_preset
 from epmoe.eplb.migrate import Transfer, migrate_layer, plan_migration, slot_checksums
 from epmoe.weights import synthetic_layer
-from tests.dist import run_ranks
+from epmoe.ranks import run_ranks
 
 CFG = get_preset("deepseek-v3-tiny")  # 16 experts, hidden 256, intermediate 128
 LAYER, SEED = 1, 3

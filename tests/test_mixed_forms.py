@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from dist import run_ranks
+from epmoe.ranks import run_ranks
 from epmoe.config import QuantConfig
 from epmoe.plan.forms import LayerSpec
 from epmoe.plan.run import RunConfig

@@ -63,7 +63,7 @@ def _two_rank_case(rank, world, group, run):
 @pytest.mark.timeout(120)
 def test_micro_batches_over_all2all_two_ranks(seed):
     """Both halves' collectives are issued in the same order on every rank."""
-    from dist import run_ranks
+    from epmoe.ranks import run_ranks
 
     run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), world=2,
                     backend="all2all", experts="torch", tokens=12, layers=LAYERS, steps=1,

@@ -22,7 +22,7 @@ import functools
 import pytest
 import torch
 
-from dist import run_ranks
+from epmoe.ranks import run_ranks
 from epmoe.config import QuantConfig
 from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe

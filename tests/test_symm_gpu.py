@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
+from epmoe.ranks import run_ranks
 from epmoe.comm.context import CommContext
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.ll import SymmLowLatencyComm

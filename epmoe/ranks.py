@@ -1,9 +1,11 @@
-"""A typed multi-process test helper (pplx-kernels style): run one function on `world` gloo ranks.
+"""Run one function on `world` spawned ranks of this machine (pplx-kernels style), for tests and
+benchmarks.
 
     results = run_ranks(fn, 4, arg1, arg2, timeout=60.0)   # [fn(0, 4, group, ...), ...]
+    results = run_ranks(fn, 2, job, backend="nccl")        # one GPU per rank (cuda:rank)
 
-Each rank is a fresh `spawn` process with one thread, a gloo process group on 127.0.0.1 (a free
-port) whose collectives time out after `pg_timeout` seconds. `fn` must be a module-level
+Each rank is a fresh `spawn` process with one thread, a gloo (or NCCL: rank r on cuda:r) process
+group on 127.0.0.1 (a free port) whose collectives time out after `pg_timeout` seconds. `fn` must be a module-level
 function; its return value must be picklable (tensors are fine: results travel as plain pickle
 bytes, never through shared memory, so a rank may exit before the parent reads them).
 
@@ -56,15 +58,19 @@ def free_port() -> int:
 
 
 def _worker(fn, rank: int, world: int, port: int, pg_timeout: float, args: tuple,
-            results) -> None:
+            results, backend: str = "gloo") -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=pg_timeout))
+        kw = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout), **kw)
         payload = ("ok", pickle.dumps(fn(rank, world, dist.group.WORLD, *args)))
     except BaseException:  # noqa: BLE001  (report everything, including KeyboardInterrupt)
         payload = ("err", traceback.format_exc())
@@ -78,21 +84,25 @@ def _worker(fn, rank: int, world: int, port: int, pg_timeout: float, args: tuple
 
 
 def run_ranks(fn: RankFn, world: int, *args: Any, timeout: float = 60.0,
-              pg_timeout: float | None = None) -> list[R]:
-    """Run fn(rank, world, group, *args) on `world` gloo ranks; -> each rank's result, by rank.
+              pg_timeout: float | None = None, backend: str = "gloo") -> list[R]:
+    """Run fn(rank, world, group, *args) on `world` ranks; -> each rank's result, by rank.
 
     timeout     seconds for the whole run (spawn included) before every rank is killed
     pg_timeout  the process group's collective timeout (default: timeout)
+    backend     gloo (CPU), or nccl (rank r on cuda:r: needs world GPUs)
     """
     __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this loop
     if world < 1:
         raise ValueError(f"world ({world}) must be >= 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"process group backend ({backend!r}) must be gloo or nccl")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     pg_timeout = timeout if pg_timeout is None else pg_timeout
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results),
-                         daemon=True, name=f"rank{r}") for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results,
+                                               backend), daemon=True, name=f"rank{r}")
+             for r in range(world)]
     done: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout

@@ -1,0 +1,243 @@
+"""Real ranks for `python -m epmoe.bench.comm`: every backend on the same inputs, one GPU per
+rank (NCCL), or gloo ranks on CPU (the portable backends: a check of this harness).
+
+A job is one spawned world (`epmoe.ranks.run_ranks`) that runs some backends, one after
+another, at one recipe and one mode's token counts. NVSHMEM has one owner per process, so the
+backends that start it themselves (deepep-ll) and ours (symm-*) never share a job; HT and LL
+sizes are separate jobs (their buffers are sized for the job's largest token count). Each rank
+draws the same tokens and routing for every backend (seeded by rank and token count), so every
+row of a (recipe, tokens) measures the same problem.
+
+Per case: a warm-up dispatch + combine through identity experts (each expert returns its
+rows; TokenBatch experts weight them by their tokens' local top-k weights), checked against
+x (as the wire recipe quantizes it) x sum_k w_k within the recipe's tolerance, then `iters`
+timed dispatch / combine pairs after a barrier. A phase's time per iteration is its slowest
+rank's; the row reports the median. Traffic: rows a rank sends, averaged over ranks (each
+token once per destination rank for HT, once per (token, k) for LL), all of them and only
+those that cross to another rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+HT_BACKENDS = ("all2all", "deepep-ht", "symm-ht")
+LL_BACKENDS = ("all2all", "deepep-ll", "symm-ll")
+NVSHMEM_OWNERS = ("deepep-ll", "symm-ht", "symm-ll")  # who initializes NVSHMEM in a process
+WARMUP = 3
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One spawned world: `backends` in turn at `recipe`, for each of `tokens` per rank."""
+
+    mode: str  # ht | ll
+    backends: tuple[str, ...]
+    recipe: str
+    tokens: tuple[int, ...]
+    world: int
+    device: str  # cuda (one GPU per rank, NCCL) | cpu (gloo)
+    iters: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    num_sms: int  # symm-*: SymmOptions.num_sms; deepep-ht: Buffer.set_num_sms
+
+    def __post_init__(self):
+        if self.mode not in ("ht", "ll"):
+            raise ValueError(f"mode ({self.mode!r}) must be ht or ll")
+        owners = [b for b in self.backends if b in NVSHMEM_OWNERS]
+        if "deepep-ll" in owners and len(owners) > 1:
+            raise ValueError(f"backends {owners} each start NVSHMEM: they need separate jobs")
+        if self.num_experts % self.world:
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by the ranks "
+                             f"({self.world})")
+
+
+def plan_jobs(backends, mode: str, recipes, tokens, **kw) -> list[RankJob]:
+    """The jobs that run `backends` of `mode`: symm-* in a job of their own, the rest
+    together, per recipe."""
+    ours = tuple(b for b in backends if b.startswith("symm"))
+    rest = tuple(b for b in backends if not b.startswith("symm"))
+    return [RankJob(mode, group, r, tuple(tokens), **kw) for r in recipes
+            for group in (rest, ours) if group]
+
+
+def _inputs(t: int, job: RankJob, rank: int, device):
+    import torch
+
+    gen = torch.Generator().manual_seed(7919 * rank + t)
+    x = torch.randn(t, job.hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, job.num_experts, generator=gen).topk(job.top_k, dim=1).indices
+    w = torch.rand(t, job.top_k, generator=gen) + 0.1
+    return x.to(device), ids.to(torch.int32).to(device), w.to(device)
+
+
+def identity_experts(batch):
+    """Each expert returns its own rows (as the batch type's contract asks: TokenBatch rows
+    weighted by the token's local top-k weights, fp32; the others unweighted bf16)."""
+    import torch
+
+    from epmoe.comm.base import TokenBatch
+    from epmoe.quant import dequantize_act
+
+    x = dequantize_act(batch.x)
+    if isinstance(batch, TokenBatch):
+        local = (batch.topk_ids_NK >= 0).float()
+        return x * (batch.topk_weights_NK.float() * local).sum(1, keepdim=True)
+    return x.to(torch.bfloat16)
+
+
+def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool) -> tuple[int, int]:
+    """Rows `rank` sends for routing `ids` (experts in contiguous blocks per rank): (all, its
+    own included; only those to other ranks). HT: a token once per destination rank; LL: once
+    per (token, k)."""
+    owner = ids.long().cpu() // (num_experts // world)
+    all_rows = link = 0
+    for d in range(world):
+        hit = owner == d
+        n = int(hit.sum()) if ll else int(hit.any(1).sum())
+        all_rows += n
+        link += n if d != rank else 0
+    return all_rows, link
+
+
+def _kwargs(name: str, job: RankJob) -> dict:
+    if name.startswith("symm"):
+        from epmoe.comm.symm.options import SymmOptions
+
+        return {"options": SymmOptions(num_sms=job.num_sms)}
+    if name == "deepep-ht":
+        return {"num_sms": job.num_sms}
+    return {}
+
+
+def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
+    """One rank of a job (a module-level function: run_ranks pickles it)."""
+    import torch
+    import torch.distributed as dist
+
+    from epmoe.comm import backend_class
+    from epmoe.comm.context import CommContext
+    from epmoe.config import MoEConfig, QuantConfig
+    from epmoe.kernels.quantize import quantize_tokens
+    from epmoe.quant import dequantize_act
+    from epmoe.reference import TOLERANCE, max_rel_err
+
+    dev = torch.device("cuda", rank) if job.device == "cuda" else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    cfg = MoEConfig("bench-comm", hidden=job.hidden, moe_intermediate=2048,
+                    num_experts=job.num_experts, top_k=job.top_k)
+    quant = QuantConfig(job.recipe)
+    e_l = job.num_experts // world
+    emap = torch.full((job.num_experts,), -1, dtype=torch.int32)
+    emap[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
+    ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=max(job.tokens))
+    out = []
+
+    def clock():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def us(a, b) -> float:
+        return a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+
+    try:
+        for name in job.backends:
+            cls = backend_class(name)
+            why = cls.supports(cfg, quant, dev, world)
+            if why is not None:
+                out.append(dict(backend=name, status="skipped", error=why))
+                continue
+            comm = cls(cfg, quant, emap.to(dev), ctx, **_kwargs(name, job))
+            for t in job.tokens:
+                x, ids, w = _inputs(t, job, rank, dev)
+                batch, h = comm.dispatch(x, ids, w)
+                y = identity_experts(batch)
+                res = comm.combine(y, h)
+                ref = dequantize_act(quantize_tokens(x, quant)) * w.float().sum(1, keepdim=True)
+                err = max_rel_err(res.float().cpu(), ref.cpu())
+                disp, comb = [], []
+                for it in range(WARMUP + job.iters):
+                    dist.barrier(group=group)
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    t0 = clock()
+                    batch, h = comm.dispatch(x, ids, w)
+                    t1 = clock()
+                    comm.combine(y, h)
+                    t2 = clock()
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    if it >= WARMUP:
+                        disp.append(us(t0, t1))
+                        comb.append(us(t1, t2))
+                comm.check_errors()
+                rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll")
+                out.append(dict(backend=name, status="ok", error=None, tokens=t,
+                                dispatch_us=disp, combine_us=comb, rows=rows, link_rows=link,
+                                max_rel_err=err, passed=err <= TOLERANCE[job.recipe]))
+            del comm
+    finally:
+        if cuda:
+            torch.cuda.synchronize(dev)
+        ctx.close()
+    return out
+
+
+def run_job(job: RankJob, timeout_s: float) -> list[dict]:
+    """-> one merged row per (backend, tokens): the slowest rank per iteration, median over
+    iterations; a job whose ranks fail or time out gives a failed row per backend."""
+    from epmoe.ranks import RankError, RankTimeout, run_ranks
+
+    try:
+        per_rank = run_ranks(bench_rank, job.world, job, timeout=timeout_s,
+                             backend="nccl" if job.device == "cuda" else "gloo")
+    except (RankError, RankTimeout) as exc:
+        msg = str(exc).strip().splitlines()
+        why = next((ln for ln in reversed(msg) if ln.strip()), "failed")[:200]
+        return [dict(backend=b, recipe=job.recipe, mode=job.mode, status="failed",
+                     error=why) for b in job.backends]
+    rows = []
+    for i, first in enumerate(per_rank[0]):
+        base = dict(backend=first["backend"], recipe=job.recipe, mode=job.mode,
+                    world=job.world)
+        if first["status"] != "ok":
+            rows.append({**base, "status": first["status"], "error": first["error"]})
+            continue
+        recs = [r[i] for r in per_rank]
+        worst = lambda key: [max(v) for v in zip(*(r[key] for r in recs))]  # noqa: E731
+        rows.append({**base, "status": "ok", "error": None, "tokens": first["tokens"],
+                     "dispatch_us": statistics.median(worst("dispatch_us")),
+                     "combine_us": statistics.median(worst("combine_us")),
+                     "rows": statistics.mean(r["rows"] for r in recs),
+                     "link_rows": statistics.mean(r["link_rows"] for r in recs),
+                     "max_rel_err": max(r["max_rel_err"] for r in recs),
+                     "passed": all(r["passed"] for r in recs), "sms": _sms(first["backend"],
+                                                                           job)})
+    return rows
+
+
+def _sms(name: str, job: RankJob) -> int | None:
+    """SMs the backend's kernels take (None: NCCL decides)."""
+    return job.num_sms if name.startswith(("symm", "deepep-ht")) else None
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each ok row with vs_deepep_dispatch / _combine: its time over DeepEP's (deepep-ht for
+    HT, deepep-ll for LL) at the same recipe and tokens, measured in the same run."""
+    base = {(r["mode"], r["recipe"], r["tokens"]): r for r in rows
+            if r["status"] == "ok" and r["backend"] == f"deepep-{r['mode']}"}
+    out = []
+    for r in rows:
+        b = base.get((r.get("mode"), r.get("recipe"), r.get("tokens")))
+        if r["status"] == "ok" and b is not None:
+            r = {**r, "vs_deepep_dispatch": r["dispatch_us"] / b["dispatch_us"],
+                 "vs_deepep_combine": r["combine_us"] / b["combine_us"]}
+        out.append(r)
+    return out

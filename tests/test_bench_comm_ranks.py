@@ -1,0 +1,79 @@
+"""The real-rank harness of `python -m epmoe.bench.comm` on CPU gloo ranks: the same inputs for
+every backend, the round trip through identity experts checked, jobs that keep NVSHMEM owners
+apart, same-run ratios to DeepEP, and failures reported as rows (never a hang)."""
+
+import json
+
+import pytest
+import torch
+
+from epmoe.bench.comm import main
+from epmoe.bench.comm_ranks import (RankJob, identity_experts, plan_jobs, run_job, sent_rows,
+                                    with_ratios)
+from epmoe.comm.base import LayoutBatch, TokenBatch
+from epmoe.quant import QTensor
+
+KW = dict(world=2, device="cpu", iters=2, hidden=256, num_experts=16, top_k=4, num_sms=24)
+
+
+@pytest.mark.timeout(240)
+def test_cpu_ranks_measure_and_check_every_case(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--hidden", "256", "--num-experts", "16", "--ht-tokens",
+                 "32", "--ll-tokens", "8", "--iters", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["recipe"], r["tokens"]) for r in rows} == {
+        (rec, t) for rec in ("bf16", "fp8_block") for t in (32, 8)}
+    for r in rows:
+        assert r["backend"] == "all2all" and r["world"] == 2 and r["passed"] is True
+        assert r["dispatch_us"] > 0 and r["combine_us"] > 0
+        assert 0 < r["dispatch_gbs_link"] < r["dispatch_gbs_all"]  # own rows stay home
+        assert r["vs_deepep_dispatch"] is None  # no DeepEP on CPU: no ratio invented
+
+
+def test_jobs_keep_nvshmem_owners_apart():
+    jobs = plan_jobs(["all2all", "deepep-ll", "symm-ll"], "ll", ["bf16", "fp8_block"], (8,),
+                     **KW)
+    assert [(j.recipe, j.backends) for j in jobs] == [
+        ("bf16", ("all2all", "deepep-ll")), ("bf16", ("symm-ll",)),
+        ("fp8_block", ("all2all", "deepep-ll")), ("fp8_block", ("symm-ll",))]
+    with pytest.raises(ValueError, match=r"each start NVSHMEM: they need separate jobs"):
+        RankJob("ll", ("deepep-ll", "symm-ll"), "bf16", (8,), **KW)
+
+
+def test_ratios_are_to_deepep_of_the_same_mode_recipe_and_tokens():
+    def row(backend, mode, d, c, tokens=64, recipe="bf16"):
+        return dict(backend=backend, mode=mode, recipe=recipe, tokens=tokens, status="ok",
+                    dispatch_us=d, combine_us=c)
+
+    rows = with_ratios([row("deepep-ht", "ht", 100.0, 200.0), row("symm-ht", "ht", 50.0, 300.0),
+                        row("symm-ht", "ht", 10.0, 10.0, tokens=128),
+                        row("symm-ll", "ll", 5.0, 5.0)])
+    assert rows[0]["vs_deepep_dispatch"] == 1.0
+    assert (rows[1]["vs_deepep_dispatch"], rows[1]["vs_deepep_combine"]) == (0.5, 1.5)
+    assert "vs_deepep_dispatch" not in rows[2] and "vs_deepep_dispatch" not in rows[3]
+
+
+def test_identity_experts_follow_each_batch_types_contract():
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[0, -1], [-1, -1], [1, 0]], dtype=torch.int32)
+    w = torch.tensor([[0.5, 9.0], [9.0, 9.0], [0.25, 0.75]])
+    got = identity_experts(TokenBatch(QTensor(x.to(torch.bfloat16), None, "bf16", 0), ids, w))
+    want = x.to(torch.bfloat16).float() * torch.tensor([[0.5], [0.0], [1.0]])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    lay = identity_experts(LayoutBatch(QTensor(x.to(torch.bfloat16), None, "bf16", 0), None))
+    assert lay.dtype == torch.bfloat16 and torch.equal(lay, x.to(torch.bfloat16))
+
+
+def test_sent_rows_counts_a_token_once_per_rank_for_ht_and_per_k_for_ll():
+    ids = torch.tensor([[0, 1], [0, 9], [8, 9]])  # 16 experts over 2 ranks: 0-7, 8-15
+    assert sent_rows(ids, 2, 16, 0, ll=False) == (4, 2)  # rank 0: {0}, {0, 1}, {1}
+    assert sent_rows(ids, 2, 16, 0, ll=True) == (6, 3)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_job_becomes_failed_rows():
+    job = RankJob("ht", ("all2all",), "fp8_block", (8,), **{**KW, "hidden": 100})
+    (row,) = run_job(job, timeout_s=90)
+    assert row["status"] == "failed" and row["backend"] == "all2all"
+    assert "128" in row["error"]  # fp8 1x128 groups need hidden % 128 == 0
