@@ -209,3 +209,16 @@ def test_finite_max_and_memory():
     m4 = predict_layer(Candidate("ep_dp", "deepep-ll", "triton"), w, topo(1, 4), prof).memory
     m2 = predict_layer(Candidate("ep_dp", "deepep-ll", "triton"), w, topo(1, 2), prof).memory
     assert m2.weights > m4.weights and m4.buffers > 0
+
+
+def test_cpu_ranks_outnumbering_cores_stretch_every_stage():
+    """Eight ranks time-slicing two cores: each stage takes 4x its one-rank-per-core time."""
+    cpu = lambda cores: Topology(1, 8, "cpu", "tcp", cores_per_node=cores)  # noqa: E731
+    prof = synthetic_profile(gpu="cpu", launch_us=3.0)
+    w = Workload(CFG, BF16, 64)
+    cand = Candidate("ep_dp", "all2all", "torch")
+    free, shared = (predict_layer(cand, w, cpu(c), prof) for c in (8, 2))
+    assert shared.notes["oversubscription"] == 4.0 and "oversubscription" not in free.notes
+    for s, us in free.stages_us.items():
+        assert shared.stages_us[s] == pytest.approx(4 * us), s
+    assert shared.total_us == pytest.approx(4 * free.total_us)

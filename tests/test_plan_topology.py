@@ -59,3 +59,13 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="intra-node link"):
         Topology(1, 2, "h200", intra="rdma")
     assert Topology.parse("1x2", gpu="cpu").intra == "tcp"
+
+
+def test_cpu_ranks_sharing_cores():
+    t = Topology.parse("1x8", gpu="cpu", cores_per_node=2)
+    assert t.oversubscription == 4.0 and "2 cores/node" in t.describe()
+    assert Topology.parse("1x2", gpu="cpu", cores_per_node=4).oversubscription == 1.0
+    assert Topology.parse("1x8").oversubscription == 1.0  # a GPU per rank
+    assert Topology.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match=r"cores_per_node \(-1\) must be an int >= 0"):
+        Topology.parse("1x2", gpu="cpu", cores_per_node=-1)

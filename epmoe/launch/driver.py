@@ -27,6 +27,7 @@ from epmoe.launch.console import Phases
 from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
 from epmoe.launch.worker import PROBE_GROUP
 from epmoe.plan.run import RunConfig
+from epmoe.plan.topology import local_cores
 from epmoe.runtime import Runtime
 
 HEARTBEAT_S = 1.0  # how often a waiting driver asks every rank where it is
@@ -62,7 +63,7 @@ class InProcessDriver:
             raise self._fail("build", e) from None
         self.seconds["build"] = round(time.monotonic() - t0, 3)
         return [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(self.rt.device),
-                     pid=os.getpid())]
+                     pid=os.getpid(), cpus=local_cores())]
 
     def call_all(self, stage: str, method: str, *args) -> list:
         t0 = time.monotonic()

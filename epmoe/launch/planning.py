@@ -34,7 +34,7 @@ from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile,
 from epmoe.plan.planner import rule_violation
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
-from epmoe.plan.topology import LINK_SPECS
+from epmoe.plan.topology import LINK_SPECS, local_cores
 
 MODES = ("auto", "tp", "ep", "ep_dp", "sweep")
 # device-name substring -> shipped profile, most specific first ("gb200" contains "b200")
@@ -88,6 +88,16 @@ def _topology_gpu(prof: HardwareProfile) -> str:
     return prof.gpu if prof.gpu in LINK_SPECS else "h200"
 
 
+def _cores(gpu: str, cores: int) -> dict:
+    """CPU ranks share their node's cores (Topology.cores_per_node); device ranks do not."""
+    return {"cores_per_node": cores} if gpu == "cpu" else {}
+
+
+def _where_cores(where: list[dict]) -> int:
+    """The fewest cores any rank's node has (ranks report theirs; else this machine's)."""
+    return min(int(w.get("cpus") or local_cores()) for w in where)
+
+
 # ---------------------------------------------------------------------------- the launch's plan
 @dataclass(frozen=True)
 class Planning:
@@ -130,14 +140,17 @@ class PlannedLaunch:
         topo, prof, notes = p.topology, p.profile, list(p.notes)
         if not p.given_topology:
             topo = Topology.from_node_ids([w["node_id"] for w in where], gpu=topo.gpu,
-                                          intra=topo.intra)
+                                          intra=topo.intra,
+                                          **_cores(topo.gpu, _where_cores(where)))
         if not p.given_profile and ("cuda" in where[0]["device"]) != (prof.fig("sm_arch") > 0):
             name, warn = profile_for_device(where[0]["device"])
             prof = load_profile(name)
             notes += [f"profile {name}: by the ranks' device ({where[0]['device']})"]
             notes += [warn] if warn else []
             topo = replace(topo, gpu=_topology_gpu(prof), links={},
-                           intra="tcp" if prof.gpu == "cpu" else "nvlink")
+                           intra="tcp" if prof.gpu == "cpu" else "nvlink",
+                           cores_per_node=_cores(prof.gpu, _where_cores(where)).get(
+                               "cores_per_node", 0))
         if topo == p.topology and prof is p.profile:
             return self.run
         notes.append(f"topology {topo.describe()}: where the ranks landed")
@@ -235,7 +248,7 @@ def context(a, run: RunConfig, mode: str | None, tokens: int) -> Planning:
                              f"1x{run.world}) or change --ep")
         notes.append(f"topology {topo.describe()}: given")
     else:
-        topo = Topology.parse(f"1x{run.world}", gpu)
+        topo = Topology.parse(f"1x{run.world}", gpu, **_cores(gpu, local_cores()))
     return Planning(mode, prof, topo, tokens, None, tuple(notes), bool(a.profile),
                     bool(a.topology))
 

@@ -19,6 +19,7 @@ from datetime import timedelta
 from epmoe.env import fault_spec
 from epmoe.launch.blame import Heartbeat, RankFailure, is_collective_error
 from epmoe.launch.faults import Fault, FaultPoint
+from epmoe.plan.topology import local_cores
 
 PROBE_GROUP = "probe"  # the concurrency group of progress()
 
@@ -97,7 +98,7 @@ class Worker:
         except Exception:  # pragma: no cover
             node = "local"
         return dict(rank=self.rank, host=socket.gethostname(), node_id=node, device=dev,
-                    pid=os.getpid())
+                    pid=os.getpid(), cpus=local_cores())
 
     def open_store(self) -> tuple[str, int]:
         """Rank 0: a listening socket for the rendezvous store, bound to this node's address

@@ -196,8 +196,11 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
         notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
                      imbalance=stats.imbalance)
     mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
-    return LayerPrediction(cand, {s: st.get(s, 0.0) for s in STAGES}, link, mem, notes,
-                           overlap, _tail_us(cfg, prof, n_rep))
+    f = topo.oversubscription  # CPU ranks sharing cores: every stage stretches
+    if f > 1:
+        notes["oversubscription"] = f
+    return LayerPrediction(cand, {s: st.get(s, 0.0) * f for s in STAGES}, link, mem, notes,
+                           overlap, _tail_us(cfg, prof, n_rep) * f)
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:

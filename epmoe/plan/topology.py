@@ -21,6 +21,7 @@ kind's spec (`LINK_SPECS`); pass `links=` to override one class.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,6 +77,14 @@ LINK_SPECS: dict[str, dict[str, Link]] = {
             "rdma": Link("rdma", 1.25, 50.0, "spec: 10 GbE between CPU nodes")},
 }
 
+def local_cores() -> int:
+    """Cores this process may run on (its affinity mask; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 _SHAPE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 
 
@@ -86,6 +95,8 @@ class Topology:
     links        link class -> Link (intra-node class: `intra`, inter-node: "rdma")
     intra        the class joining GPUs of one node: nvlink, pcie or tcp
     node_of_rank node index of each rank (node-major by default)
+    cores_per_node  CPU ranks: the cores the node's ranks share (0: a device per rank, or
+                 not known); more ranks than cores time-slice them (`oversubscription`)
     """
 
     num_nodes: int
@@ -94,12 +105,17 @@ class Topology:
     intra: LinkKind = "nvlink"
     links: Mapping[str, Link] = field(default_factory=dict)
     node_of_rank: tuple[int, ...] = ()
+    cores_per_node: int = 0
 
     def __post_init__(self):
         for f in ("num_nodes", "gpus_per_node"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"topology {f} ({v!r}) must be a positive int")
+        c = self.cores_per_node
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise ValueError(f"topology cores_per_node ({c!r}) must be an int >= 0 (0: a "
+                             f"device per rank)")
         gpu = self.gpu.lower()
         object.__setattr__(self, "gpu", gpu)
         base = dict(LINK_SPECS.get(gpu, {}))
@@ -160,7 +176,8 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Topology":
-        known = {"num_nodes", "gpus_per_node", "gpu", "intra", "links", "node_of_rank"}
+        known = {"num_nodes", "gpus_per_node", "gpu", "intra", "links", "node_of_rank",
+                 "cores_per_node"}
         extra = set(d) - known
         if extra:
             raise ValueError(f"topology has unknown keys {sorted(extra)}; allowed: "
@@ -179,7 +196,8 @@ class Topology:
         gpu = str(d.get("gpu", "h200"))
         return cls(int(d["num_nodes"]), int(d["gpus_per_node"]), gpu,
                    d.get("intra", "tcp" if gpu.lower() == "cpu" else "nvlink"), links,
-                   tuple(int(n) for n in d.get("node_of_rank", ())))
+                   tuple(int(n) for n in d.get("node_of_rank", ())),
+                   int(d.get("cores_per_node", 0)))
 
     @classmethod
     def from_json(cls, path) -> "Topology":
@@ -202,7 +220,7 @@ class Topology:
                 "gpu": self.gpu, "intra": self.intra,
                 "links": {k: {"GBps": v.GBps, "latency_us": v.latency_us, "source": v.source}
                           for k, v in self.links.items()},
-                "node_of_rank": list(self.node_of_rank)}
+                "node_of_rank": list(self.node_of_rank), "cores_per_node": self.cores_per_node}
 
     # ----------------------------------------------------------------- queries
     @property
@@ -213,6 +231,12 @@ class Topology:
         if kind not in self.links:
             raise ValueError(f"topology has no {kind!r} link (has {sorted(self.links)})")
         return self.links[kind]
+
+    @property
+    def oversubscription(self) -> float:
+        """Ranks per core of a node (>= 1): CPU ranks that outnumber the node's cores share
+        them, and every stage stretches by this factor; 1 for a device per rank."""
+        return max(1.0, self.gpus_per_node / self.cores_per_node) if self.cores_per_node else 1.0
 
     @property
     def intra_link(self) -> Link:
@@ -229,4 +253,6 @@ class Topology:
         s += f" ({self.intra} {self.intra_link.GBps:g} GB/s"
         if self.num_nodes > 1:
             s += f", rdma {self.links['rdma'].GBps:g} GB/s"
+        if self.cores_per_node:
+            s += f", {self.cores_per_node} cores/node"
         return s + ")"

@@ -10,6 +10,7 @@
     redundant_per_rank = [0, 1]      # EPLB: extra slots per rank, placed by epmoe.eplb
     candidates = []                  # extra fixed "form/backend/experts" rows besides the pick
     scope = "model"                  # model: every mechanism; runtime: what epmoe runs today
+    cores_per_node = 0               # cpu rows: cores a node's ranks share (0: this machine's)
 
 Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike)
 and reports the pick; a step is the layer time x the preset's MoE layers. A node holds
@@ -26,10 +27,10 @@ from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec, SlotMap, routing_stats
-from epmoe.plan.topology import Topology
+from epmoe.plan.topology import Topology, local_cores
 
 KEYS = {"name", "model", "quant", "scale_fmt", "gpus", "ep", "gpus_per_node", "tokens",
-        "routing", "redundant_per_rank", "candidates", "scope", "layers"}
+        "routing", "redundant_per_rank", "candidates", "scope", "layers", "cores_per_node"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Sweep:
     candidates: tuple = ()
     scope: str = "model"
     layers: int | None = None
+    cores_per_node: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sweep":
@@ -81,6 +83,9 @@ class Sweep:
             _candidate(c)
         if self.scope not in ("model", "runtime"):
             raise ValueError(f"sweep scope ({self.scope!r}) must be model or runtime")
+        if not isinstance(self.cores_per_node, int) or self.cores_per_node < 0:
+            raise ValueError(f"sweep cores_per_node ({self.cores_per_node!r}) must be an int "
+                             f">= 0 (0: this machine's cores)")
 
     def node_size(self, gpu: str, ep: int) -> int:
         cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
@@ -123,7 +128,9 @@ def run(sweep: Sweep) -> list[dict]:
         quant = QuantConfig(sweep.quant, fmt)
         for ep in sweep.ep:
             g = sweep.node_size(prof.gpu, ep)
-            topo = Topology.parse(f"{ep // g}x{g}", gpu=prof.gpu)  # cpu: tcp within a node
+            cores = {"cores_per_node": sweep.cores_per_node or local_cores()} \
+                if prof.gpu == "cpu" else {}  # cpu: tcp within a node, ranks share its cores
+            topo = Topology.parse(f"{ep // g}x{g}", gpu=prof.gpu, **cores)
             for rspec in sweep.routing:
                 spec = RoutingSpec.parse(rspec)
                 for rpr in sweep.redundant_per_rank:
