@@ -98,8 +98,7 @@ def _classes(c: CommCase, per_token, two_hop: bool) -> dict[str, tuple[float, fl
     per_token: per-rank hit probability (dedup rows) or pairs (LL messages)."""
     t, topo = c.tokens, c.topo
     g, nn, world = topo.gpus_per_node, topo.num_nodes, topo.world
-    x_mean, x_max = _mean(per_token), max(per_token)
-    hot = finite_max(world * t * x_max, world * t * x_max, world)  # rows aimed at the hot rank
+    x_mean, hot = _mean(per_token), _hot_rows(c, per_token)
     out = {}
     if g > 1:
         if two_hop:  # every row for this node's GPUs crosses NVLink once (except 1/g)
@@ -116,12 +115,17 @@ def _classes(c: CommCase, per_token, two_hop: bool) -> dict[str, tuple[float, fl
     return out
 
 
+def _hot_rows(c: CommCase, per_token) -> float:
+    """Rows aimed at the hottest rank (its own included): population skew plus the
+    finite-batch maximum over ranks."""
+    n = c.topo.world * c.tokens * max(per_token)
+    return finite_max(n, n, c.topo.world)
+
+
 def _sm_rows(c: CommCase, per_token) -> float:
     """Rows the SMs of the busiest rank move: max(sent by a mean rank, received by the hottest),
     own rows included."""
-    world, x_max = c.topo.world, max(per_token)
-    hot = finite_max(world * c.tokens * x_max, world * c.tokens * x_max, world)
-    return max(c.tokens * sum(per_token), hot)
+    return max(c.tokens * sum(per_token), _hot_rows(c, per_token))
 
 
 def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,
