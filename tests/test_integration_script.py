@@ -28,3 +28,9 @@ def test_integration_launch_steps_on_cpu(tmp_path):
 def test_unknown_step_is_refused(capsys):
     assert main(["--only", "nope"]) == 2
     assert "unknown step(s) ['nope']" in capsys.readouterr().err
+
+
+def test_comm_step_is_part_of_the_run_and_skips_without_cuda(tmp_path):
+    assert main(["--only", "comm", "--out", str(tmp_path)]) == 0
+    (step,) = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert step == dict(step="comm", ok=None, skipped="needs CUDA")

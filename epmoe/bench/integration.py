@@ -8,6 +8,8 @@ Steps (each a subprocess with its own deadline; a failing step is recorded, the 
   tests        pytest, the GPU tests unskipped by CUDA
   kernels      python -m epmoe.bench.kernels
   gpu_moe      python -m epmoe.bench.gpu_moe (DeepGEMM / DeepEP cases)
+  comm         python -m epmoe.bench.comm --world N (every comm backend on N real ranks, ratios
+               to DeepEP in the same run; one GPU: the loopback world)
   launch       python -m epmoe.launch --ep N with deepep-ht, deepep-ll, all2all (auto picks the
                experts backend), and --eplb on Zipf routing
 On a machine without CUDA the GPU benchmarks are skipped with that reason and the launch runs
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 
-STEPS = ("tests", "kernels", "gpu_moe", "launch")
+STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch")
 
 
 def _cuda_count() -> int:
@@ -88,14 +90,15 @@ def main(argv=None) -> int:
     if "tests" in only:
         results.append(_run("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
                             a.step_timeout, a.out))
-    for bench in ("kernels", "gpu_moe"):
+    for bench in ("kernels", "gpu_moe", "comm"):
         if bench in only:
             if not gpus:
                 results.append(dict(step=bench, ok=None, skipped="needs CUDA"))
                 continue
             js = os.path.join(a.out, f"{bench}.json")
-            r = _run(bench, [py, "-m", f"epmoe.bench.{bench}", "--json", js], a.step_timeout,
-                     a.out)
+            extra = ["--world", str(min(ep, gpus) if gpus > 1 else 2)] if bench == "comm" else []
+            r = _run(bench, [py, "-m", f"epmoe.bench.{bench}", "--json", js, *extra],
+                     a.step_timeout, a.out)
             r["json"] = js
             results.append(r)
     if "launch" in only:
