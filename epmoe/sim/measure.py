@@ -91,14 +91,14 @@ def measure(rows: list[dict], sweep, opts: MeasureOptions, say=None) -> list[dic
     measured step (median, warm-up excluded), the launch's own prediction, the oracle
     check, the ratio sweep-predicted / measured and the launch's seconds."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    todo = [r for r in rows if _skip(r, opts) is None]
+    todo = {_key(r) for r in rows if _skip(r, opts) is None}  # launches: distinct cases
     out, done, n = [], {}, 0
     for r in rows:
         why = _skip(r, opts)
         if why is not None:
             out.append({**r, "measured": dict(status="skipped", error=why)})
             continue
-        key = (r["ep"], r["tokens"], r["routing"], r["choice"])
+        key = _key(r)
         if key not in done:  # a fixed candidate equal to the pick runs once
             n += 1
             say(f"[{n}/{len(todo)}] ep {r['ep']}, {r['tokens']} tokens/rank, {r['routing']}, "
@@ -112,6 +112,10 @@ def measure(rows: list[dict], sweep, opts: MeasureOptions, say=None) -> list[dic
                                          else f"failed: {m['error']}"))
         out.append({**r, "measured": done[key]})
     return out
+
+
+def _key(row: dict) -> tuple:
+    return row["ep"], row["tokens"], row["routing"], row["choice"]
 
 
 def _result(row: dict, doc: dict | None, err: str | None, seconds: float) -> dict:
