@@ -69,23 +69,19 @@ def _scaled_identity(batch, rank, e_l):
     return (x * (e + rank * e_l + 1).clamp(min=0)[:, None].float()).to(torch.bfloat16)
 
 
-def _expected(x, ids, w, quant, world, per_rank):
-    """What combine returns with _scaled_identity experts (ids global, -1 empty). per_rank
-    (symm-ht): each rank's fp32 partial over its slots (k order) travels as bf16, then the
-    partials are summed in rank order; else (symm-ll) one fp32 sum over k."""
+def _expected(x, ids, w, quant, world):
+    """What combine returns with _scaled_identity experts (ids global, -1 empty), for both
+    backends: each rank's fp32 partial over its slots (k order) travels as bf16, then the
+    partials are summed in rank order and cast once."""
     e_l = CFG.num_experts // world
     xd = dequantize_act(quantize_act(x, quant)) if x.shape[0] else x.float()
     out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
-    for r in range(world) if per_rank else [None]:
+    for r in range(world):
         part = torch.zeros_like(out)
         for k in range(ids.shape[1]):
-            here = ids[:, k] >= 0
-            if r is not None:
-                here = here & (ids[:, k] // e_l == r)
+            here = (ids[:, k] >= 0) & (ids[:, k] // e_l == r)
             y = (xd * (ids[:, k] + 1).float()[:, None]).to(torch.bfloat16).float()
             part = torch.where(here[:, None], part + w[:, k, None] * y, part)
-        if r is None:
-            return part.to(torch.bfloat16)
         sent = ((ids >= 0) & (ids // e_l == r)).any(1)
         out = torch.where(sent[:, None], out + part.to(torch.bfloat16).float(), out)
     return out.to(torch.bfloat16)
@@ -143,7 +139,7 @@ def test_ll_cuda_graph_1000_replays_match_eager(seed):
         for r in range(world):
             assert torch.equal(got[r], eager[r]), f"replay {i}, rank {r}"
             if i % 250 == 0:
-                want = _expected(static[0][r], static[1][r], static[2][r], quant, world, False)
+                want = _expected(static[0][r], static[1][r], static[2][r], quant, world)
                 assert torch.equal(got[r], want), f"replay {i}, rank {r}: vs reference"
     for c in comms:
         c.check_errors()
@@ -160,7 +156,7 @@ def test_ht_cuda_graph_replays_match_reference(seed):
         _refill(static, world, gen)
         g.replay()
         for r in range(world):
-            want = _expected(static[0][r], static[1][r], static[2][r], quant, world, True)
+            want = _expected(static[0][r], static[1][r], static[2][r], quant, world)
             assert torch.equal(graph_out[r], want), f"replay {i}, rank {r}"
     for c in comms:
         c.check_errors()
@@ -183,7 +179,7 @@ def _real_ranks(rank, world, group, cls_name, recipe, seed):
             batch, h = comm.dispatch(xs[rank], ids[rank], ws[rank])
             out = comm.combine(_scaled_identity(batch, rank, e_l), h)
             comm.check_errors()
-            want = _expected(xs[rank], ids[rank], ws[rank], quant, world, cls_name == "symm-ht")
+            want = _expected(xs[rank], ids[rank], ws[rank], quant, world)
             assert torch.equal(out, want), f"rank {rank}: combine differs"
         torch.cuda.synchronize()
     finally:

@@ -3,8 +3,10 @@
 Rows land in the masked layout in atomic order, so the checks go through each row's meta word
 (source rank, token, k): every routed (token, k) appears exactly once, on its expert, holding
 exactly `quantize_act` of its token (fp8 codes and scales, or bf16); counts are exact; the
-combine equals sum_k w_k * y_k in fp32 in k order, cast once (bit for bit). Expert outputs are
-fresh random values each round; the masked region keeps the previous round's rows (poison).
+combine equals all2all's numerics (bit for bit): per rank the fp32 sum of w_k * y_k over the
+token's slots there in k order, cast to bf16, then the fp32 sum of those partials in rank
+order, cast once. Expert outputs are fresh random values each round; the masked region and the
+messages keep the previous round's contents (poison for a stale read).
 """
 
 from __future__ import annotations
@@ -68,10 +70,15 @@ def run_round(lw, comms, world, quant, xs, ids, ws, gen, device="cpu", streams=F
     for s in range(world):
         acc = torch.zeros(xs[s].shape[0], CFG.hidden)
         for t in range(xs[s].shape[0]):
-            for k in range(CFG.top_k):
-                if ids[s][t, k] >= 0:
-                    r, e, row = where[(s, t, k)]
-                    acc[t] = acc[t] + ws[s][t, k] * ys[r][e, row].float()
+            for r in range(world):  # the partials, in rank order
+                part, sent = torch.zeros(CFG.hidden), False
+                for k in range(CFG.top_k):
+                    if ids[s][t, k] >= 0 and where[(s, t, k)][0] == r:
+                        _, e, row = where[(s, t, k)]
+                        part = part + ws[s][t, k] * ys[r][e, row].float()
+                        sent = True
+                if sent:
+                    acc[t] = acc[t] + part.to(torch.bfloat16).float()
         assert torch.equal(res[s], acc.to(torch.bfloat16)), f"rank {s}: combine differs"
 
 
@@ -91,6 +98,17 @@ def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, chunk,
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, options=opts)
     for _ in range(rounds):
         run_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen)
+
+
+def test_ll_fewer_tokens_after_more_ignore_the_stale_messages(seed):
+    """A round with every slot full, then rounds with fewer tokens and other routing on the
+    same arenas: the earlier rounds' messages (tokens past the new T, ranks a token no longer
+    goes to) stay in the arena and must not change a combine."""
+    quant = QuantConfig("fp8_block")
+    gen = torch.Generator().manual_seed(seed)
+    lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T, options=OPTS)
+    for scenario in ("full", "uneven", "empty", "all_to_one"):
+        run_round(lw, comms, 2, quant, *case_inputs(scenario, 2, gen), gen)
 
 
 def test_ll_scales_are_column_major_per_expert():
@@ -124,3 +142,25 @@ def test_ll_refuses_recipes_it_cannot_quantize():
 def test_ll_refuses_prefill_sized_arenas():
     with pytest.raises(ValueError, match=r"max_tokens_per_rank \(4096\) must lie in \[1, 1024\]"):
         loopback_comms(SymmLowLatencyComm, CFG, QuantConfig("bf16"), 2, 4096)
+
+
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_bench_checks_agree_with_the_kernels_and_catch_a_wrong_sum(mode, seed):
+    """bench.comm --check's references (comm_loopback.check_ht / check_ll) say 'ok' on what
+    the kernels return, and name the rank whose combine was altered."""
+    from epmoe.bench.comm_loopback import check_ht, check_ll
+    from epmoe.comm.symm.ht import SymmHighThroughputComm
+
+    cls, check = ((SymmHighThroughputComm, check_ht) if mode == "ht"
+                  else (SymmLowLatencyComm, check_ll))
+    gen = torch.Generator().manual_seed(seed)
+    _, comms = loopback_comms(cls, CFG, QuantConfig("bf16"), 2, MAX_T, options=OPTS)
+    xs, ids, ws = case_inputs("uneven", 2, gen)
+    outs = loopback_dispatch(comms, xs, ids, ws)
+    ys = [torch.randn(b.x.data.shape[:-1] + (CFG.hidden,), generator=gen).to(torch.bfloat16)
+          for b, _ in outs]
+    res = loopback_combine(comms, ys, [h for _, h in outs])
+    assert check(comms, ids, ws, outs, ys, res) == "ok"
+    res[1] = res[1].clone()
+    res[1][0, 0] += 1.0
+    assert check(comms, ids, ws, outs, ys, res).startswith("rank 1: 1 differ")

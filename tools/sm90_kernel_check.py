@@ -60,7 +60,7 @@ def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = Tru
 def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 128,
             tokens: int = 4096) -> list[tuple]:
     """(name, jit fn, signature, constexprs, fp fusion) at the backends' default tiles."""
-    from epmoe.comm.symm import ht_combine, ht_dispatch, ll_combine, sum_back
+    from epmoe.comm.symm import ht_combine, ht_dispatch, ll_combine, ll_dispatch, sum_back
     from epmoe.comm.symm.arena import HT_COMBINE, LL_COMBINE
     from epmoe.comm.symm.sync import USE_TIMER
     from epmoe.comm.symm.tiles import CHUNK_COLS, next_pow2, row_cols, rows_per_step
@@ -92,15 +92,25 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               HAS_W=False, D=hidden, CK=ck, BT=max(2, 32 // world), PRE_ROUND=False,
               USE_TIMER=USE_TIMER), False),
         ("ll combine_send", ll_combine._combine_send_kernel,
-         dict(**ARENA, y_ptr="*bf16", counts_ptr="*i32", me="i32", limit="i64"),
-         dict(SLOTS=4096, META=8192, COMB=16384, TMAX=128, W=world, K=top_k,
-              E_L=local_experts, EP=next_pow2(local_experts), C=256, D=hidden, CK=ck, BT=16,
-              USE_TIMER=USE_TIMER), True),
+         dict(**ARENA, y_ptr="*bf16", me="i32", limit="i64"),
+         dict(SLOTS=4096, MSG=8192, MW=20, NTOK=12288, COMB=16384, TMAX=128, W=world,
+              WP=next_pow2(world), K=top_k,
+              E_L=local_experts, EP=next_pow2(local_experts), D=hidden, CK=ck, BT=16,
+              PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
+        ("ll dispatch_send", ll_dispatch._dispatch_send_kernel,
+         dict(**ARENA, x_ptr="*bf16", ids_ptr="*i32", w_ptr="*fp32", slot_ptr="*i32",
+              msg_ptr="*i32", T="i32", me="i32", limit="i64"),
+         dict(SLOTS=4096, DATA=8192, SCALE=16384, META=32768, MSG=65536, MW=20, NTOK=4224,
+              TMAX=128,
+              W=world, WP=next_pow2(world), K=top_k, KP=next_pow2(top_k), E_L=local_experts,
+              C=256, D=hidden, CH=row_cols(hidden), NG=hidden // 128,
+              NGP=next_pow2(row_cols(hidden) // 128), FP8=True, POW2=False, PRE_ROUND=False,
+              BT=1, SA=16, USE_TIMER=USE_TIMER), True),
         ("ll sum_back", sum_back._sum_back_kernel,
          dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*fp32", T="i32", me="i32",
               limit="i64"),
-         dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, S=top_k, SLOT_MAJOR=False,
-              HAS_W=True, D=hidden, CK=ck, BT=max(2, 32 // top_k), PRE_ROUND=False,
+         dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, S=world, SLOT_MAJOR=True,
+              HAS_W=False, D=hidden, CK=ck, BT=max(2, 32 // world), PRE_ROUND=False,
               USE_TIMER=USE_TIMER), False),
     ]
 

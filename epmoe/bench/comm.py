@@ -52,7 +52,7 @@ class Row:
     dispatch_gbs_link: float
     combine_gbs_all: float
     combine_gbs_link: float
-    sms: int | None
+    sms: str | None  # CTAs: symm-* "send/receive", deepep-ht its SMs, None: NCCL decides
     vs_deepep_dispatch: float | None = None
     vs_deepep_combine: float | None = None
     passed: bool | None = None  # real ranks: the round trip within the recipe's tolerance
@@ -86,14 +86,14 @@ def auto_table(rows: list[Row]) -> dict:
 def _fmt(rows: list[Row]) -> str:
     """A table that fits 80 columns."""
     head = f"{'backend':<9} {'rec':<4} {'tok':>5} {'disp us':>8} {'GB/s all/link':>13} " \
-           f"{'comb us':>8} {'GB/s all/link':>13} {'SMs':>3}"
+           f"{'comb us':>8} {'GB/s all/link':>13} {'SMs':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "bf16" if r.recipe == "bf16" else "fp8"
         lines.append(f"{r.backend:<9} {rec:<4} {r.tokens:>5} {r.dispatch_us:>8.1f} "
                      f"{r.dispatch_gbs_all:>6.0f}/{r.dispatch_gbs_link:<6.0f} "
                      f"{r.combine_us:>8.1f} {r.combine_gbs_all:>6.0f}/{r.combine_gbs_link:<6.0f} "
-                     f"{'-' if r.sms is None else r.sms:>3}")
+                     f"{r.sms or '-':>7}")
     return "\n".join(lines)
 
 
@@ -104,7 +104,10 @@ def parser() -> argparse.ArgumentParser:
                                    "line as soon as it is measured")
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
     p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")
-    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--num-sms", type=int, default=0,
+                   help="CTAs of symm-*'s send halves and deepep-ht's SMs (0: each backend's "
+                        "default: symm-ht 24 + every SM for its local receives, symm-ll every "
+                        "SM, deepep-ht 24)")
     p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
                    "chunk_cols:num_warps, comma-separated (0 or missing: default); overrides "
                    "--num-sms")

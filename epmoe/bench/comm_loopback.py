@@ -1,7 +1,9 @@
 """symm-ht / symm-ll in the loopback world for `python -m epmoe.bench.comm` on one GPU: every
 rank's arena on the device, rank by rank, captured as CUDA graphs and replayed; the kernels'
-cost with no link, per rank (phase time / W). `--check` compares each combine bit for bit with
-all2all's numerics in torch; `--breakdown` adds each kernel's device time."""
+cost with no link, per rank (phase time / W; device time: the host's graph launch is hidden
+behind a device sleep, as it is inside a captured decode step). `--check` compares each
+combine bit for bit with all2all's numerics in torch; `--breakdown` adds each kernel's device
+time."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from epmoe.bench.comm_ranks import sent_rows
 from epmoe.config import MoEConfig, QuantConfig
 
 HIDDEN, NUM_EXPERTS, TOP_K = 7168, 256, 8
+# ~50 us of device sleep before each timed pair of graph replays: without it the first event
+# fires on an idle stream and the dispatch time includes the host's graph launch latency.
+SPACER_CYCLES = 100_000
 
 
 def _cfg() -> MoEConfig:
@@ -104,27 +109,33 @@ def check_ht(comms, ids, ws, outs, ys, res) -> str:
 
 
 def check_ll(comms, ids, ws, outs, ys, res) -> str:
-    """symm-ll's combine against sum_k w_k * y_k in fp32 in k order (rows found through the
-    arena's meta words), cast once: 'ok' or what differs."""
+    """symm-ll's combine against all2all's numerics in torch (per rank the fp32 sum of w_k *
+    y_k over the token's slots there in k order, bf16, then an fp32 sum over ranks in rank
+    order, one cast; rows found through the arena's meta words): 'ok' or what differs."""
     sh = comms[0].shape
     tmax, k_, c_ = sh.max_tokens, sh.top_k, sh.capacity
-    dim, dev = ys[0].shape[-1], ys[0].device
-    back = [torch.zeros(i.shape[0], k_, dim, device=dev) for i in ids]
+    world, dim, dev = len(comms), ys[0].shape[-1], ys[0].device
+    parts = [torch.zeros(world, i.shape[0], dim, device=dev) for i in ids]
     for r, (batch, _) in enumerate(outs):
         meta = comms[r].arena.view.words("ll_meta").view(-1, c_).long()
         used = torch.arange(c_, device=dev)[None, :] < batch.counts_E[:, None]
         m = meta[used]
         src, t, k = m // (tmax * k_), (m // k_) % tmax, m % k_
         y = ys[r][used].float()
-        for s in range(len(comms)):
-            sel = src == s
-            back[s][t[sel], k[sel]] = y[sel]
+        for s in range(world):
+            acc = torch.zeros(ids[s].shape[0], dim, device=dev)
+            for kk in range(k_):  # k order: at most one row per (token, k)
+                sel = (src == s) & (k == kk)
+                w = ws[s][t[sel], kk].float()[:, None]
+                acc[t[sel]] = acc[t[sel]] + w * y[sel]
+            parts[s][r] = acc.to(torch.bfloat16).float()
     bad = []
-    for s in range(len(comms)):
+    for s in range(world):
         acc = torch.zeros(ids[s].shape[0], dim, device=dev)
-        for k in range(k_):
-            v = ids[s][:, k] >= 0
-            acc = torch.where(v[:, None], acc + ws[s][:, k, None].float() * back[s][:, k], acc)
+        e_l = comms[s].e_l
+        for r in range(world):
+            went = ((ids[s] >= 0) & (ids[s] // e_l == r)).any(1)
+            acc = torch.where(went[:, None], acc + parts[s][r], acc)
         if not torch.equal(acc.to(torch.bfloat16), res[s]):
             bad.append(f"rank {s}: {int((acc.to(torch.bfloat16) != res[s]).sum())} differ")
     return "; ".join(bad) or "ok"
@@ -174,6 +185,7 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
         times = []
         for it in range(iters + 3):
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            torch.cuda._sleep(SPACER_CYCLES)  # the GPU busy while the host enqueues both
             ev[0].record()
             g_disp.replay()
             ev[1].record()
@@ -190,7 +202,8 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
         all_rows, link_rows = traffic(ids, world, mode == "ll")
         emit(dict(backend=cls.name, recipe=quant.recipe, tokens=t, world=world,
                   where=f"loopback {world} ranks / 1 GPU", dispatch_us=disp, combine_us=comb,
-                  rows=all_rows, link_rows=link_rows, sms=opts.num_sms),
+                  rows=all_rows, link_rows=link_rows,
+                  sms="/".join(str(n) for n in comms[0].ctas())),
              dict(options=opt_kw, kernels=kernels, check=verdict))
     del comms
     torch.cuda.empty_cache()

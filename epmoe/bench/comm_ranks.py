@@ -27,6 +27,7 @@ HT_BACKENDS = ("all2all", "deepep-ht", "symm-ht")
 LL_BACKENDS = ("all2all", "deepep-ll", "symm-ll")
 NVSHMEM_OWNERS = ("deepep-ll", "symm-ht", "symm-ll")  # who initializes NVSHMEM in a process
 WARMUP = 3
+DEEPEP_SMS = 24  # deepep-ht's SMs unless --num-sms says (DeepEP's README figures: 24)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class RankJob:
     hidden: int
     num_experts: int
     top_k: int
-    num_sms: int  # symm-*: SymmOptions.num_sms; deepep-ht: Buffer.set_num_sms
+    num_sms: int  # symm-*: SymmOptions.num_sms (0: theirs); deepep-ht: Buffer.set_num_sms
+    # (0: DEEPEP_SMS)
 
     def __post_init__(self):
         if self.mode not in ("ht", "ll"):
@@ -110,7 +112,7 @@ def _kwargs(name: str, job: RankJob) -> dict:
 
         return {"options": SymmOptions(num_sms=job.num_sms)}
     if name == "deepep-ht":
-        return {"num_sms": job.num_sms}
+        return {"num_sms": job.num_sms or DEEPEP_SMS}
     return {}
 
 
@@ -181,7 +183,8 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                 rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll")
                 out.append(dict(backend=name, status="ok", error=None, tokens=t,
                                 dispatch_us=disp, combine_us=comb, rows=rows, link_rows=link,
-                                max_rel_err=err, passed=err <= TOLERANCE[job.recipe]))
+                                max_rel_err=err, passed=err <= TOLERANCE[job.recipe],
+                                sms=_sms(comm, job)))
             del comm
     finally:
         if cuda:
@@ -218,14 +221,15 @@ def run_job(job: RankJob, timeout_s: float) -> list[dict]:
                      "rows": statistics.mean(r["rows"] for r in recs),
                      "link_rows": statistics.mean(r["link_rows"] for r in recs),
                      "max_rel_err": max(r["max_rel_err"] for r in recs),
-                     "passed": all(r["passed"] for r in recs), "sms": _sms(first["backend"],
-                                                                           job)})
+                     "passed": all(r["passed"] for r in recs), "sms": first["sms"]})
     return rows
 
 
-def _sms(name: str, job: RankJob) -> int | None:
-    """SMs the backend's kernels take (None: NCCL decides)."""
-    return job.num_sms if name.startswith(("symm", "deepep-ht")) else None
+def _sms(comm, job: RankJob) -> str | None:
+    """SMs the backend's kernels take, "send/receive" for symm-* (None: NCCL decides)."""
+    if hasattr(comm, "ctas"):
+        return "/".join(str(n) for n in comm.ctas())
+    return str(job.num_sms or DEEPEP_SMS) if comm.name == "deepep-ht" else None
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:

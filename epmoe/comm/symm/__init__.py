@@ -9,9 +9,10 @@ Two backends behind the comm contract (`epmoe.comm.base`):
 |         |             | the device; the receiver writes rows   | bf16 row per (token, rank)  |
 |         |             | straight into the experts' contiguous  | back; source: fp32 sum in   |
 |         |             | layout (groups padded to `alignment`)  | rank order, one cast        |
-| symm-ll | MaskedBatch | per (token, k), fp8 quantized in the   | rows back per (token, k);   |
-|         |             | send, straight into the peer's         | source: fp32 sum in k       |
-|         |             | [E_l, C, D] (C = W x max tokens)       | order, one cast             |
+| symm-ll | MaskedBatch | per (token, k), fp8 quantized in the   | as symm-ht: the expert rank |
+|         |             | send, straight into the peer's         | reduces a token's rows (the |
+|         |             | [E_l, C, D] (C = W x max tokens), plus | message: rows, weights); a  |
+|         |             | one message per (token, rank)          | bf16 row per (token, rank)  |
 
     ctx = CommContext(group, rank, world, device, max_tokens_per_rank=T)   # the Runtime's
     ht = SymmHighThroughputComm(cfg, quant, expert_map_E, ctx)  # options=SymmOptions(...),
@@ -38,7 +39,8 @@ rows of one [W, bytes] tensor). Kernels are identical for both.
     | ht_rows   [2][W][T] data|scale words |  | ll_data   [E_l][C][D] fp8 | bf16      |
     | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
     | ht_counts [2][W] n, pairs/expert     |  | ll_meta   [E_l][C] (src*T + t)*K + k  |
-    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_comb   [2][T][K] bf16 [D]          |
+    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_msg    [W][T] epoch, row_k, w_k    |
+    |                                      |  | ll_comb   [2][W][T] bf16 [D] partial  |
     +--------------------------------------+  +---------------------------------------+
     [2] = buffer epoch % 2, [W] = source rank, T = max tokens per rank, C = W x T
 
@@ -58,8 +60,10 @@ under the interpreter); the first timeout writes (phase, peer, flag, expected) t
 error record, later waits give up at once, and `check_errors()` raises `SymmTimeoutError`
 naming rank, peer and phase (the loopback driver checks after every phase; the Runtime at a
 sync point it already has). An arena that timed out stays failed: close the context.
-Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; 24 by default);
-the receive halves (local copies after their wait) run `recv_sms` CTAs (default: num_sms).
+Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; by default symm-ht 24,
+symm-ll every SM); the receive halves (local copies after their wait) run `recv_sms` CTAs
+(default: every SM, or num_sms when that is given). No kernel waits on another CTA of its own
+grid, so a CTA that is not resident yet only delays (the grid need not fit at once).
 Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
 
 ## NVSHMEM in one process
@@ -74,7 +78,7 @@ about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
 (sender's routing table), ht_dispatch.py / ht_combine.py, ll_dispatch.py / ll_combine.py
-(kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles, `pick`,
+(kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles,
 `ksum`), options.py (knobs), ht.py / ll.py (the backends), loopback.py (W ranks in one
 process).
 """

@@ -20,7 +20,7 @@ from epmoe.comm.context import CommContext
 from epmoe.comm.symm import ht_combine, ht_dispatch
 from epmoe.comm.symm.arena import HT_COMBINE, HT_DISPATCH, ArenaLayout, acquire_arena
 from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape, RowFormat
-from epmoe.comm.symm.options import SymmOptions
+from epmoe.comm.symm.options import SymmOptions, grid
 from epmoe.comm.symm.route import route
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
@@ -162,6 +162,11 @@ class SymmHighThroughputComm(Comm):
     def combine(self, expert_out, handle: SymmHTHandle) -> torch.Tensor:
         self.combine_send(expert_out, handle)
         return self.combine_recv(handle)
+
+    def ctas(self) -> tuple[int, int]:
+        """(send, receive) CTAs this backend's kernels run on its device (SymmOptions)."""
+        dev = self.arena.view.base.device
+        return (grid(self.options, dev), grid(self.options, dev, recv=True))
 
     def check_errors(self) -> None:
         """Raise if a spin timed out on this rank (syncs: call at a sync point you have)."""

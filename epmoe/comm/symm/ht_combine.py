@@ -43,7 +43,7 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
             nm = n < n_total
             n64 = n.to(tl.int64)
             st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
-            acc = ksum(y_ptr, inv_ptr, w_ptr, n64, nm, n64, 0, cols, cm, D, K, True, True,
+            acc = ksum(y_ptr, inv_ptr, w_ptr, n64, nm, n64, 0, cols, cm, D, K, K, True, True,
                        PRE_ROUND)
             peer = arena_ptr + tl.multiple_of(
                 tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores

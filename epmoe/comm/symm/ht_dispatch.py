@@ -39,7 +39,7 @@ from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv,  # noqa: E402
                                   finish_send, peer_ptr, wait_acks, wait_ready)
-from epmoe.comm.symm.tiles import pick, row_cols, rows_per_step  # noqa: E402
+from epmoe.comm.symm.tiles import row_cols, rows_per_step  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
@@ -152,7 +152,6 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
         scols = tl.arange(0, BSW)
         kk = tl.arange(0, KP)
         km = kk < K
-        dd = tl.arange(0, WP)
         for t0 in range(pid * BT, T, G * BT):
             t = t0 + tl.arange(0, BT)
             tm = t < T
@@ -162,14 +161,12 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
             if SW > 0:
                 srow = tl.load(s_ptr + t64[:, None] * SW + scols[None, :],
                                mask=tm[:, None] & (scols < SW)[None, :])
-            msg = tl.load(msg_ptr + t64[:, None] * W + dd[None, :],
-                          mask=tm[:, None] & (dd < W)[None, :], other=-1)
             ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
             ids = ids.to(tl.int32)
             wk = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
             pos = tl.load(pos_ptr + t64[:, None] * K + kk[None, :], mask=m2, other=0)
             for d in tl.static_range(W):
-                m = pick(msg, dd, d)
+                m = tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1)  # own [BT] load: no pick
                 sent = m >= 0
                 slot = ((buf * W + me) * TMAX + m).to(tl.int64)
                 peer = peer_ptr(arena_ptr, delta_ptr, d)

@@ -22,7 +22,7 @@ from epmoe.comm.symm import ll_combine, ll_dispatch
 from epmoe.comm.symm.arena import LL_COMBINE, LL_DISPATCH, ArenaLayout, acquire_arena
 from epmoe.comm.symm.ht import check_blocks, cuda_unsupported
 from epmoe.comm.symm.ll_dispatch import LLShape
-from epmoe.comm.symm.options import SymmOptions
+from epmoe.comm.symm.options import LL_SMS, SymmOptions, grid
 from epmoe.config import MoEConfig, QuantConfig
 
 ARENA_KEY = "symm-arena-ll"
@@ -31,21 +31,21 @@ MAX_TOKENS = 1024  # the masked region holds E_L x (W x tokens) rows: decode siz
 
 @dataclass(frozen=True)
 class SymmLLPending:
-    """Between dispatch_send and dispatch_recv: the routing combine will need."""
+    """Between dispatch_send and dispatch_recv: msg_TW int32 [T, W], >= 0 where a token went
+    to that rank (the partial sums combine_recv adds)."""
 
-    topk_ids_TK: torch.Tensor
-    topk_weights_TK: torch.Tensor
+    msg_TW: torch.Tensor
 
 
 @dataclass(frozen=True)
 class SymmLLHandle:
-    """counts_E         int32 [E_L] rows per local expert (combine_send walks them)
-    topk_ids_TK      this rank's physical expert ids (combine_recv: which slots came back)
-    topk_weights_TK  fp32 [T, K], applied by combine_recv"""
+    """counts_E  int32 [E_L] rows per local expert (the masked batch's counts)
+    msg_TW    int32 [T, W] where this rank's tokens went (-1: not to that rank), for
+              combine_recv's rank-ordered sum (the top-k weights are applied by the expert
+              ranks' combine_send, from the dispatch's messages)"""
 
     counts_E: torch.Tensor
-    topk_ids_TK: torch.Tensor
-    topk_weights_TK: torch.Tensor
+    msg_TW: torch.Tensor
 
 
 class SymmLowLatencyComm(Comm):
@@ -92,16 +92,15 @@ class SymmLowLatencyComm(Comm):
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
         """Quantize (fused into the send kernel) and send every (token, k) row."""
         self.arena.begin(LL_DISPATCH)
-        ll_dispatch.dispatch_send(self.arena.view, self.shape, self.quant, x_TD, topk_ids_TK,
-                                  self.options)
-        return SymmLLPending(topk_ids_TK, topk_weights_TK.float())
+        return SymmLLPending(ll_dispatch.dispatch_send(self.arena.view, self.shape, self.quant,
+                                                       x_TD, topk_ids_TK, topk_weights_TK,
+                                                       self.options))
 
     def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
         self.arena.end(LL_DISPATCH)
         x, counts = ll_dispatch.dispatch_recv(self.arena.view, self.shape, self.quant,
                                               self.options)
-        return MaskedBatch(x, counts), SymmLLHandle(counts, pending.topk_ids_TK,
-                                                    pending.topk_weights_TK)
+        return MaskedBatch(x, counts), SymmLLHandle(counts, pending.msg_TW)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
@@ -110,16 +109,22 @@ class SymmLowLatencyComm(Comm):
     def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> None:
         self.arena.begin(LL_COMBINE)
         ll_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
-                                handle.counts_E, self.options)
+                                self.options)
 
     def combine_recv(self, handle: SymmLLHandle) -> torch.Tensor:
         self.arena.end(LL_COMBINE)
-        return ll_combine.combine_recv(self.arena.view, self.shape, handle.topk_ids_TK,
-                                       handle.topk_weights_TK, self.options)
+        return ll_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW,
+                                       self.options)
 
     def combine(self, expert_out, handle: SymmLLHandle) -> torch.Tensor:
         self.combine_send(expert_out, handle)
         return self.combine_recv(handle)
+
+    def ctas(self) -> tuple[int, int]:
+        """(send, receive) CTAs this backend's kernels run on its device (SymmOptions)."""
+        dev = self.arena.view.base.device
+        return (grid(self.options, dev, send_default=LL_SMS),
+                grid(self.options, dev, recv=True))
 
     def check_errors(self) -> None:
         """Raise if a spin timed out on this rank (syncs: call at a sync point you have)."""

@@ -9,10 +9,14 @@ from epmoe.kernels._common import INTERPRET
 
 @dataclass(frozen=True)
 class SymmOptions:
-    """num_sms     CTAs of every persistent kernel that writes to peers (all resident: <= the
-                   GPU's SMs); symm-ht is meant to use <= 24
+    """num_sms     CTAs of every persistent kernel that writes to peers (<= the GPU's SMs);
+                0 = the backend's default: symm-ht 24 (DeepEP's budget: the rest stay with
+                the GEMMs the sends overlap), symm-ll every SM (decode: nothing to overlap,
+                and its cost is per-CTA latency, so more CTAs mean fewer steps each)
     recv_sms    CTAs of the receive halves (after their wait they only copy within this GPU:
-                the layout rows of the HT dispatch, the sums of both combines); 0 = num_sms
+                the layout rows of the HT dispatch, the sums of both combines); 0 = every SM
+                when num_sms is the default (a local copy like the permute it replaces),
+                else num_sms
     tile_tokens tokens (rows) per CTA step in every kernel; 0 = each kernel's default (a
                 tuning knob for the benchmark's sweep)
     chunk_cols  columns per work item of the reducing kernels (both combines; a power of two);
@@ -25,7 +29,7 @@ class SymmOptions:
                 instead of the worst-case row count (no host sync, CUDA-graph safe)
     """
 
-    num_sms: int = 24
+    num_sms: int = 0
     recv_sms: int = 0
     tile_tokens: int = 0
     chunk_cols: int = 0
@@ -34,8 +38,9 @@ class SymmOptions:
     exact_rows: bool = False
 
     def __post_init__(self):
-        if self.num_sms < 1:
-            raise ValueError(f"num_sms ({self.num_sms}) must be >= 1")
+        if self.num_sms < 0:
+            raise ValueError(f"num_sms ({self.num_sms}) must be >= 0 (0: the backend's "
+                             f"default)")
         if self.recv_sms < 0 or self.tile_tokens < 0:
             raise ValueError(f"recv_sms ({self.recv_sms}) and tile_tokens ({self.tile_tokens}) "
                              f"must be >= 0 (0: the default)")
@@ -73,13 +78,27 @@ class SymmOptions:
         return self.num_warps if self.num_warps and not INTERPRET else warps()
 
 
-def grid(opts: SymmOptions, device, recv: bool = False) -> int:
-    """Persistent grid size: num_sms (recv_sms for receive halves), capped by the device's SMs
-    (CPU: as given)."""
+HT_SMS = 24  # symm-ht's default CTAs for the halves that write to peers
+LL_SMS = 0  # symm-ll's: every SM
+CPU_PROGRAMS = 24  # "every SM" under the interpreter (programs run one after another)
+
+
+def device_sms(device) -> int | None:
+    """SMs of a CUDA device; None under the interpreter / on CPU."""
     import torch  # noqa: PLC0415
 
-    n = (opts.recv_sms or opts.num_sms) if recv else opts.num_sms
     dev = torch.device(device)
     if dev.type == "cuda" and not INTERPRET:
-        return min(n, torch.cuda.get_device_properties(dev).multi_processor_count)
-    return n
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return None
+
+
+def grid(opts: SymmOptions, device, recv: bool = False, send_default: int = HT_SMS) -> int:
+    """Persistent grid size, capped by the device's SMs. Send halves: num_sms, else
+    `send_default` (0: every SM); receive halves: recv_sms, else num_sms when given, else every
+    SM (see SymmOptions). Under the interpreter "every SM" is CPU_PROGRAMS."""
+    sms = device_sms(device)
+    every = sms or CPU_PROGRAMS
+    n = (opts.recv_sms or opts.num_sms or every) if recv else \
+        (opts.num_sms or send_default or every)
+    return min(n, sms) if sms else n

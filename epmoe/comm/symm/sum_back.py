@@ -44,10 +44,10 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
             t64 = t.to(tl.int64)
             if SLOT_MAJOR:  # row of slot j: row0 + j * rstride
                 acc = ksum(comb, valid_ptr, w_ptr, t64, tm, buf * S * TMAX + t64, TMAX, cols,
-                           cm, D, S, False, HAS_W, PRE_ROUND)
+                           cm, D, S, S, False, HAS_W, PRE_ROUND)
             else:
                 acc = ksum(comb, valid_ptr, w_ptr, t64, tm, (buf * TMAX + t64) * S, 1, cols,
-                           cm, D, S, False, HAS_W, PRE_ROUND)
+                           cm, D, S, S, False, HAS_W, PRE_ROUND)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
                      mask=tm[:, None] & cm[None, :])
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)

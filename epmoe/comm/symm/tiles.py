@@ -3,8 +3,8 @@
 Every copy kernel moves whole rows: a CTA step takes `BT` rows x the row rounded up to a power
 of two (`row_cols`), so one load puts ~64 KB in flight, and does every load of the step before
 its first store (stores may alias loads, so nothing after a store is hoisted above it).
-Per-row index vectors that several stores need come from one [BT, KP] tile load and are picked
-out per column (`pick`: an integer sum with one non-zero term, exact).
+A per-slot index (one column of a [T, K] table) is its own [BT] load, never picked out of a
+[BT, KP] tile: that pick is a cross-thread reduction, a barrier per slot and field.
 
 The reducing kernels (both combines) hold K (or W) row tiles at once, so a whole row per slot
 would not fit the registers (8 x 7168 bf16 per token: the compiler spills or serialises the
@@ -46,12 +46,6 @@ def warps() -> int:
 
 
 @triton.jit
-def pick(x2, kk, k):
-    """Column k of an integer tile x2 [B, KP] (kk = arange(KP)) -> [B]."""
-    return tl.sum(tl.where(kk[None, :] == k, x2, 0), axis=1)
-
-
-@triton.jit
 def num_items(n, BT: tl.constexpr, NC: tl.constexpr):
     """Work items of a chunked kernel over n rows: row blocks of BT x NC column chunks."""
     return (n + BT - 1) // BT * NC
@@ -67,14 +61,15 @@ def work_item(it, BT: tl.constexpr, CK: tl.constexpr, NC: tl.constexpr, D: tl.co
 
 @triton.jit
 def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constexpr,
-         INDIRECT: tl.constexpr, HAS_W: tl.constexpr, PRE_ROUND: tl.constexpr):
+         ISTRIDE: tl.constexpr, INDIRECT: tl.constexpr, HAS_W: tl.constexpr,
+         PRE_ROUND: tl.constexpr):
     """sum_s w[n, s] * rows[row(n, s), cols] in fp32 -> [BT, CK] for BT tokens n64 (nm: in
     range) and S slots (ptr: bf16 rows of D columns), bit for bit the sequential
     `acc = 0; acc = acc + w_s * y_s` in slot order.
 
-    idx_ptr [*, S] int32 per token and slot: >= 0 marks a valid slot; INDIRECT: it is the row
-    itself, else the row is row0 + s * rstride (row0 [BT] int64). w_ptr [*, S] fp32 weights
-    (HAS_W; else 1). An invalid slot loads 0 with w = 0 and adds +0.
+    idx_ptr [*, ISTRIDE] int32 per token, slot s in column s: >= 0 marks a valid slot;
+    INDIRECT: it is the row itself, else the row is row0 + s * rstride (row0 [BT] int64).
+    w_ptr [*, ISTRIDE] fp32 weights (HAS_W; else 1). An invalid slot loads 0 with w = 0 and adds +0.
 
     Every per-slot index and weight is its own [BT] load (no reduction over a slot tile: a
     cross-thread reduction puts a barrier between the slots' row loads, which then cannot be
@@ -85,14 +80,14 @@ def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constex
     interpreter PRE_ROUND rounds to bf16 (its cast truncates)."""
     acc = tl.zeros((n64.shape[0], cols.shape[0]), dtype=tl.float32)
     for s in tl.static_range(S):
-        ik = tl.load(idx_ptr + n64 * S + s, mask=nm, other=-1)
+        ik = tl.load(idx_ptr + n64 * ISTRIDE + s, mask=nm, other=-1)
         v = ik >= 0
         if INDIRECT:
             rk = ik.to(tl.int64)
         else:
             rk = row0 + s * rstride
         if HAS_W:
-            wk = tl.load(w_ptr + n64 * S + s, mask=nm & v, other=0.0)
+            wk = tl.load(w_ptr + n64 * ISTRIDE + s, mask=nm & v, other=0.0)
         else:
             wk = tl.where(v, 1.0, 0.0)
         y = tl.load(ptr + rk[:, None] * D + cols[None, :], mask=v[:, None] & cm[None, :],
@@ -104,5 +99,5 @@ def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constex
     return acc
 
 
-__all__ = ["chunk_cols", "ksum", "num_items", "pick", "work_item", "row_cols", "rows_per_step", "warps", "CHUNK_COLS",
-           "TILE_ELEMS", "NUM_WARPS"]
+__all__ = ["chunk_cols", "ksum", "num_items", "work_item", "row_cols", "rows_per_step", "warps",
+           "CHUNK_COLS", "TILE_ELEMS", "NUM_WARPS"]
