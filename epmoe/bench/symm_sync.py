@@ -1,0 +1,136 @@
+"""What the symm kernels' synchronisation costs on this GPU: each primitive of
+`epmoe.comm.symm.sync` in a kernel of its own, launched back to back from a CUDA graph, beside
+an empty kernel and beside the per-peer release atomic `publish` replaced (the baseline).
+
+    python -m epmoe.bench.symm_sync [--ctas 1,24,132] [--warps 16] [--launches 200] [--json F]
+
+One line per CTA count: us per launch of each kernel (the median of 5 graph replays of
+`--launches` launches), and the publish's ratio to the baseline. The flags are those of a
+2-rank loopback arena on this GPU (every peer is local memory, as in the loopback world).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from epmoe.kernels._common import INTERPRET
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.comm.symm import sync as S  # noqa: E402
+
+W = 2
+W_C = tl.constexpr(W)
+FAR_C = tl.constexpr(1 << 30)  # a spin limit never reached (the flags are already set)
+TIMER_C = tl.constexpr(S.USE_TIMER)
+
+
+@triton.jit
+def _empty(arena_ptr, delta_ptr, out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+@triton.jit
+def _arrive(arena_ptr, delta_ptr, out_ptr):
+    tl.store(out_ptr + tl.program_id(0), S.arrive_last(arena_ptr, S.C_DONE_SEND,
+                                                       tl.num_programs(0)))
+
+
+@triton.jit
+def _wait(arena_ptr, delta_ptr, out_ptr):
+    tl.store(out_ptr + tl.program_id(0),
+             S.wait_all(arena_ptr, S.C_READY, 0, 0, FAR_C, W_C, TIMER_C))
+
+
+@triton.jit
+def _publish(arena_ptr, delta_ptr, out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+    if tl.program_id(0) == 0:
+        tl.debug_barrier()
+        S.publish(arena_ptr, delta_ptr, S.C_READY + 8, 1, W_C)
+
+
+@triton.jit
+def _publish_per_peer_release(arena_ptr, delta_ptr, out_ptr):
+    """The baseline: one release atomic per peer (what `publish` did before)."""
+    tl.store(out_ptr + tl.program_id(0), 1)
+    if tl.program_id(0) == 0:
+        tl.debug_barrier()
+        for d in tl.static_range(W_C):
+            tl.atomic_xchg(S.ctrl_ptr(S.peer_ptr(arena_ptr, delta_ptr, d), S.C_READY + 8), 1,
+                           sem="release", scope="sys")
+
+
+@triton.jit
+def _send_half(arena_ptr, delta_ptr, out_ptr):
+    """A send half's whole protocol without data: wait for acks, count in, publish."""
+    ok = S.wait_all(arena_ptr, S.C_READY, 0, 0, FAR_C, W_C, TIMER_C)
+    tl.store(out_ptr + tl.program_id(0), ok)
+    S.finish_send(arena_ptr, delta_ptr, 0, 1, 0, W_C)
+
+
+KERNELS = {"empty": _empty, "arrive_last": _arrive, "wait_all": _wait, "publish": _publish,
+           "publish_baseline": _publish_per_peer_release, "send_half": _send_half}
+
+
+def time_kernel(kernel, ctas: int, warps: int, launches: int) -> float:
+    """us per launch: `launches` launches captured in one CUDA graph, median of 5 replays."""
+    arena = torch.zeros(W, 1 << 16, dtype=torch.uint8, device="cuda")
+    delta = torch.tensor([d * arena.stride(0) for d in range(W)], dtype=torch.int64,
+                         device="cuda")
+    out = torch.zeros(max(ctas, 1), dtype=torch.int32, device="cuda")
+
+    def run():
+        kernel[(ctas,)](arena[0], delta, out, num_warps=warps)
+
+    run()
+    torch.cuda.synchronize()
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(launches):
+            run()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ctas", default="1,24,132", help="comma-separated grid sizes")
+    p.add_argument("--warps", type=int, default=16)
+    p.add_argument("--launches", type=int, default=200)
+    p.add_argument("--json", help="write the figures as JSON to this file")
+    a = p.parse_args(argv)
+    if INTERPRET or not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (compiled Triton, not the interpreter)", file=sys.stderr)
+        return 2
+    rows = []
+    print(f"{'CTAs':>4} " + " ".join(f"{n:>10}" for n in ("empty", "arrive", "wait",
+                                                          "publish", "pub base", "send 1/2"))
+          + "  publish/base")
+    for ctas in (int(c) for c in a.ctas.split(",") if c):
+        us = {n: time_kernel(k, ctas, a.warps, a.launches) for n, k in KERNELS.items()}
+        rows.append({"ctas": ctas, "warps": a.warps, "us_per_launch": us})
+        extra = (us["publish"] - us["empty"]) / max(1e-9, us["publish_baseline"] - us["empty"])
+        print(f"{ctas:>4} " + " ".join(f"{v:>10.2f}" for v in us.values())
+              + f"  {extra:>11.2f}x (over empty)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
