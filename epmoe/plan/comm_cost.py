@@ -5,7 +5,9 @@ Mechanisms (each a term below, each constant from the profile, which says where 
   takes max over classes of (alpha + bytes / bandwidth) (the classes run concurrently);
 - fan-out: HT backends send a token once per destination rank (dedup) or, across nodes,
   once per destination node and forward over NVLink (DeepEP's two hops); LL backends send
-  once per (token, expert); NCCL all_to_all sends once per destination rank, directly;
+  once per (token, expert); NCCL all_to_all sends once per destination rank, directly; the
+  combine comes back per (token, expert) from deepep-ll, per (token, rank) from the others
+  (`PRE_REDUCED`: the expert rank sums a token's rows first);
 - the hottest rank: the receiving side uses the most loaded rank (population skew from the
   routing statistics plus the finite-batch maximum over ranks), the sending side the mean;
 - fixed per-call latency: alpha per transfer and per collective call, the count exchange
@@ -28,6 +30,9 @@ from epmoe.plan.traffic import (LL_HEADER_BYTES, act_row_bytes, local_combine_by
 
 HT = ("deepep-ht", "symm-ht")
 LL = ("deepep-ll", "symm-ll")
+# Combines whose expert rank reduces a token's rows first and sends one row per (token, rank)
+# back (the others send one per (token, expert)).
+PRE_REDUCED = HT + ("symm-ll",)
 NCCL = ("all2all", "allgather")
 BACKENDS = ("local", "allgather", "all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll")
 # Host syncs per call: DeepEP HT waits on the host for the received counts (notify_dispatch);
@@ -128,6 +133,25 @@ def _sm_rows(c: CommCase, per_token) -> float:
     return max(c.tokens * sum(per_token), _hot_rows(c, per_token))
 
 
+def _sm_shape(backend: str, direction: str, c: CommCase) -> tuple[list, float, bool]:
+    """An SM-driven backend's transfer: (rows per token and rank: dedup hits or (token,
+    expert) pairs, bytes per row, whether it goes over two hops across nodes)."""
+    d, k = c.cfg.hidden, c.cfg.top_k
+    if direction == "dispatch":
+        if backend in LL:  # quantized inside the kernel, one row per (token, expert)
+            return c.stats.pairs_rank, act_row_bytes(d, c.quant) + LL_HEADER_BYTES, False
+        return c.stats.hit_rank, act_row_bytes(d, c.quant) + k * META_BYTES_PER_K, True
+    per = c.stats.hit_rank if backend in PRE_REDUCED else c.stats.pairs_rank
+    return per, 2.0 * d, backend in HT  # bf16 rows back
+
+
+def sm_bytes(backend: str, direction: str, c: CommCase) -> float:
+    """Bytes the SMs of the busiest rank move in one call of an SM-driven backend (what a
+    profile's per_sm_GBps is a rate over)."""
+    per, row, _ = _sm_shape(backend, direction, c)
+    return _sm_rows(c, per) * row
+
+
 def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,
               sms: int | None, sm_rows: float = 0.0) -> tuple[float, dict, dict]:
     """max over link classes of alpha + max(link time, SM time): link time = max(sent,
@@ -148,6 +172,14 @@ def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: 
         notes[f"{direction}.{cls}_GBps"] = bw
         notes[f"{direction}.{cls}_bytes"] = max(sent, recv) * row_bytes
     return worst, link_bytes, notes
+
+
+def _sm_transfer(c: CommCase, backend: str, direction: str) -> tuple[float, dict, dict]:
+    """An SM-driven backend's transfer (DeepEP's and ours): its rows per link class and the
+    rows its SMs move (`_sm_shape`)."""
+    per, row, two_hop = _sm_shape(backend, direction, c)
+    return _transfer(c, backend, direction, _classes(c, per, two_hop), row, c.sms,
+                     _sm_rows(c, per))
 
 
 def _count_us(c: CommCase, backend: str) -> float:
@@ -174,18 +206,13 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
         if c.tokens > c.max_tokens:
             raise ValueError(f"tokens per rank ({c.tokens}) exceed the low-latency capacity "
                              f"({c.max_tokens})")
-        row = act_row_bytes(d, c.quant) + LL_HEADER_BYTES  # quantized inside the kernel
-        rows = _classes(c, c.stats.pairs_rank, two_hop=False)
-        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms,
-                                  _sm_rows(c, c.stats.pairs_rank))
+        us, lb, notes = _sm_transfer(c, backend, "dispatch")
         return CommCost(us + _count_us(c, backend) + launch_us(c.prof, DISPATCH_OPS[backend]),
                         0.0, lb, notes, us)
     q = quantize_us(c, c.tokens)
     row = act_row_bytes(d, c.quant) + k * META_BYTES_PER_K
     if backend in HT:
-        rows = _classes(c, c.stats.hit_rank, two_hop=True)
-        us, lb, notes = _transfer(c, backend, "dispatch", rows, row, c.sms,
-                                  _sm_rows(c, c.stats.hit_rank))
+        us, lb, notes = _sm_transfer(c, backend, "dispatch")
         total = q + _count_us(c, backend) + us + launch_us(c.prof, DISPATCH_OPS[backend])
         return CommCost(total, q, lb, notes, us)
     if backend == "all2all":
@@ -216,10 +243,7 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
             return CommCost(c.prof.kernel("local", "combine").time_us(nbytes))
         return CommCost(max(nbytes / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
     if backend in LL or backend in HT:
-        per = c.stats.pairs_rank if backend in LL else c.stats.hit_rank
-        row = 2.0 * d  # bf16 rows back; LL reduces the k rows per token at the receiver
-        rows = _classes(c, per, two_hop=backend in HT)
-        us, lb, notes = _transfer(c, backend, "combine", rows, row, c.sms, _sm_rows(c, per))
+        us, lb, notes = _sm_transfer(c, backend, "combine")
         return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
     if backend == "all2all":
         rows = _classes(c, c.stats.hit_rank, two_hop=False)

@@ -151,7 +151,7 @@ def _h200_comm() -> tuple[dict, dict]:
         "deepep-ll": {"nvlink": pair(ll_a_d, ll_a_c, ll_beta, NVL_H200, ll),
                       "rdma": pair(ll_a_d + 4, ll_a_c + 4, rdma_bw, 50.0, rd)},
     }
-    comm.update(_symm_comm(comm, rows))
+    comm.update(_symm_comm(comm))
     nccl = P("estimate", "NCCL per-call latency intranode (small messages)")
     a2a = 163.0 - 15.0
     coll = {
@@ -171,32 +171,72 @@ def _h200_comm() -> tuple[dict, dict]:
     return comm, coll
 
 
-def _symm_comm(comm: dict, ht_rows: float) -> dict:
-    """symm-ht / symm-ll: SM-driven on 24 SMs (SymmOptions.num_sms). The per-SM rate from the
-    loopback world (both ranks' kernels on one H200, rank by rank: every row a local copy, so
-    the time is the kernels' own cost without a link), over every row the model says their SMs
-    move; alpha, count exchange and the link as DeepEP's (not measured for symm: one GPU)."""
-    src = ("lent H200, BENCHMARKS.md section 7, third session (2026-12-01): python -m "
-           "epmoe.bench.comm --quick --iters 20 --breakdown --check, loopback 2 ranks, 24 SMs")
-    sel = 128 * K  # LL: (token, expert) pairs of both ranks at 128 tokens/rank
-    cases = {  # backend: (measured dispatch / combine us, SM bytes dispatch / combine)
-        "symm-ht": ((549.8, 774.5), "bf16 4096 tokens/rank",
-                    (2 * ht_rows * (tr.act_row_bytes(D, BF16) + K * 8), 2 * ht_rows * 2 * D)),
-        "symm-ll": ((35.7, 61.7), "fp8 128 tokens/rank",
-                    (sel * (tr.act_row_bytes(D, FP8) + tr.LL_HEADER_BYTES), sel * 2 * D)),
-    }
+# symm-ht / symm-ll in the loopback world (2 ranks' kernels on one H200, rank by rank: every
+# row a local copy, so the time is the kernels' own cost without a link), at their default
+# CTAs, DeepSeek-V3 shapes, uniform routing: (recipe, tokens/rank, dispatch us, combine us,
+# us of the dispatch that is symm-ht's separate quantize kernel: the model's
+# dispatch.quantize term, so left out of the fit; symm-ll quantizes inside its send).
+SYMM_SRC = ("lent H200, BENCHMARKS.md section 7, fourth session (2026-12-02): python -m "
+            "epmoe.bench.comm --only ht|ll --iters 10|30 --breakdown --check, loopback 2 "
+            "ranks, device time")
+SYMM_LOOPBACK = {  # backend: (CTAs the send halves take, points)
+    "symm-ht": (24, [("bf16", 512, 64.0, 96.0, 0), ("bf16", 1024, 102.1, 179.4, 0),
+                     ("bf16", 2048, 172.6, 339.4, 0), ("bf16", 4096, 313.0, 661.2, 0),
+                     ("bf16", 8192, 565.2, 1286.2, 0), ("fp8_block", 512, 55.5, 96.2, 6.2),
+                     ("fp8_block", 1024, 81.3, 178.8, 8.8), ("fp8_block", 2048, 131.1, 338.9,
+                                                              14.9),
+                     ("fp8_block", 4096, 223.2, 652.9, 26.3),
+                     ("fp8_block", 8192, 411.4, 1286.3, 49.1)]),
+    "symm-ll": (132, [("bf16", 1, 9.9, 14.9, 0), ("bf16", 8, 10.6, 16.2, 0),
+                      ("bf16", 32, 11.2, 16.9, 0), ("bf16", 128, 13.6, 21.4, 0),
+                      ("bf16", 256, 18.9, 29.1, 0), ("fp8_block", 1, 13.1, 14.9, 0),
+                      ("fp8_block", 8, 13.0, 15.5, 0), ("fp8_block", 32, 13.6, 16.5, 0),
+                      ("fp8_block", 128, 15.1, 20.7, 0), ("fp8_block", 256, 21.0, 28.9, 0)]),
+}
+
+
+def _fit_line(xs, ys) -> tuple[float, float]:
+    """Least squares y = a + b x -> (a, b); a < 0 (no fixed cost visible): a = 0, b refitted
+    through the origin."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    if a < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, b
+
+
+def _symm_comm(comm: dict) -> dict:
+    """symm-ht / symm-ll: alpha (the fixed cost) and the per-SM rate fitted by least squares
+    to the loopback sweep above, against the bytes the model says their SMs move
+    (`comm_cost.sm_bytes`, both recipes together: symm-ll's fp8 send, which quantizes, costs
+    more per byte than its bf16 one, so its dispatch fits within ~20%, not exactly); `sms` =
+    the CTAs of the halves that write to peers (symm-ht 24 with every SM for its local
+    receives, symm-ll every SM), so the rate is per such CTA. The link's efficiency is assumed
+    DeepEP's (a 2-GPU run calibrates it)."""
+    from epmoe.config import get_preset
+    from epmoe.plan.comm_cost import CommCase, sm_bytes
+    from epmoe.plan.routing import RoutingSpec, routing_stats
+    from epmoe.plan.topology import Topology
+
+    cfg = get_preset("deepseek-v3").replace(n_group=1, topk_group=1)
+    topo = Topology.parse("1x2")
+    stats = routing_stats(cfg, RoutingSpec(), 2, 2)
     out = {}
-    for ours, (us, what, sm_bytes) in cases.items():
+    for ours, (sms, points) in SYMM_LOOPBACK.items():
         theirs = comm["deepep-" + ours.split("-")[1]]["nvlink"]
         fits = {}
         for i, k in enumerate(("dispatch", "combine")):
+            xs = [sm_bytes(ours, k, CommCase(cfg, QuantConfig(p[0]), topo, None, stats, p[1],
+                                             p[1])) / (sms * 1e3) for p in points]
+            ys = [p[2] - p[4] if k == "dispatch" else p[3] for p in points]
+            alpha, inv = _fit_line(xs, ys)
             f = theirs[k]
-            per_sm = sm_bytes[i] / ((us[i] - f.alpha_us) * 24) / 1e3
-            prov = P("derived", f"{src}: {ours} {what} {k} {us[i]} us -> {per_sm:.1f} GB/s per "
-                                f"SM over the rows the SMs move; alpha and link efficiency "
-                                f"assumed DeepEP's (a 2-GPU run calibrates them)")
-            fits[k] = LinkFit(f.alpha_us, f.beta_GBps, f.link_GBps, prov, per_sm, 24,
-                              5.0 if k == "dispatch" else 0.0)
+            prov = P("derived", f"{SYMM_SRC}: {ours} {k} at {len(points)} sizes (bf16, fp8) -> "
+                                f"alpha {alpha:.1f} us, {1 / inv:.1f} GB/s per CTA ({sms} "
+                                f"CTAs) over the rows the SMs move; link efficiency assumed "
+                                f"DeepEP's")
+            fits[k] = LinkFit(alpha, f.beta_GBps, f.link_GBps, prov, 1 / inv, sms, 0.0)
         out[ours] = {"nvlink": fits}
     return out
 
