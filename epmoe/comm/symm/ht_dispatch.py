@@ -8,7 +8,7 @@ tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffe
   ht_counts [2][W] CW words: tokens s sent me, then pairs per local expert
   ht_comb   [2][W][TMAX] bf16 [D]: rank s's fp32-reduced partial sum for my token t
 
-The four kernels, one rank's view (every CTA loop is persistent: grid = num_sms, receive
+The kernels, one rank's view (every CTA loop is persistent: grid = num_sms, receive
 halves recv_sms; a step moves whole rows of BT tokens, see `tiles.py`):
   dispatch_send  wait ack[s] >= e-2 (buffer b free) -> per step: BT rows, their routing and
                  meta loaded at once, stored once per destination (+ counts from CTA 0) ->
@@ -17,9 +17,10 @@ halves recv_sms; a step moves whole rows of BT tokens, see `tiles.py`):
                  received rows and their meta loaded at once, each row stored to the layout
                  rows of its local experts; row -> expert by expert groups -> last CTA: seq =
                  e, releases ack[me] = e at every source
-  combine_send   wait ack >= e-2 -> per received token: fp32 sum_k w_k * y[row_k] over the
-                 whole row (the K row loads independent: in flight together), one bf16 cast,
-                 stored at its source's ht_comb[b][me][t] -> ready
+  combine_send   (ht_combine.py, two kernels) per received token: fp32 sum_k w_k * y[row_k]
+                 (the K row loads independent: in flight together), one bf16 cast, on every
+                 SM into the own ht_comb slot or a staging row; then on num_sms CTAs: wait
+                 ack >= e-2, staged rows to their sources' ht_comb[b][me][t] -> ready
   combine_recv   (sum_back.py) wait ready -> per token: fp32 sum over the ranks it went to,
                  in rank order, one cast -> seq, ack
 """
