@@ -178,15 +178,12 @@ def _h200_comm() -> tuple[dict, dict]:
 # dispatch.quantize term, so left out of the fit; symm-ll quantizes inside its send).
 SYMM_SRC = ("lent H200, BENCHMARKS.md section 7, fourth session (2026-12-02): python -m "
             "epmoe.bench.comm --only ht|ll --iters 10|30 --breakdown --check, loopback 2 "
-            "ranks, device time")
+            "ranks, device time (symm-ht: after the combine's reduce/push split)")
 SYMM_LOOPBACK = {  # backend: (CTAs the send halves take, points)
-    "symm-ht": (24, [("bf16", 512, 64.0, 96.0, 0), ("bf16", 1024, 102.1, 179.4, 0),
-                     ("bf16", 2048, 172.6, 339.4, 0), ("bf16", 4096, 313.0, 661.2, 0),
-                     ("bf16", 8192, 565.2, 1286.2, 0), ("fp8_block", 512, 55.5, 96.2, 6.2),
-                     ("fp8_block", 1024, 81.3, 178.8, 8.8), ("fp8_block", 2048, 131.1, 338.9,
-                                                              14.9),
-                     ("fp8_block", 4096, 223.2, 652.9, 26.3),
-                     ("fp8_block", 8192, 411.4, 1286.3, 49.1)]),
+    "symm-ht": (24, [("bf16", 512, 62.6, 55.6, 0), ("bf16", 4096, 316.7, 327.3, 0),
+                     ("bf16", 8192, 587.7, 600.2, 0), ("fp8_block", 512, 56.1, 58.5, 6.3),
+                     ("fp8_block", 4096, 229.4, 327.6, 26.6),
+                     ("fp8_block", 8192, 417.3, 587.9, 49.7)]),
     "symm-ll": (132, [("bf16", 1, 9.9, 14.9, 0), ("bf16", 8, 10.6, 16.2, 0),
                       ("bf16", 32, 11.2, 16.9, 0), ("bf16", 128, 13.6, 21.4, 0),
                       ("bf16", 256, 18.9, 29.1, 0), ("fp8_block", 1, 13.1, 14.9, 0),
@@ -210,7 +207,7 @@ def _symm_comm(comm: dict) -> dict:
     """symm-ht / symm-ll: alpha (the fixed cost) and the per-SM rate fitted by least squares
     to the loopback sweep above, against the bytes the model says their SMs move
     (`comm_cost.sm_bytes`, both recipes together: symm-ll's fp8 send, which quantizes, costs
-    more per byte than its bf16 one, so its dispatch fits within ~20%, not exactly); `sms` =
+    more per byte than its bf16 one, so its dispatch fits within ~25%, not exactly); `sms` =
     the CTAs of the halves that write to peers (symm-ht 24 with every SM for its local
     receives, symm-ll every SM), so the rate is per such CTA. The link's efficiency is assumed
     DeepEP's (a 2-GPU run calibrates it)."""
@@ -232,7 +229,7 @@ def _symm_comm(comm: dict) -> dict:
             ys = [p[2] - p[4] if k == "dispatch" else p[3] for p in points]
             alpha, inv = _fit_line(xs, ys)
             f = theirs[k]
-            prov = P("derived", f"{SYMM_SRC}: {ours} {k} at {len(points)} sizes (bf16, fp8) -> "
+            prov = P("derived", f"{SYMM_SRC}: {ours} {k} at {len(points)} points (bf16, fp8) -> "
                                 f"alpha {alpha:.1f} us, {1 / inv:.1f} GB/s per CTA ({sms} "
                                 f"CTAs) over the rows the SMs move; link efficiency assumed "
                                 f"DeepEP's")
