@@ -9,7 +9,7 @@ and messages to every peer (the ack the next dispatch waits for).
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET
+from epmoe.kernels._common import INTERPRET, next_pow2
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -93,8 +93,8 @@ def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor,
         arena.base, arena.peer_delta_W, y_ECD.contiguous(), arena.rank, opts.spin_limit,
         SLOTS=lay.offset("ll_slots"), MSG=lay.offset("ll_msg"), MW=shape.msg_words,
         NTOK=lay.offset("ll_ntok"), COMB=lay.offset("ll_comb"), TMAX=max(1, shape.max_tokens),
-        W=shape.world, WP=triton.next_power_of_2(shape.world),
-        K=shape.top_k, E_L=e_l, EP=triton.next_power_of_2(e_l), D=shape.hidden,
+        W=shape.world, WP=next_pow2(shape.world),
+        K=shape.top_k, E_L=e_l, EP=next_pow2(e_l), D=shape.hidden,
         CK=opts.chunk(shape.hidden), BT=opts.tile(16), PRE_ROUND=INTERPRET,
         USE_TIMER=USE_TIMER, num_warps=opts.warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
