@@ -19,7 +19,8 @@ from epmoe.comm.base import Comm, LayoutBatch
 from epmoe.comm.context import CommContext
 from epmoe.comm.symm import ht_combine, ht_dispatch
 from epmoe.comm.symm.arena import HT_COMBINE, HT_DISPATCH, ArenaLayout, acquire_arena
-from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape, RowFormat
+from epmoe.comm.symm.ht_dispatch import HTReceived
+from epmoe.comm.symm.ht_shape import HTShape, RowFormat
 from epmoe.comm.symm.options import SymmOptions, grid
 from epmoe.comm.symm.route import route
 from epmoe.comm.wire import wire_quant
@@ -61,10 +62,12 @@ def cuda_unsupported(device) -> str | None:
 @dataclass(frozen=True)
 class SymmHTPending:
     """Between dispatch_send and dispatch_recv: this rank's routing table (msg_TW: the ranks
-    each token went to; combine reads it) and token count."""
+    each token went to; combine reads it), token count, and its wire rows (the receive reads
+    the rank's own rows from them: the input must not change until dispatch_recv)."""
 
     msg_TW: torch.Tensor
     num_tokens: int
+    wire_x: QTensor
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,13 @@ class SymmHighThroughputComm(Comm):
         rt = route(topk_ids_TK, self.num_experts, self.world)
         ht_dispatch.dispatch_send(self.arena.view, self.shape, xq, topk_ids_TK, topk_weights_TK,
                                   rt, self.options)
-        return SymmHTPending(rt.msg_TW, x_TD.shape[0])
+        return SymmHTPending(rt.msg_TW, x_TD.shape[0], xq)
 
     def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
         self.arena.end(HT_DISPATCH)
         x, layout, recv = ht_dispatch.dispatch_recv(self.arena.view, self.shape, self.fmt,
-                                                    self.alignment, self.options)
+                                                    self.alignment, pending.wire_x,
+                                                    self.options)
         if self.options.exact_rows:
             x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
         return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW, pending.num_tokens)

@@ -22,7 +22,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_COMBINE, RankArena  # noqa: E402
-from epmoe.comm.symm.ht_dispatch import HTReceived, HTShape  # noqa: E402
+from epmoe.comm.symm.ht_dispatch import HTReceived  # noqa: E402
+from epmoe.comm.symm.ht_shape import HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402

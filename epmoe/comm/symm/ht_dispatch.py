@@ -35,98 +35,17 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.comm.symm.arena import HT_DISPATCH, ArenaLayout, RankArena  # noqa: E402
+from epmoe.comm.symm.arena import HT_DISPATCH, RankArena  # noqa: E402
+from epmoe.comm.symm.ht_shape import HTShape, RowFormat, max_rows  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv,  # noqa: E402
                                   finish_send, peer_ptr, wait_acks, wait_ready)
 from epmoe.comm.symm.tiles import row_cols, rows_per_step  # noqa: E402
-from epmoe.config import QuantConfig  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
-from epmoe.quant import FP8_DTYPE, QTensor  # noqa: E402
+from epmoe.quant import QTensor  # noqa: E402
 
 OP_D = tl.constexpr(HT_DISPATCH)
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class RowFormat:
-    """How one activation row travels: the wire recipe (packed UE8M0 travels as its fp32
-    powers of two, as in `comm.wire`), data dtype and per-row scale dtype / columns."""
-
-    recipe: str
-    group: int
-    scale_fmt: str
-    hidden: int
-
-    @classmethod
-    def of(cls, quant: QuantConfig, hidden: int) -> "RowFormat":
-        fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
-        return cls(quant.recipe, quant.act_group, fmt, hidden)
-
-    @property
-    def data_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.recipe == "bf16" else FP8_DTYPE
-
-    @property
-    def scale_dtype(self) -> torch.dtype | None:
-        return None if self.recipe == "bf16" else (
-            torch.uint8 if self.recipe == "mxfp8" else torch.float32)
-
-    @property
-    def scale_cols(self) -> int:
-        return 0 if self.recipe == "bf16" else self.hidden // self.group
-
-    @property
-    def data_bytes(self) -> int:
-        return self.hidden * self.data_dtype.itemsize
-
-    @property
-    def scale_bytes(self) -> int:
-        return 0 if self.scale_dtype is None else self.scale_cols * self.scale_dtype.itemsize
-
-    def check(self) -> str | None:
-        if self.data_bytes % 4 or self.scale_bytes % 4:
-            return (f"hidden ({self.hidden}) must make whole 4-byte words of data and scales "
-                    f"(a multiple of 128 does for every recipe)")
-        return None
-
-
-@dataclass(frozen=True)
-class HTShape:
-    """What sizes the HT arena: the run's worst case and the wire row format (bytes per row of
-    data and of scales, each a multiple of 4)."""
-
-    world: int
-    max_tokens: int
-    hidden: int
-    top_k: int
-    num_local_experts: int
-    data_bytes: int
-    scale_bytes: int
-
-    @property
-    def row_words(self) -> int:
-        return _align(self.data_bytes + self.scale_bytes, 16) // 4
-
-    @property
-    def meta_words(self) -> int:
-        return _align(1 + 3 * self.top_k, 4)
-
-    @property
-    def count_words(self) -> int:
-        return _align(1 + self.num_local_experts, 4)
-
-    def layout(self) -> ArenaLayout:
-        w, t = self.world, max(1, self.max_tokens)
-        return ArenaLayout.build(w, [
-            ("ht_rows", 2 * w * t * self.row_words * 4),
-            ("ht_meta", 2 * w * t * self.meta_words * 4),
-            ("ht_counts", 2 * w * self.count_words * 4),
-            ("ht_comb", 2 * w * t * self.hidden * 2)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,10 +91,11 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
                 slot = ((buf * W + me) * TMAX + m).to(tl.int64)
                 peer = peer_ptr(arena_ptr, delta_ptr, d)
                 dst = (peer + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
-                tl.store(dst[:, None] + cols[None, :], row, mask=sent[:, None] & cm[None, :])
+                far = sent & (me != d)  # the own rows stay in x: the receive reads them there
+                tl.store(dst[:, None] + cols[None, :], row, mask=far[:, None] & cm[None, :])
                 if SW > 0:
                     tl.store(dst[:, None] + DW + scols[None, :], srow,
-                             mask=sent[:, None] & (scols < SW)[None, :])
+                             mask=far[:, None] & (scols < SW)[None, :])
                 meta = (peer + META).to(tl.pointer_type(tl.int32)) + slot * MW
                 on_d = (ids >= d * E_L) & (ids < (d + 1) * E_L)
                 mk = sent[:, None] & km[None, :]
@@ -197,7 +117,8 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, po
 
 
 @triton.jit
-def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, inv_ptr,
+def _dispatch_recv_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, xo_ptr, so_ptr,
+                          row_expert_ptr, inv_ptr,
                           wo_ptr, src_tok_ptr, info_ptr, align, me, limit,
                           ROWS: tl.constexpr, META: tl.constexpr, CNT: tl.constexpr,
                           TMAX: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
@@ -207,7 +128,8 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
                           ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
                           BT: tl.constexpr, BR: tl.constexpr, USE_TIMER: tl.constexpr):
     """A step: BT received tokens (whole rows, one load, with their meta), each row stored to
-    the layout rows of its local experts (one [BT, KP, CH] store of the same registers)."""
+    the layout rows of its local experts (one [BT, KP, CH] store of the same registers). The
+    own rank's rows are read from its wire rows x / s, never staged in the arena."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = epoch(arena_ptr, OP_D)
@@ -256,20 +178,24 @@ def _dispatch_recv_kernel(arena_ptr, delta_ptr, xo_ptr, so_ptr, row_expert_ptr, 
             src = tl.sum(((n[:, None] >= incl_s[None, :]) & sm[None, :]).to(tl.int32), axis=1)
             first = tl.sum(tl.where(s[None, :] == src[:, None], excl_s[None, :], 0), axis=1)
             slot = ((buf * W + src) * TMAX + n - first).to(tl.int64)
+            meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
+            t = tl.load(meta, mask=nm, other=0)
+            own = src == me
+            t64 = t.to(tl.int64)
             # the row as [BT, 1, CH]: stored to its K layout rows by one [BT, KP, CH] store
-            rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
+            staged = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
+            rows = tl.where(own, x_ptr + t64 * DW, staged)
             row = tl.load(rows[:, None, None] + cols[None, None, :],
                           mask=nm[:, None, None] & cm[None, None, :])
             if SW > 0:
-                srow = tl.load(rows[:, None, None] + DW + scols[None, None, :],
+                srows = tl.where(own, s_ptr + t64 * SW, staged + DW)
+                srow = tl.load(srows[:, None, None] + scols[None, None, :],
                                mask=nm[:, None, None] & (scols < SW)[None, None, :])
-            meta = (arena_ptr + META).to(tl.pointer_type(tl.int32)) + slot * MW
             pm = nm[:, None] & km[None, :]
             le = tl.load(meta[:, None] + 1 + kk[None, :], mask=pm, other=-1)
             pos = tl.load(meta[:, None] + 1 + K + kk[None, :], mask=pm, other=0)
             wk = tl.load((meta + 1 + 2 * K).to(tl.pointer_type(tl.float32))[:, None]
                          + kk[None, :], mask=pm, other=0.0)
-            t = tl.load(meta, mask=nm, other=0)
             valid = pm & (le >= 0) & (le < E_L)
             r = tl.load(rb + src[:, None] * E_L + le, mask=valid, other=0) + pos
             valid = valid & (r >= 0) & (r < M_MAX)
@@ -325,14 +251,6 @@ class HTReceived:
     info_I: torch.Tensor
 
 
-def max_rows(shape: HTShape, alignment: int) -> int:
-    """Worst-case M: every rank's tokens here, each on min(K, E_L) local experts, every group
-    padded (no host sync needed to size the layout)."""
-    pairs = shape.world * shape.max_tokens * min(shape.top_k, shape.num_local_experts)
-    a = alignment
-    return max(a, (pairs + shape.num_local_experts * (a - 1) + a - 1) // a * a)
-
-
 def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
     lay = arena.layout
     e_l = shape.num_local_experts
@@ -345,6 +263,12 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
                 USE_TIMER=USE_TIMER, num_warps=opts.warps())
 
 
+def _words(x: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wire rows as int32 words: (data [T, DW], scales [T, SW]; the data again if none)."""
+    data = x.data.contiguous().view(torch.int32)
+    return data, data if x.scale is None else x.scale.contiguous().view(torch.int32)
+
+
 def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
                   topk_weights_TK: torch.Tensor, rt: SendRoute, opts: SymmOptions) -> None:
     """Publish this rank's rows (x: wire-format QTensor [T, D]) to every destination rank."""
@@ -352,8 +276,7 @@ def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: tor
     if t > shape.max_tokens:
         raise ValueError(f"tokens per rank ({t}) exceed the arena's max_tokens_per_rank "
                          f"({shape.max_tokens}); size the CommContext for the run's worst case")
-    data = x.data.contiguous().view(torch.int32)
-    scale = data if x.scale is None else x.scale.contiguous().view(torch.int32)
+    data, scale = _words(x)
     _dispatch_send_kernel[(grid(opts, data.device),)](
         arena.base, arena.peer_delta_W, data, scale, topk_ids_TK.contiguous(),
         topk_weights_TK.float().contiguous(), rt.pos_TK, rt.msg_TW, rt.total_C, t,
@@ -362,8 +285,9 @@ def dispatch_send(arena: RankArena, shape: HTShape, x: QTensor, topk_ids_TK: tor
 
 
 def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: int,
-                  opts: SymmOptions) -> tuple[QTensor, ContiguousLayout, HTReceived]:
-    """Wait for every rank's rows and write them into the contiguous layout (worst-case M)."""
+                  x: QTensor, opts: SymmOptions) -> tuple[QTensor, ContiguousLayout, HTReceived]:
+    """Wait for every rank's rows and write them into the contiguous layout (worst-case M).
+    x: the wire rows this rank's `dispatch_send` sent (its own rows are read from there)."""
     dev = arena.base.device
     e_l, w, k = shape.num_local_experts, shape.world, shape.top_k
     m = max_rows(shape, alignment)
@@ -376,8 +300,9 @@ def dispatch_recv(arena: RankArena, shape: HTShape, fmt: RowFormat, alignment: i
     wo = torch.empty((n, k), dtype=torch.float32, device=dev)
     src_tok = torch.empty(n, dtype=torch.int32, device=dev)
     info = torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)
+    data, scale = _words(x)
     _dispatch_recv_kernel[(grid(opts, dev, recv=True),)](
-        arena.base, arena.peer_delta_W, xo, so, row_expert, inv, wo, src_tok, info, alignment,
+        arena.base, arena.peer_delta_W, data, scale, xo, so, row_expert, inv, wo, src_tok, info, alignment,
         arena.rank, opts.spin_limit, M_MAX=m, BR=1024 if INTERPRET else 2048,
         BT=opts.tile(min(4, rows_per_step(row_cols(dw)))), **_consts(arena, shape, opts))
     scale = None if sw == 0 else so.view(fmt.scale_dtype)[:, :fmt.scale_cols]

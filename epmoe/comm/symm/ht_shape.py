@@ -1,0 +1,105 @@
+"""The HT arena's sizes and the wire format of its rows (plain Python: no kernels here).
+
+`HTShape` sizes a rank's HT regions for the run's worst case (`ht_dispatch.py` lists them);
+`RowFormat` says how one activation row travels; `max_rows` is the worst-case row count of the
+contiguous layout a receive writes (no host sync sizes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.comm.symm.arena import ArenaLayout
+from epmoe.config import QuantConfig
+from epmoe.quant import FP8_DTYPE
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one activation row travels: the wire recipe (packed UE8M0 travels as its fp32
+    powers of two, as in `comm.wire`), data dtype and per-row scale dtype / columns."""
+
+    recipe: str
+    group: int
+    scale_fmt: str
+    hidden: int
+
+    @classmethod
+    def of(cls, quant: QuantConfig, hidden: int) -> "RowFormat":
+        fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
+        return cls(quant.recipe, quant.act_group, fmt, hidden)
+
+    @property
+    def data_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.recipe == "bf16" else FP8_DTYPE
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return None if self.recipe == "bf16" else (
+            torch.uint8 if self.recipe == "mxfp8" else torch.float32)
+
+    @property
+    def scale_cols(self) -> int:
+        return 0 if self.recipe == "bf16" else self.hidden // self.group
+
+    @property
+    def data_bytes(self) -> int:
+        return self.hidden * self.data_dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        return 0 if self.scale_dtype is None else self.scale_cols * self.scale_dtype.itemsize
+
+    def check(self) -> str | None:
+        if self.data_bytes % 4 or self.scale_bytes % 4:
+            return (f"hidden ({self.hidden}) must make whole 4-byte words of data and scales "
+                    f"(a multiple of 128 does for every recipe)")
+        return None
+
+
+@dataclass(frozen=True)
+class HTShape:
+    """What sizes the HT arena: the run's worst case and the wire row format (bytes per row of
+    data and of scales, each a multiple of 4)."""
+
+    world: int
+    max_tokens: int
+    hidden: int
+    top_k: int
+    num_local_experts: int
+    data_bytes: int
+    scale_bytes: int
+
+    @property
+    def row_words(self) -> int:
+        return _align(self.data_bytes + self.scale_bytes, 16) // 4
+
+    @property
+    def meta_words(self) -> int:
+        return _align(1 + 3 * self.top_k, 4)
+
+    @property
+    def count_words(self) -> int:
+        return _align(1 + self.num_local_experts, 4)
+
+    def layout(self) -> ArenaLayout:
+        w, t = self.world, max(1, self.max_tokens)
+        return ArenaLayout.build(w, [
+            ("ht_rows", 2 * w * t * self.row_words * 4),
+            ("ht_meta", 2 * w * t * self.meta_words * 4),
+            ("ht_counts", 2 * w * self.count_words * 4),
+            ("ht_comb", 2 * w * t * self.hidden * 2)])
+
+
+def max_rows(shape: HTShape, alignment: int) -> int:
+    """Worst-case M: every rank's tokens here, each on min(K, E_L) local experts, every group
+    padded (no host sync needed to size the layout)."""
+    pairs = shape.world * shape.max_tokens * min(shape.top_k, shape.num_local_experts)
+    a = alignment
+    return max(a, (pairs + shape.num_local_experts * (a - 1) + a - 1) // a * a)
