@@ -31,13 +31,18 @@ class StageTimer:
     """`with timer.stage("dispatch"): ...`; `timer.collect()` -> {stage: [ms per call]}.
 
     `record=False` marks a stage for `where()` and the hook without timing it (waits outside
-    the timed step, e.g. the barrier before a step). Disabled timers still track position."""
+    the timed step, e.g. the barrier before a step). Disabled timers still track position.
+    `host=True` also times each stage on the host's clock (`collect_host()`): on a GPU that is
+    the time the host spends issuing the stage, next to the events' time on the stream."""
 
-    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu"):
+    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu",
+                 host: bool = False):
         self.enabled = enabled
         self.cuda = torch.device(device).type == "cuda"
+        self.host = host
         self._events: list[tuple[str, object, object]] = []
         self._ms: dict[str, list[float]] = defaultdict(list)
+        self._host_ms: dict[str, list[float]] = defaultdict(list)
         self._open: list[str] = []
         self._entered = 0
         self._since = time.monotonic()
@@ -56,10 +61,13 @@ class StageTimer:
                 yield
             elif self.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
                 a.record()
                 yield
                 b.record()
                 self._events.append((name, a, b))
+                if self.host:
+                    self._host_ms[name].append((time.perf_counter() - t0) * 1e3)
             else:
                 t0 = time.perf_counter()
                 yield
@@ -86,6 +94,11 @@ class StageTimer:
             self._events.clear()
         return {k: list(v) for k, v in self._ms.items()}
 
+    def collect_host(self) -> dict[str, list[float]]:
+        """{stage: [host ms per call]} (GPU timers made with host=True; else empty)."""
+        return {k: list(v) for k, v in self._host_ms.items()}
+
     def reset(self) -> None:
         self._events.clear()
         self._ms.clear()
+        self._host_ms.clear()
