@@ -72,6 +72,8 @@ class StageTimer:
                 t0 = time.perf_counter()
                 yield
                 self._ms[name].append((time.perf_counter() - t0) * 1e3)
+                if self.host:  # on the CPU the stage's time is the host's
+                    self._host_ms[name].append(self._ms[name][-1])
         except BaseException:
             if self.failed_in is None:
                 self.failed_in = name
@@ -95,7 +97,7 @@ class StageTimer:
         return {k: list(v) for k, v in self._ms.items()}
 
     def collect_host(self) -> dict[str, list[float]]:
-        """{stage: [host ms per call]} (GPU timers made with host=True; else empty)."""
+        """{stage: [host ms per call]} (timers made with host=True; else empty)."""
         return {k: list(v) for k, v in self._host_ms.items()}
 
     def reset(self) -> None:

@@ -107,9 +107,9 @@ def profile(model: str, recipe: str, experts: str, tokens: int, reps: int, dev,
 
 
 def table(res: dict) -> str:
-    head = (f"{res['model']} {res['recipe']} {res['experts']}, {res['tokens']} tokens, ep 1: "
-            f"host issues a forward in {res['forward_host_ms']:.3f} ms")
-    lines = [head, f"{'stage':<22} {'launched ms':>12} {'device ms':>10} {'host ms':>9} "
+    lines = [f"{res['model']} {res['recipe']} {res['experts']}, {res['tokens']} tokens, ep 1",
+             f"the host issues a forward in {res['forward_host_ms']:.3f} ms",
+             f"{'stage':<22} {'launched ms':>12} {'device ms':>10} {'host ms':>9} "
                    f"{'launch/dev':>10}"]
     for stage, r in res["stages"].items():
         ratio = r["launched"] / r["device"] if r.get("device") else float("nan")
