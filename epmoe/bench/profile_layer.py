@@ -117,7 +117,7 @@ def table(res: dict) -> str:
                      f"{r['host']:>9.3f} {ratio:>10.2f}")
     for h in res.get("host_top", []):
         lines.append(f"  host {h['own_ms_per_forward']:7.3f} ms {h['calls_per_forward']:6.1f} "
-                     f"calls  {h['where'][:52]}")
+                     f"calls  {h['where'][:46]}")
     if res.get("warning"):
         lines.append(f"warning: {res['warning']}")
     return "\n".join(lines)
