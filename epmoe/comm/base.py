@@ -103,6 +103,9 @@ class Comm(ABC):
         self.ctx = ctx if ctx is not None else CommContext(device=expert_map_E.device)
         self.expert_map_E = expert_map_E.to(torch.int32)
         self.num_local_experts = int((self.expert_map_E >= 0).sum())
+        slots = self.expert_map_E.shape[0]  # every slot here as itself: to_local is a no-op
+        self._identity_map = torch.equal(self.expert_map_E.cpu(),
+                                         torch.arange(slots, dtype=torch.int32))
         self.timer = StageTimer(enabled=False)  # the layer hands its own over
 
     @property
@@ -132,7 +135,10 @@ class Comm(ABC):
         return None
 
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Physical expert ids -> local ids (-1 when not on this rank or empty)."""
+        """Physical expert ids -> local ids (-1 when not on this rank or empty); the ids
+        themselves when this rank holds every slot as itself (ep 1: no launch, no copy)."""
+        if self._identity_map:
+            return topk_ids
         m = self.expert_map_E.to(topk_ids.device)
         ids = topk_ids.long()
         local = m[ids.clamp(min=0)].to(topk_ids.dtype)

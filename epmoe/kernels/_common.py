@@ -17,15 +17,18 @@ def check(cond: bool, msg: str) -> None:
 
 def check_tensor(name: str, t: torch.Tensor, dtypes: tuple, dim: int | None = None,
                  contiguous: bool = True) -> None:
-    """dtype / rank / contiguity of one kernel input, each failure naming the fix."""
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check(t.dtype in dtypes, f"{name} dtype ({t.dtype}) must be one of "
-          f"{[str(d) for d in dtypes]}; convert it with .to() first")
-    if dim is not None:
-        check(t.dim() == dim, f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if contiguous:
-        check(t.is_contiguous(), f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be "
-              f"contiguous; call .contiguous() first")
+    """dtype / rank / contiguity of one kernel input, each failure naming the fix. (On every
+    launch: the messages are built only on failure, the host's time is the decode step's.)"""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} dtype ({t.dtype}) must be one of "
+                         f"{[str(d) for d in dtypes]}; convert it with .to() first")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, stride {t.stride()}) must be "
+                         f"contiguous; call .contiguous() first")
 
 
 def align_up(x: int, a: int) -> int:

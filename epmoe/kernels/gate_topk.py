@@ -149,8 +149,9 @@ def unsupported(cfg: MoEConfig) -> str | None:
 
 
 def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None):
-    check(unsupported(cfg) is None, f"the router kernel cannot run this config: "
-          f"{unsupported(cfg)}; use the torch path (backend='torch')")
+    why = unsupported(cfg)
+    check(why is None, f"the router kernel cannot run this config: {why}; use the torch path "
+          f"(backend='torch')")
     src = x if x is not None else logits
     t = src.shape[0]
     dev = src.device

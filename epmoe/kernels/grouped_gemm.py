@@ -190,6 +190,14 @@ def _grouped_gemm_kernel(
 
 
 def _check_operands(x: QTensor, w: QWeight) -> None:
+    """On every launch: the cheap conditions first, a message built only on failure."""
+    if (isinstance(x, QTensor) and isinstance(w, QWeight) and x.recipe == w.recipe
+            and w.recipe in _RECIPE_ID
+            and x.data.dtype == (torch.bfloat16 if w.recipe == "bf16" else FP8_DTYPE)
+            and x.data.stride(-1) == 1 and w.shape[2] == x.data.shape[-1]
+            and w.data.is_contiguous()
+            and (w.recipe == "bf16" or (x.data.shape[-1] % 128 == 0 and x.scale is not None))):
+        return
     check(isinstance(x, QTensor) and isinstance(w, QWeight),
           f"x must be a QTensor and w a QWeight, got {type(x).__name__}, {type(w).__name__}")
     check(w.recipe in _RECIPE_ID, f"weight recipe ({w.recipe!r}) must be one of "
