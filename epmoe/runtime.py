@@ -21,8 +21,12 @@ from epmoe.layer import MoELayer
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing
-from epmoe.timing import StageTimer
+from epmoe.timing import DeviceSleep, StageTimer
 from epmoe.weights import synthetic_layer
+
+# device timing (RunConfig.timing): the GPU is held for HOLD_FACTOR x the fastest issue time
+# of the steps so far (the first step: HOLD_FIRST_MS; never above HOLD_MAX_MS)
+HOLD_FACTOR, HOLD_FIRST_MS, HOLD_MAX_MS = 1.5, 20.0, 500.0
 
 
 def _device_for(rank: int) -> torch.device:
@@ -40,6 +44,10 @@ class Runtime:
         self.device = torch.device(device) if device is not None else _device_for(rank)
         self.cfg = run.cfg
         self.timer = StageTimer(enabled=True, device=self.device)
+        self.device_timed = run.timing == "device" and self.device.type == "cuda"
+        self.sleep = DeviceSleep(self.device) if self.device_timed else None
+        self.host_ms: list[float] = []  # the host's time to issue each step
+        self.held_ms: list[float] = []  # device timing: how long the GPU was held first
         from epmoe.comm import resolve_backend
 
         # per layer: (backend, one-line reason) and the LayerPlan; `backend` overrides the run's
@@ -179,6 +187,13 @@ class Runtime:
         if self.group is not None:
             with self.timer.stage("barrier", record=False):  # a heartbeat shows who waits here
                 dist.barrier(group=self.group)
+        if self.device_timed:  # the GPU busy while the host issues the step: events = GPU time
+            held = min(HOLD_MAX_MS, HOLD_FACTOR * min(self.host_ms)) if self.host_ms \
+                else HOLD_FIRST_MS
+            self.sleep.hold(held)
+            self.held_ms.append(held)
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
         t0 = time.perf_counter()
         for l, layer in enumerate(self.layers):
             want = not run.holds_own_rows(l)
@@ -198,9 +213,12 @@ class Runtime:
                                  routed=torch.tensor(r is None),
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
+        self.host_ms.append((time.perf_counter() - t0) * 1e3)
+        if self.device_timed:
+            end.record()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = start.elapsed_time(end) if self.device_timed else (time.perf_counter() - t0) * 1e3
         for layer in self.layers:  # after the sync the step already has: device-side timeouts
             layer.comm.check_errors()
         self.step_ms.append(ms)
@@ -221,7 +239,8 @@ class Runtime:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
-                    stages_ms=stages, last=self.last, load_LS=self.load_LS.cpu().clone(),
+                    stages_ms=stages, timing=self.run.timing if self.device_timed else
+                    "launched", host_ms=self.host_ms, held_ms=self.held_ms, last=self.last, load_LS=self.load_LS.cpu().clone(),
                     load_LE=self.load_LE.cpu().clone(),
                     phy2log=[list(p) for p in self.rebalancer.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,

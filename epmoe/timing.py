@@ -104,3 +104,31 @@ class StageTimer:
         self._events.clear()
         self._ms.clear()
         self._host_ms.clear()
+
+
+RATE_CYCLES = 2_000_000  # ~1 ms spins measure the device clock once per DeviceSleep
+
+
+class DeviceSleep:
+    """Keeps a GPU busy while the host issues work: `hold(ms)` enqueues a spin kernel of about
+    `ms` on the current stream, so the launches that follow queue up behind it and CUDA events
+    between them time the GPU's work only (the rate, cycles per ms, is measured at first use)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._cycles_per_ms: float | None = None
+
+    def _rate(self) -> float:
+        if self._cycles_per_ms is None:  # a first spin loads the kernel and keeps the GPU busy
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(RATE_CYCLES)  # while the host records the timed one behind it
+            a.record()
+            torch.cuda._sleep(RATE_CYCLES)
+            b.record()
+            b.synchronize()
+            self._cycles_per_ms = RATE_CYCLES / max(a.elapsed_time(b), 1e-3)
+        return self._cycles_per_ms
+
+    def hold(self, ms: float) -> None:
+        torch.cuda._sleep(max(1, int(self._rate() * ms)))
+

@@ -74,7 +74,8 @@ def build_run(a: argparse.Namespace):
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
                     eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
-                    micro_batches=getattr(a, "micro_batches", 1))
+                    micro_batches=getattr(a, "micro_batches", 1),
+                    timing=getattr(a, "timing", "launched"))
     run.validate()
     if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
         raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "

@@ -42,6 +42,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batches", type=int, default=1, choices=(1, 2),
                    help="2: split each layer's tokens in two so that one half's dispatch / "
                         "combine overlaps the other half's expert GEMMs (meant for ep >= 2)")
+    g.add_argument("--timing", default="launched", choices=("launched", "device"),
+                   help="launched: step and stages as a synchronized step runs them (the "
+                        "host's launch time included); device: the GPU's time, the host "
+                        "issuing the step ahead of it (its issue time reported beside)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default=DEFAULT_PRESET, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")

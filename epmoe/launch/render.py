@@ -64,6 +64,9 @@ def run_table(s: dict):
                           f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"
                           + ("" if t.get("overlap") is None else
                              f"; overlap {t['overlap']:.2f}")],
+            *([["host issue", f"{t['host_issue_ms_median']:.2f} ms to issue a step; the step "
+                              f"and stages above are GPU time (--timing device)"]]
+              if t.get("mode") == "device" and t.get("host_issue_ms_median") else []),
             ["balancedness", f"{ld['balancedness']:.3f} = mean/max (token,k) pairs per rank"]]
     title = (f"epmoe: {cfg['model']}, {cfg['layers']} layer(s), {cfg['recipe']}, form "
              f"{w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)")

@@ -42,6 +42,11 @@ class RunConfig:
     # `form` with `backend` and `experts`
     stack: tuple = ()
     eplb_migration: str = "sync"  # sync | async (weights staged in the background)
+    # launched: a step is the host's wall time from a synchronize to the next, stage events
+    # as the launches reach the GPU (host-bound stages hold the host's time); device: the GPU
+    # is kept busy while the host issues the step (a device sleep first), so the step and
+    # its stages are GPU time, and the host's issue time is reported beside them
+    timing: str = "launched"
     eplb_link_gbps: float | None = None  # rebalance cost model; None: NVLink / RDMA figures
 
     @property
@@ -109,6 +114,8 @@ class RunConfig:
             raise ValueError(f"tokens ({self.tokens}) must be >= 1")
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.timing not in ("launched", "device"):
+            raise ValueError(f"timing ({self.timing!r}) must be 'launched' or 'device'")
         if self.micro_batches not in (1, 2):
             raise ValueError(f"micro_batches ({self.micro_batches}) must be 1 or 2")
         n = self.num_layers

@@ -1,0 +1,95 @@
+"""`--timing launched|device`: validated before anything starts, recorded in every report
+(a CPU run is always launched-timed: device timing holds a GPU), the host's issue time per step
+summarized as the median over steps 1.. (of the slowest rank per step), and shown in the run table only
+for device-timed runs. On a GPU: the device hold keeps the stream busy for about as long as
+asked, so events behind it time GPU work only."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+import torch
+
+from epmoe.launch.cli import main
+from epmoe.plan.run import RunConfig
+
+
+def test_timing_must_be_launched_or_device():
+    RunConfig(timing="device").validate()
+    with pytest.raises(ValueError, match=r"timing \('wall'\) must be 'launched' or 'device'"):
+        RunConfig(timing="wall").validate()
+
+
+def test_bad_timing_flag_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--timing", "wall"])
+    assert exc.value.code == 2
+    assert "--timing" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t") / "s.json"
+    assert main(["--timing", "device", "--steps", "3", "--tokens", "4", "--layers", "1",
+                 "--device", "cpu", "--quiet", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_cpu_run_reports_launched_timing_and_its_host_issue_time(cpu_run):
+    t = cpu_run["timing"]
+    assert t["mode"] == "launched"  # no GPU to hold: the step is the host's wall time
+    assert t["host_issue_ms_median"] > 0
+    assert t["host_issue_ms_median"] <= max(t["step_ms"][1:]) * 1.001
+
+
+def _rendered(s: dict) -> str:
+    from rich.console import Console
+
+    from epmoe.launch.render import render
+
+    c = Console(width=80, file=io.StringIO(), record=True)
+    render(s, c)
+    return c.export_text()
+
+
+def test_the_run_table_names_host_issue_time_only_when_device_timed(cpu_run):
+    assert "host issue" not in _rendered(cpu_run)
+    s = copy.deepcopy(cpu_run)
+    s["timing"].update(mode="device", host_issue_ms_median=2.345)
+    text = _rendered(s)
+    assert "2.35 ms to issue a step" in text and "GPU time" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_summary_skips_the_warm_up_step():
+    from epmoe.launch.report import summarize
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(world=1, tokens=4, layers=1, steps=4, check=False)
+    rt = Runtime(run, device="cpu")
+    for s in range(run.steps):
+        rt.step(s)
+    rep = rt.report()
+    assert rep["timing"] == "launched" and len(rep["host_ms"]) == 4 and rep["held_ms"] == []
+    rep["host_ms"] = [100.0, 1.0, 5.0, 3.0]  # step 0 (compiles) is the slowest
+    where = [dict(node_id="n0", rank=0, host="h", device="cpu")]
+    s = summarize(run, [rep], where)
+    assert s["timing"]["host_issue_ms_median"] == 3.0  # steps 1..: 1, 5, 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_hold_keeps_the_stream_busy_for_about_the_time_asked():
+    from epmoe.timing import DeviceSleep
+
+    hold = DeviceSleep("cuda")
+    hold.hold(1.0)  # measures its rate
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    hold.hold(5.0)
+    b.record()
+    b.synchronize()
+    assert 3.0 <= a.elapsed_time(b) <= 8.0, a.elapsed_time(b)
