@@ -46,9 +46,12 @@ def assert_predictions(s: dict, plan_numbers: bool = True) -> None:
     if "plan" in s:
         p = s["plan"]
         assert [x["choice"] for x in p["layers"]] == labels
-    if "plan" in s and plan_numbers:  # the plan's own numbers: same model, same candidates
+    if "plan" in s and plan_numbers:  # the plan's own numbers: same model, same candidates;
+        # the router's routing is planned as uniform and predicted afterwards by its recorded
+        # load, so the two agree only as far as the gate's skew moves the cost
+        same = "measured load" not in t["prediction"].get("routing", "")
         assert t["predicted_step_ms"] == pytest.approx(
-            sum(x["predicted_ms"] for x in p["layers"]), rel=1e-6)
+            sum(x["predicted_ms"] for x in p["layers"]), rel=1e-6 if same else 0.1)
 
 
 # ---------------------------------------------------------------------------------- one rank
@@ -72,6 +75,8 @@ def test_plan_auto_one_rank_explains(tmp_path, capsys):
     rc, s = run_cli(tmp_path, *TINY, "--plan", "auto", "--tokens", "8", "--steps", "2",
                     "--layers", "2")
     assert rc == 0 and s["correctness"]["passed"] is True
+    # the router's routing: planned as uniform, predicted afterwards by its recorded load
+    assert s["timing"]["prediction"]["routing"] == "router by its measured load"
     p = s["plan"]
     assert (p["mode"], p["tokens_per_rank"], p["bucket"]) == ("auto", 8, 8)
     assert [x["choice"] for x in p["layers"]] == ["ep_dp/local/torch"] * 2

@@ -233,7 +233,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                 else "fp32"
             try:
                 measure_layer(model, cfg, QuantConfig(recipe, fmt), name, dev, clock, fits,
-                              args.quick, reps=3 if args.quick else 5)
+                              args.quick, reps=3 if args.quick else 5, timing=args.timing)
             except (ImportError, OSError, RuntimeError, ValueError) as exc:
                 clock.skipped.append(f"{name}/{recipe}: {type(exc).__name__}: "
                                      f"{str(exc).splitlines()[0][:120]}")
@@ -286,6 +286,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=None,
                    help="ranks for the comm part (default: GPUs here, or 2 CPU processes)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu"))
+    p.add_argument("--timing", default="launched", choices=("launched", "device"),
+                   help="the layer's stages as a launch times them with the same --timing "
+                        "(device: GPU time, the host issuing ahead; see launch --timing)")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="stop measuring new sizes after this many seconds (default 170)")
     return p

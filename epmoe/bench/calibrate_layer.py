@@ -17,7 +17,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
 | kernels["local"]["combine"]            | combine                             | the cast       |
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
-| kernels["layer"]["tail"]               | the whole forward minus its stages  | output bytes   |
+| kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |
 |                                        | composed as the cost model does     |                |
 
 The first rows come from forwards on balanced synthetic routing (every expert m rows: the
@@ -29,10 +29,12 @@ Sizes are given in rows per expert (m); tokens = m x E / k with every expert hol
 (E = the model's experts, all on this one rank, as plan_accuracy's ep 1 launches run them).
 GPU: m = 4 and 128 are DeepSeek-V3's 128 and 4096 tokens at ep 1 (plan_accuracy's shapes);
 256 / 512 / 1024 are 4096 tokens per rank at ep 2 / 4 / 8 (E / ep local experts); 32 sits
-between. GEMM points come from the sizes whose rows fill their aligned blocks (m = 128 ..
-1024: the curve's x is the aligned rows per expert; m = 4 and 32 also occupy one 128-row
-block per expert, which the model maps to m = 128). Each size: one warm-up forward, then
-`reps` forwards, each after a device synchronize (as each runtime step starts).
+between. GEMM points: at m = 128 .. 1024 the rows fill their aligned blocks and the curve's
+x is the aligned rows per expert; m = 4 and 32 occupy one mostly-padded 128-row block per
+expert, which runs faster than a full one: those points are keyed by the real rows per expert
+(TFLOPS over the aligned rows' FLOPs), as the cost model looks them up below one aligned group
+per expert. Each size: one warm-up forward, then `reps` forwards, each after a device
+synchronize (as each runtime step starts; with --timing device, behind a device hold).
 """
 
 from __future__ import annotations
@@ -91,15 +93,22 @@ def _stage_us(timer, reps: int) -> dict[str, float]:
             if v}
 
 
-def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict[str, float]:
-    """Stage times of `reps` forwards, and "forward": the median whole forward (us)."""
+def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
+                    hold=None) -> dict[str, float]:
+    """Stage times of `reps` forwards, and "forward": the median whole forward (us). hold (a
+    `DeviceSleep`, device timing): the GPU is held while the host issues each forward, as
+    `--timing device` runs a step (runtime.py's HOLD_* rule), so events time GPU work only."""
     import time
 
     import torch
 
+    from epmoe.runtime import HOLD_FACTOR, HOLD_MAX_MS
+
     layer.overlap_shared = overlapped
     timer = layer.timer
+    t0 = time.perf_counter()
     layer.forward(x, routing)  # warm-up (compiles at a new shape)
+    issue_ms = (time.perf_counter() - t0) * 1e3
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     timer.collect()
@@ -108,9 +117,13 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool) -> dict
     for _ in range(reps):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+            if hold is not None:
+                hold.hold(min(HOLD_MAX_MS, HOLD_FACTOR * issue_ms))
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             a.record()
             layer.forward(x, routing)
+            issue_ms = min(issue_ms, (time.perf_counter() - t0) * 1e3)
             b.record()
             b.synchronize()
             whole.append(a.elapsed_time(b) * 1e3)
@@ -137,20 +150,24 @@ def _build(model: str, quant, experts: str, tokens: int, dev):
 
 
 def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerFits,
-                  quick: bool, reps: int) -> None:
-    """Times one (experts backend, recipe) and adds its curves and points to `fits`."""
+                  quick: bool, reps: int, timing: str = "launched") -> None:
+    """Times one (experts backend, recipe) and adds its curves and points to `fits`
+    (timing "device": every forward behind a device hold, the GPU's time only)."""
     import torch
+
+    from epmoe.timing import DeviceSleep
 
     kind = dev.type
     ns = token_counts(cfg, ROWS_PER_EXPERT[(kind, quick)])
     rt, layer, built = _build(model, quant, experts, max(ns), dev)
+    hold = DeviceSleep(dev) if timing == "device" and kind == "cuda" else None
     if built != experts:
         raise RuntimeError(f"asked for experts {experts!r}, the runtime built {built!r}")
     e, k, d, inter = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.moe_intermediate
     align = layer.experts.alignment
     recipe = "bf16" if experts == "torch" else quant.recipe
     what = (f"{experts} experts, {quant.recipe}, {cfg.name} at ep 1 (E={e}, D={d}, I={inter}), "
-            f"MoELayer.forward stages, balanced routing")
+            f"MoELayer.forward stages ({timing} timing), balanced routing")
     modes = (False, True) if kind == "cuda" and layer.shared_experts is not None else (False,)
     # warm-up at the middle size first: Triton's autotuner picks its config at the first call
     mid = ns[len(ns) // 2]
@@ -167,34 +184,35 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         counts = torch.bincount(routing.topk_ids_TK.flatten().long().cpu(), minlength=e)
         rows = sum(-(-c // align) * align for c in counts.tolist())
         real = n * k
-        for overlapped in modes:
-            st = _forward_stages(layer, x, routing, dev, reps, overlapped)
-            if st.get("shared"):
-                shared[overlapped].append((float(n), st["shared"]))
-            if overlapped:
-                continue
-            for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
-                if st.get(f"experts.{g}"):  # keep, per aligned size, the least padded run
-                    m_pad = rows / e
-                    prev = gemm[g].get(m_pad)
-                    if prev is None or real > prev[0]:
-                        gemm[g][m_pad] = (real, tr.gemm_flops(rows, nn, kk) / st[
-                            f"experts.{g}"] / 1e6)
-            fits.add_point(experts, "permute", tr.permute_bytes(n, real, d, quant),
-                           st.get("experts.permute"))
-            fits.add_point(experts, "gather", tr.gather_bytes(n, real, d),
-                           st.get("experts.gather"))
-            fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
-                           st.get("experts.act_quant"))
+        st = _forward_stages(layer, x, routing, dev, reps, False, hold)  # shared alone
+        if st.get("shared"):
+            shared[False].append((float(n), st["shared"]))
+        for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
+            if st.get(f"experts.{g}"):  # keep, per aligned size, the least padded run;
+                # below one aligned group per expert, keyed by the real rows (cost.py)
+                m_key = real / e if real / e < align else rows / e
+                prev = gemm[g].get(m_key)
+                if prev is None or real > prev[0]:
+                    gemm[g][m_key] = (real, tr.gemm_flops(rows, nn, kk) / st[
+                        f"experts.{g}"] / 1e6)
+        fits.add_point(experts, "permute", tr.permute_bytes(n, real, d, quant),
+                       st.get("experts.permute"))
+        fits.add_point(experts, "gather", tr.gather_bytes(n, real, d),
+                       st.get("experts.gather"))
+        fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
+                       st.get("experts.act_quant"))
         # the stages a launch's host and queue shape (small GPU work behind the router's):
-        # timed in forwards that run the layer's own router, as a launch does by default
-        st = _forward_stages(layer, x, None, dev, reps, modes[-1])
+        # timed in forwards that run the layer's own router, as a launch does by default;
+        # so is the shared MLP on its side stream: what it overlaps is the launch's path
+        st = _forward_stages(layer, x, None, dev, reps, modes[-1], hold)
+        if modes[-1] and st.get("shared"):
+            shared[True].append((float(n), st["shared"]))
         _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1])
     for (g, _, _), (nn, kk) in zip(GEMMS, ((2 * inter, d), (d, inter))):
         pts = tuple(sorted((m, t) for m, (_, t) in gemm[g].items()))
         if pts:
-            fits.gemm.append(GemmCurve(experts, recipe, "contiguous", nn, kk, pts,
-                                       clock.prov(f"{what}, aligned rows per expert")))
+            fits.gemm.append(GemmCurve(experts, recipe, "contiguous", nn, kk, pts, clock.prov(
+                f"{what}, aligned rows per expert (real rows below one aligned group)")))
     width = cfg.shared_intermediate
     for overlapped, pts in shared.items():
         if pts:
@@ -221,7 +239,8 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
     fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router, tr.router_bytes(n, d, e), st.get("router"))
     tail = st["forward"] - layer_body_us(st, overlapped)
-    fits.add_point("layer", "tail", n * d * 2.0, max(tail, 1e-3))
+    for name in ("tail", f"tail.{experts}"):  # pooled, and per backend (the torch
+        fits.add_point("layer", name, n * d * 2.0, max(tail, 1e-3))  # backend syncs the host)
 
 
 def finish(fits: LayerFits, clock, fit_ab) -> dict:
@@ -232,6 +251,8 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
                "router": f"router stage ({name})",
                "layer": "whole forward minus its stages as the model composes them"}
         note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
+        floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
-            f"MoELayer.forward at ep 1: {note}"))
+            f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
+            floor if table != "layer" else 0.0)
     return out

@@ -26,6 +26,12 @@ one command measures the machine and then judges the model on it:
         --budget-s 120 --json runs/plan_accuracy.json
 
 The report (stdout and JSON "profile") names the profile used and its provenance counts.
+
+--timing launched|device (default launched) is passed to every launch and to the calibration:
+launched judges the stages as a synchronized step shows them (a small stage measures the host's
+launch time, BENCHMARKS.md 6e); device judges the GPU's time per stage (the host issuing the
+step ahead of the GPU), which is what the cost model predicts; the host's issue time per step
+is reported next to it (JSON "host_issue_ms" per launch).
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ def main(argv=None) -> int:
                     "not measure checks interpolation, not a fit")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="no new launch after this many seconds (default 240)")
+    ap.add_argument("--timing", default="launched", choices=("launched", "device"),
+                    help="how the launches (and --calibrate) time steps (see launch --timing)")
     ap.add_argument("--calibrate", nargs="?", const="full", default=None,
                     choices=("full", "quick"), help="calibrate this machine first (full unless "
                     "'quick') and predict with that profile")
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
         if left <= 0:
             print(f"budget spent: skipping {' '.join(g['flags'])}", flush=True)
             continue
-        a = parser().parse_args(g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left)]
+        a = parser().parse_args(g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left),
+                                              "--timing", args.timing]
                                 + (["--profile", args.profile] if args.profile else []))
         try:
             s = run_sweep(a, build_run, experts=g["experts"])
@@ -185,7 +194,8 @@ def main(argv=None) -> int:
                            if cuda else "cpu", cpus=os.cpu_count(),
                            load_avg=os.getloadavg()[0],
                            date=datetime.date.today().isoformat(), command=sys.argv,
-                           profile=used, summary=summary, groups=results), f, indent=1)
+                           profile=used, timing=args.timing, summary=summary,
+                           groups=results), f, indent=1)
     return 0
 
 
@@ -200,7 +210,7 @@ def calibrate_first(args) -> str | None:
     if out is None:
         out = os.path.join(tempfile.mkdtemp(prefix="epmoe-calibrate-"), "profile.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    argv = ["--out", out, "--budget-s", str(args.calibrate_budget_s)]
+    argv = ["--out", out, "--budget-s", str(args.calibrate_budget_s), "--timing", args.timing]
     argv += ["--quick"] if args.calibrate == "quick" else []
     argv += ["--base", args.profile] if args.profile else []
     t = time.monotonic()

@@ -50,19 +50,23 @@ def _chosen(reason: str) -> str:
 
 
 def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
-    """The run's routing for the model: uniform / zipf as given; the model's router (random
-    synthetic gate) as uniform; replayed routings (drift, trace) by the measured load. A
-    given routing (not the router) skips the gate: its router stage is predicted as 0."""
-    if run.routing == "router":
-        return RoutingSpec(), "router (synthetic gate) as uniform"
+    """The run's routing for the model: uniform / zipf as given; the model's router and the
+    replayed routings (drift, trace) by the layer's load as recorded over the run (the
+    routing is the model's input, not its output: a synthetic gate skews the experts, e.g.
+    fewer distinct experts per step than uniform, which the GEMMs' cost follows). A given
+    routing (not the router) skips the gate: its router stage is predicted as 0."""
     try:
-        spec = RoutingSpec.parse(run.routing)
-        return spec, spec.label()
+        spec = RoutingSpec.parse(run.routing) if run.routing != "router" else None
     except ValueError:
-        from epmoe.launch.report import layer_sources
+        spec = None
+    if spec is not None:
+        return spec, spec.label()
+    from epmoe.launch.report import layer_sources
 
-        load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
-        return RoutingSpec.from_load(load.tolist()), f"{run.routing} by its measured load"
+    load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
+    if float(load.sum()) <= 0:
+        return RoutingSpec(), f"{run.routing} as uniform (no load recorded)"
+    return RoutingSpec.from_load(load.tolist()), f"{run.routing} by its measured load"
 
 
 def predict_run(run, reports: list[dict], planning) -> dict:

@@ -145,11 +145,13 @@ def layer_body_us(s: dict, overlap_shared: bool) -> float:
     return s.get("relayout", 0.0) + s.get("router", 0.0) + body + s.get("all_reduce", 0.0)
 
 
-def _tail_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
-    """The layer's measured tail (kernels["layer"]["tail"], over the n x hidden bf16 bytes
-    of the layer's output), else 0."""
-    if prof.has_kernel("layer", "tail"):
-        return max(0.0, prof.kernel("layer", "tail").time_us(n * cfg.hidden * 2.0))
+def _tail_us(cfg: MoEConfig, prof: HardwareProfile, n: int, experts: str) -> float:
+    """The layer's measured tail over the n x hidden bf16 bytes of the layer's output: the
+    experts backend's own fit (kernels["layer"]["tail.<experts>"]) when the profile has one,
+    else the pooled kernels["layer"]["tail"], else 0."""
+    for name in (f"tail.{experts}", "tail"):
+        if prof.has_kernel("layer", name):
+            return max(0.0, prof.kernel("layer", name).time_us(n * cfg.hidden * 2.0))
     return 0.0
 
 
@@ -200,7 +202,7 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     if f > 1:
         notes["oversubscription"] = f
     return LayerPrediction(cand, {s: st.get(s, 0.0) * f for s in STAGES}, link, mem, notes,
-                           overlap, _tail_us(cfg, prof, n_rep) * f)
+                           overlap, _tail_us(cfg, prof, n_rep, cand.experts) * f)
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
@@ -250,12 +252,21 @@ def _aligned(m: float, a: int) -> float:
     return total
 
 
-def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k) -> float:
+def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=None,
+             align: int = 1) -> float:
+    """FLOPs over the aligned rows at the curve's TFLOPS, at least the weights' read time.
+    num_experts: the experts with a row (the kernels skip the tiles of empty ones and never
+    read their weights). The curve's x is the aligned rows per such expert, except below one
+    aligned group per expert (decode sizes), where it is the real rows per expert: a tile
+    whose rows are mostly padding may run faster than a full one (the calibration measures
+    those sizes and keys them the same way)."""
     if rows <= 0:
         return 0.0
     recipe = "bf16" if backend == "torch" else quant.recipe  # torch computes in fp32
     curve = prof.curve(backend, recipe, layout, n, k)
-    tflops = curve.tflops(rows / max(num_experts, 1))
+    e = max(num_experts, 1)
+    m_real = (rows if real_rows is None else real_rows) / e
+    tflops = curve.tflops(m_real if m_real < align else rows / e)
     flops_us = tr.gemm_flops(rows, n, k) / (tflops * 1e6)
     mem_us = tr.gemm_bytes(rows, num_experts, n, k, quant) / (prof.fig("hbm_GBps") * 1e3)
     return max(flops_us, mem_us)
@@ -267,8 +278,13 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
     rows = sum(_aligned(m, align) for m in slot_rows)
     layout = "masked" if kind == "masked" else "contiguous"
-    s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, rows, e_local, 2 * inter, d),
-         "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, e_local, d, inter)}
+    real = sum(slot_rows)
+    hit = sum(1 - math.exp(-m) for m in slot_rows if m > 0)  # experts with a row: the GEMMs
+    hit = min(e_local, max(hit, 1.0))  # skip the others' tiles and never read their weights
+    s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, rows, hit, 2 * inter, d,
+                                   real, align),
+         "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, hit, d, inter,
+                                   real, align)}
     aq_rows = cap_rows if kind == "masked" else rows
     s["experts.act_quant"] = prof.kernel(experts, "act_quant").time_us(
         tr.act_quant_bytes(aq_rows, inter, quant))

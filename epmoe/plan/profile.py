@@ -74,14 +74,18 @@ class Figure:
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """t_us = alpha_us + bytes / (beta_GBps * 1e3)."""
+    """t_us = max(floor_us, alpha_us + bytes / (beta_GBps * 1e3)). floor_us: the fastest a
+    calibration measured the kernel at any size (a small call costs its launch or one wave of
+    CTAs however few bytes it moves, which a straight line through all sizes under-predicts);
+    0 where nothing was measured."""
 
     alpha_us: float
     beta_GBps: float
     prov: Provenance
+    floor_us: float = 0.0
 
     def time_us(self, nbytes: float) -> float:
-        return self.alpha_us + nbytes / (self.beta_GBps * 1e3)
+        return max(self.floor_us, self.alpha_us + nbytes / (self.beta_GBps * 1e3))
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,8 @@ def from_dict(d: Mapping) -> HardwareProfile:
                                  int(c["k"]), tuple(tuple(p) for p in c["points"]),
                                  _prov(c["prov"])) for c in d.get("gemm", ())),
             kernels={b: {k: AlphaBeta(float(v["alpha_us"]), float(v["beta_GBps"]),
-                                      _prov(v["prov"])) for k, v in t.items()}
+                                      _prov(v["prov"]), float(v.get("floor_us", 0.0)))
+                         for k, v in t.items()}
                      for b, t in d.get("kernels", {}).items()},
             comm={b: {l: {dr: _linkfit(f) for dr, f in t.items()} for l, t in lt.items()}
                   for b, lt in d.get("comm", {}).items()},

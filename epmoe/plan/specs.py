@@ -316,8 +316,8 @@ def derive(base: HardwareProfile, name: str) -> HardwareProfile:
             "derived", f"model, not measured: {base.name} curve x {peak} ratio ({ratio:.3f}), "
                        f"capped by the HBM roofline at {hbm:.0f} GB/s; base: {c.prov.note}")))
     kernels = {b: {k: AlphaBeta(v.alpha_us, v.beta_GBps * hbm / base.fig("hbm_GBps"), P(
-        "derived", f"{base.name} fit, beta x HBM ratio; base: {v.prov.source}: {v.prov.note}"))
-        for k, v in t.items()} for b, t in base.kernels.items()}
+        "derived", f"{base.name} fit, beta x HBM ratio; base: {v.prov.source}: {v.prov.note}"),
+        v.floor_us) for k, v in t.items()} for b, t in base.kernels.items()}
     comm = {b: {l: {d: _inherit_fit(f, base.name) for d, f in t.items()}
                 for l, t in lt.items()} for b, lt in base.comm.items()}
     coll = {c: {l: _inherit_fit(f, base.name) for l, f in t.items()}

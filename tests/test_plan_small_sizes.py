@@ -1,0 +1,98 @@
+"""Two calibrated mechanisms of the cost model at decode sizes: a kernel fit's floor (no size
+costs less than the fastest size measured: a launch or one wave of CTAs however few bytes), and
+the GEMM curve below one aligned group per expert, looked up by the real rows per expert (a
+128-row tile holding 4 real rows runs faster than a full one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from epmoe.config import QuantConfig
+from epmoe.plan.cost import _gemm_us
+from epmoe.plan.profile import AlphaBeta, GemmCurve, Provenance, from_dict, to_dict
+from epmoe.plan.synthetic import SYN, synthetic_profile
+from epmoe.plan import traffic as tr
+
+P = Provenance("measured", "test")
+
+
+def test_a_fit_never_goes_below_its_floor():
+    ab = AlphaBeta(10.0, 1.0, P, floor_us=100.0)  # 1 GB/s: 1 us per kB
+    assert ab.time_us(0) == 100.0
+    assert ab.time_us(50_000) == 100.0
+    assert ab.time_us(200_000) == pytest.approx(210.0)
+    assert AlphaBeta(10.0, 1.0, P).time_us(0) == 10.0  # no floor: the line
+
+
+def test_floor_survives_json_and_old_profiles_read_as_no_floor():
+    prof = synthetic_profile()
+    k = dict(prof.kernels)
+    k["router"] = {"sigmoid_grouped": AlphaBeta(5.0, 2.0, SYN, floor_us=117.0)}
+    prof = dataclasses.replace(prof, kernels=k)
+    back = from_dict(json.loads(json.dumps(to_dict(prof))))
+    assert back.kernels["router"]["sigmoid_grouped"].floor_us == 117.0
+    d = to_dict(prof)
+    del d["kernels"]["router"]["sigmoid_grouped"]["floor_us"]  # a profile from before
+    assert from_dict(d).kernels["router"]["sigmoid_grouped"].floor_us == 0.0
+
+
+def _with_curve(points):
+    prof = synthetic_profile(hbm_GBps=1e9)  # no HBM floor: the curve alone
+    gemm = tuple(c for c in prof.gemm if c.backend != "triton") + (
+        GemmCurve("triton", "fp8_block", "contiguous", 256, 512, points, P),)
+    return dataclasses.replace(prof, gemm=gemm)
+
+
+def test_below_one_aligned_group_per_expert_the_curve_is_read_at_the_real_rows():
+    prof = _with_curve(((4.0, 100.0), (128.0, 800.0), (512.0, 1000.0)))
+    q, e, n, k = QuantConfig("fp8_block"), 8, 256, 512
+    rows = e * 128  # every expert one 128-row group
+    flops_us = tr.gemm_flops(rows, n, k) / 1e6
+    # 4 real rows per expert: the point measured at m = 4 (100 TFLOPS), not the full tile's
+    small = _gemm_us(prof, "triton", q, "contiguous", rows, e, n, k, real_rows=4 * e, align=128)
+    assert small == pytest.approx(flops_us / 100.0)
+    # the same aligned rows, full: 800 TFLOPS
+    full = _gemm_us(prof, "triton", q, "contiguous", rows, e, n, k, real_rows=128 * e, align=128)
+    assert full == pytest.approx(flops_us / 800.0)
+    # above one group: the aligned rows per expert, as before (300 real -> 384 aligned)
+    big = _gemm_us(prof, "triton", q, "contiguous", 384 * e, e, n, k, real_rows=300 * e,
+                   align=128)
+    want = prof.curve("triton", "fp8_block", "contiguous", n, k).tflops(384.0)
+    assert big == pytest.approx(tr.gemm_flops(384 * e, n, k) / 1e6 / want)
+
+
+def test_calibration_fits_take_the_fastest_size_as_their_floor():
+    from epmoe.bench.calibrate import fit_ab
+    from epmoe.bench.calibrate_layer import LayerFits, finish
+
+    class Clock:
+        def prov(self, what=""):
+            return Provenance("measured", what)
+
+    fits = LayerFits()
+    for nbytes, us in ((1e3, 117.0), (1e6, 118.0), (4e6, 121.0), (64e6, 400.0)):
+        fits.add_point("router", "sigmoid_grouped", nbytes, us)
+        fits.add_point("layer", "tail", nbytes, us)
+    out = finish(fits, Clock(), fit_ab)
+    router = out["router"]["sigmoid_grouped"]
+    assert router.floor_us == 117.0
+    assert router.time_us(1e3) >= 117.0 > router.alpha_us + 1e3 / (router.beta_GBps * 1e3)
+    assert out["layer"]["tail"].floor_us == 0.0  # a residual, not a kernel: no floor
+
+
+def test_the_layer_tail_is_read_per_experts_backend_first():
+    from epmoe.plan.cost import _tail_us
+    from epmoe.config import get_preset
+
+    cfg = get_preset("deepseek-v3-tiny")
+    prof = synthetic_profile()
+    k = dict(prof.kernels)
+    k["layer"] = {"tail": AlphaBeta(1000.0, 1e9, SYN), "tail.triton": AlphaBeta(40.0, 1e9, SYN)}
+    prof = dataclasses.replace(prof, kernels=k)
+    assert _tail_us(cfg, prof, 8, "triton") == pytest.approx(40.0, rel=1e-6)
+    assert _tail_us(cfg, prof, 8, "deepgemm") == pytest.approx(1000.0, rel=1e-6)  # pooled
+    del k["layer"]
+    assert _tail_us(cfg, dataclasses.replace(prof, kernels=k), 8, "triton") == 0.0
