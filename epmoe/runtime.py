@@ -239,8 +239,9 @@ class Runtime:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
-                    stages_ms=stages, timing=self.run.timing if self.device_timed else
-                    "launched", host_ms=self.host_ms, held_ms=self.held_ms, last=self.last, load_LS=self.load_LS.cpu().clone(),
+                    stages_ms=stages, timing="device" if self.device_timed else "launched",
+                    host_ms=self.host_ms, held_ms=self.held_ms, last=self.last,
+                    load_LS=self.load_LS.cpu().clone(),
                     load_LE=self.load_LE.cpu().clone(),
                     phy2log=[list(p) for p in self.rebalancer.phy2log],
                     backend=self.backend, backend_reason=self.backend_reason,

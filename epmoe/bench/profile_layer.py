@@ -9,8 +9,9 @@ One layer at ep 1 (the local backend, the layer's own router, as a launch runs i
 ways per forward, each the median of `--reps` forwards:
   launched  each forward after a synchronize, as `launch` and `bench.calibrate` time it: a
             stage's CUDA events also hold any time the GPU waited for the host's launches
-  device    the same forward queued behind a device sleep, so the host has issued every
-            launch before the GPU reaches them: the events hold GPU time only
+  device    the same forward queued behind a device hold (`timing.DeviceSleep`, as
+            `--timing device` runs a step), so the host has issued every launch before
+            the GPU reaches them: the events hold GPU time only
   host      the host's clock over each stage while it issues it (launched forwards)
 A stage is host-bound when `launched` is well above `device` and close to `host`.
 `--host-top N` adds the N functions the host spends most time in while it issues forwards
@@ -24,18 +25,19 @@ import json
 import statistics
 import sys
 
-SLEEP_CYCLES = 20_000_000  # ~10 ms at ~2 GHz: longer than the host takes to issue a forward
+HOLD_MS = 10.0  # longer than the host takes to issue a forward (a warning says if not)
 
 
-def _forward(layer, x, dev, queued: bool) -> float:
-    """One forward; -> its host time in ms (the stage events stay in the layer's timer)."""
+def _forward(layer, x, dev, hold=None) -> float:
+    """One forward (behind a device hold if given); -> its host time in ms (the stage events
+    stay in the layer's timer)."""
     import time
 
     import torch
 
     torch.cuda.synchronize(dev)
-    if queued:
-        torch.cuda._sleep(SLEEP_CYCLES)
+    if hold is not None:
+        hold.hold(HOLD_MS)
     t0 = time.perf_counter()
     layer.forward(x)
     host = (time.perf_counter() - t0) * 1e3
@@ -47,7 +49,7 @@ def _medians(d: dict) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in d.items() if v}
 
 
-def _host_top(layer, x, dev, reps: int, top: int) -> list[dict]:
+def _host_top(layer, x, dev, hold, reps: int, top: int) -> list[dict]:
     """The functions with the most own host time over `reps` queued forwards (cProfile)."""
     import cProfile
     import pstats
@@ -57,7 +59,7 @@ def _host_top(layer, x, dev, reps: int, top: int) -> list[dict]:
     prof = cProfile.Profile()
     for _ in range(reps):
         torch.cuda.synchronize(dev)
-        torch.cuda._sleep(SLEEP_CYCLES)
+        hold.hold(HOLD_MS)
         prof.enable()
         layer.forward(x)
         prof.disable()
@@ -77,19 +79,21 @@ def profile(model: str, recipe: str, experts: str, tokens: int, reps: int, dev,
 
     from epmoe.bench.calibrate_layer import _build
     from epmoe.config import QuantConfig
-    from epmoe.timing import StageTimer
+    from epmoe.timing import DeviceSleep, StageTimer
 
     rt, layer, built = _build(model, QuantConfig(recipe), experts, tokens, dev)
     timer = StageTimer(enabled=True, device=dev, host=True)
     layer.timer = layer.experts.timer = layer.comm.timer = timer
     x = torch.randn(tokens, layer.cfg.hidden, device=dev, dtype=torch.bfloat16)
     out: dict = {"tokens": tokens, "experts": built, "recipe": recipe, "model": model}
+    hold = DeviceSleep(dev)
     for _ in range(2):  # compile, autotune, warm the allocator
-        _forward(layer, x, dev, queued=False)
+        _forward(layer, x, dev)
     for mode in ("launched", "device"):
         timer.collect()
         timer.reset()
-        hosts = [_forward(layer, x, dev, queued=mode == "device") for _ in range(reps)]
+        hosts = [_forward(layer, x, dev, hold if mode == "device" else None)
+                 for _ in range(reps)]
         ms, host = _medians(timer.collect()), _medians(timer.collect_host())
         out.setdefault("forward_host_ms", statistics.median(hosts))
         for stage, v in ms.items():
@@ -98,8 +102,8 @@ def profile(model: str, recipe: str, experts: str, tokens: int, reps: int, dev,
             if mode == "launched":
                 row["host"] = host.get(stage, 0.0)
     if host_top:
-        out["host_top"] = _host_top(layer, x, dev, reps, host_top)
-    if out["forward_host_ms"] > SLEEP_CYCLES / 2e6:
+        out["host_top"] = _host_top(layer, x, dev, hold, reps, host_top)
+    if out["forward_host_ms"] > HOLD_MS:
         out["warning"] = "the host took longer than the device sleep: 'device' holds host time"
     del layer, rt
     torch.cuda.empty_cache()

@@ -206,10 +206,9 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
                     overlap=_overlap(stages, _median(timed)),
                     mode=reports[0].get("timing", "launched"),
-                    host_issue_ms_median=_median(
-                        [max(r.get("host_ms", [0.0])[s] for r in reports)
-                         for s in range(1, steps)] if steps > 1 and reports[0].get("host_ms")
-                        else []),
+                    host_issue_ms_median=_median(  # steps 1.., the slowest rank's each
+                        [max(r["host_ms"][s] for r in reports) for s in range(1, steps)]
+                        if all(len(r.get("host_ms", ())) == steps for r in reports) else []),
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median per call x calls per "
                          "step, over all ranks; stages_ms_per_rank: the same per rank)"),
