@@ -96,3 +96,27 @@ def test_the_layer_tail_is_read_per_experts_backend_first():
     assert _tail_us(cfg, prof, 8, "deepgemm") == pytest.approx(1000.0, rel=1e-6)  # pooled
     del k["layer"]
     assert _tail_us(cfg, dataclasses.replace(prof, kernels=k), 8, "triton") == 0.0
+
+
+def test_act_quant_is_read_per_recipe_first():
+    """The act+quant pass quantizes for fp8 and only casts for bf16: a calibration fits each
+    recipe (and the pool); the model takes the recipe's fit when the profile has one."""
+    from epmoe.config import get_preset
+    from epmoe.plan.cost import _experts_stages
+
+    cfg = get_preset("deepseek-v3-tiny")
+    prof = synthetic_profile()
+    k = {t: dict(v) for t, v in prof.kernels.items()}
+    k["triton"]["act_quant"] = AlphaBeta(1000.0, 1e9, SYN)
+    k["triton"]["act_quant.fp8_block"] = AlphaBeta(30.0, 1e9, SYN)
+    prof = dataclasses.replace(prof, kernels=k)
+
+    def act_quant(recipe):
+        st = _experts_stages("triton", "tokens", cfg, QuantConfig(recipe), prof, 16, 64,
+                             [4.0] * 16, cfg.moe_intermediate, 0)
+        return st["experts.act_quant"]
+
+    assert act_quant("fp8_block") == pytest.approx(30.0, rel=1e-3)
+    assert act_quant("bf16") == pytest.approx(1000.0, rel=1e-3)  # no bf16 fit: the pool
+    assert prof.most_specific("triton", "nope", "act_quant.fp8_block").alpha_us == 30.0
+    assert prof.most_specific("triton", "nope") is None

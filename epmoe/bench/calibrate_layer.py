@@ -9,6 +9,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 |----------------------------------------|-------------------------------------|----------------|
 | gemm curves (backend, recipe)          | experts.gemm1 / experts.gemm2       | aligned rows   |
 | kernels[backend] permute/gather/act_q. | experts.permute / .gather / .act_q. | traffic.py     |
+|   (act_quant also per recipe)          |                                     |                |
 | mlp (alone)                            | shared, overlap_shared off          | tokens         |
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
@@ -199,8 +200,9 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
                        st.get("experts.permute"))
         fits.add_point(experts, "gather", tr.gather_bytes(n, real, d),
                        st.get("experts.gather"))
-        fits.add_point(experts, "act_quant", tr.act_quant_bytes(rows, inter, quant),
-                       st.get("experts.act_quant"))
+        for name in ("act_quant", f"act_quant.{recipe}"):  # pooled, and per recipe
+            fits.add_point(experts, name, tr.act_quant_bytes(rows, inter, quant),
+                           st.get("experts.act_quant"))
         # the stages a launch's host and queue shape (small GPU work behind the router's):
         # timed in forwards that run the layer's own router, as a launch does by default;
         # so is the shared MLP on its side stream: what it overlaps is the launch's path

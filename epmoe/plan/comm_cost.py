@@ -89,9 +89,10 @@ def quantize_us(c: CommCase, n_tokens: float) -> float:
     nbytes = quantize_bytes(n_tokens, c.cfg.hidden, c.quant)
     if nbytes == 0:
         return 0.0
-    own = f"quantize.{c.experts}"
-    return c.prof.kernel("comm", own if c.prof.has_kernel("comm", own) else "quantize") \
-        .time_us(nbytes)
+    fit = c.prof.most_specific("comm", f"quantize.{c.experts}", "quantize")
+    if fit is None:
+        raise KeyError(f"profile {c.prof.name!r} has no 'quantize' kernel fit for 'comm'")
+    return fit.time_us(nbytes)
 
 
 def _mean(x) -> float:

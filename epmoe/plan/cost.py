@@ -149,10 +149,8 @@ def _tail_us(cfg: MoEConfig, prof: HardwareProfile, n: int, experts: str) -> flo
     """The layer's measured tail over the n x hidden bf16 bytes of the layer's output: the
     experts backend's own fit (kernels["layer"]["tail.<experts>"]) when the profile has one,
     else the pooled kernels["layer"]["tail"], else 0."""
-    for name in (f"tail.{experts}", "tail"):
-        if prof.has_kernel("layer", name):
-            return max(0.0, prof.kernel("layer", name).time_us(n * cfg.hidden * 2.0))
-    return 0.0
+    fit = prof.most_specific("layer", f"tail.{experts}", "tail")
+    return 0.0 if fit is None else max(0.0, fit.time_us(n * cfg.hidden * 2.0))
 
 
 def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: HardwareProfile,
@@ -286,8 +284,11 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
          "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, hit, d, inter,
                                    real, align)}
     aq_rows = cap_rows if kind == "masked" else rows
-    s["experts.act_quant"] = prof.kernel(experts, "act_quant").time_us(
-        tr.act_quant_bytes(aq_rows, inter, quant))
+    recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
+    aq = prof.most_specific(experts, f"act_quant.{recipe}", "act_quant")
+    if aq is None:
+        raise KeyError(f"profile {prof.name!r} has no 'act_quant' kernel fit for {experts!r}")
+    s["experts.act_quant"] = aq.time_us(tr.act_quant_bytes(aq_rows, inter, quant))
     if kind == "tokens":
         s["experts.permute"] = prof.kernel(experts, "permute").time_us(
             tr.permute_bytes(n_in, pairs, d, quant))

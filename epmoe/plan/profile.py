@@ -262,6 +262,12 @@ class HardwareProfile:
     def has_kernel(self, table: str, name: str) -> bool:
         return name in self.kernels.get(table, {})
 
+    def most_specific(self, table: str, *names: str) -> AlphaBeta | None:
+        """The first of `names` (most specific first, e.g. "act_quant.fp8_block" then the
+        pooled "act_quant") this profile has a fit for in `table`, else None."""
+        fits = self.kernels.get(table, {})
+        return next((fits[n] for n in names if n in fits), None)
+
     def kernel(self, experts: str, name: str) -> AlphaBeta:
         """experts: an experts backend, "comm" for the dispatch-side quantizer, or "local"
         for the local comm backend's own work (LOCAL_KERNELS)."""
