@@ -120,3 +120,31 @@ def test_act_quant_is_read_per_recipe_first():
     assert act_quant("bf16") == pytest.approx(1000.0, rel=1e-3)  # no bf16 fit: the pool
     assert prof.most_specific("triton", "nope", "act_quant.fp8_block").alpha_us == 30.0
     assert prof.most_specific("triton", "nope") is None
+
+
+def test_an_overlapped_shared_mlp_is_held_back_at_most_until_the_routed_path_ends():
+    """An overlapped curve measured beside a long routed path (one rank, every expert) must not
+    make the shared stage outlast a shorter routed path elsewhere by more than its own time."""
+    from epmoe.config import get_preset
+    from epmoe.plan.cost import Candidate, Workload, predict_layer
+    from epmoe.plan.profile import MlpCurve
+    from epmoe.plan.topology import Topology
+
+    cfg = get_preset("deepseek-v3-tiny")
+    assert cfg.num_shared_experts
+    width = cfg.shared_intermediate
+    slow = MlpCurve("triton", "bf16", width, cfg.hidden, True, ((1.0, 5e4), (1e6, 5e4)), P)
+    alone = MlpCurve("triton", "bf16", width, cfg.hidden, False, ((1.0, 7.0), (1e6, 7.0)), P)
+    prof = dataclasses.replace(synthetic_profile(), mlp=(slow, alone))
+    work = Workload(cfg, QuantConfig("bf16"), 64, overlap_shared=True)
+    pred = predict_layer(Candidate("ep_dp", "local", "triton"), work, Topology.parse("1x1"),
+                         prof)
+    st = pred.stages_us
+    routed = st["dispatch"] + st["experts"] + st["combine"]
+    assert st["shared"] == pytest.approx(routed + 7.0)
+    # a curve below that bound is taken as measured
+    fast = dataclasses.replace(slow, points=((1.0, 3.0), (1e6, 3.0)))
+    prof = dataclasses.replace(prof, mlp=(fast, alone))
+    pred = predict_layer(Candidate("ep_dp", "local", "triton"), work, Topology.parse("1x1"),
+                         prof)
+    assert pred.stages_us["shared"] == pytest.approx(3.0)

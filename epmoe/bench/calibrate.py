@@ -104,7 +104,7 @@ def fit_ab(points) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------ device
-def measure_device(dev, clock: Clock, base: HardwareProfile) -> dict:
+def measure_device(dev, clock: Clock, base: HardwareProfile, timing: str = "launched") -> dict:
     import torch
 
     cuda = dev.type == "cuda"
@@ -134,15 +134,29 @@ def measure_device(dev, clock: Clock, base: HardwareProfile) -> dict:
             one.add_(1)
 
     if cuda:
+        ops()  # the first launches load kernels
+        torch.cuda.synchronize(dev)
         t = time.perf_counter()
         ops()
         launch = (time.perf_counter() - t) * 1e6 / n_ops
         torch.cuda.synchronize(dev)
         sync = time_us(lambda: (one.add_(1), torch.cuda.synchronize(dev)), dev, reps=20) - launch
+        if timing == "device":  # what a tiny op costs the GPU, the host issuing ahead of it
+            from epmoe.timing import DeviceSleep
+
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            DeviceSleep(dev).hold(2 * launch * n_ops / 1e3 + 1.0)
+            a.record()
+            ops()
+            b.record()
+            b.synchronize()
+            launch = a.elapsed_time(b) * 1e3 / n_ops
     else:
         launch = time_us(ops, dev, reps=5) / n_ops
         sync = 0.0
-    figs["launch_us"] = Figure(launch, clock.prov(f"{n_ops} tiny eager ops"))
+    figs["launch_us"] = Figure(launch, clock.prov(f"{n_ops} tiny eager ops ({timing} timing: "
+                                                  f"{'GPU' if timing == 'device' else 'host'} "
+                                                  f"time per op)"))
     figs["sync_us"] = Figure(max(sync, 0.0), clock.prov("tiny kernel + synchronize" if cuda
                                                        else "no device to synchronize"))
     for name in ("peak_tflops_fp8", "peak_tflops_bf16", "peak_tflops_fp32"):
@@ -211,7 +225,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
         if kind == "cpu" else ""
     clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
-    device = measure_device(dev, clock, base)
+    device = measure_device(dev, clock, base, args.timing)
     from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
     from epmoe.config import QuantConfig, get_preset
 

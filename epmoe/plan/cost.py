@@ -182,6 +182,11 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     overlap = work.overlap_shared if work.overlap_shared is not None else \
         prof.fig("sm_arch") > 0
     st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep, overlap)
+    if overlap and st["shared"]:  # held back by the routed path at most until it ends (an
+        # overlapped curve measured beside a longer routed path does not carry over)
+        routed = st["dispatch"] + st["experts"] + st["combine"]
+        alone = _shared_us(cand, cfg, quant, prof, plan, n_rep, False)
+        st["shared"] = min(st["shared"], routed + alone)
     ar_bytes = {}
     st["all_reduce"] = 0.0
     if plan.needs_all_reduce:
