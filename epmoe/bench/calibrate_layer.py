@@ -32,9 +32,9 @@ GPU: m = 4 and 128 are DeepSeek-V3's 128 and 4096 tokens at ep 1 (plan_accuracy'
 256 / 512 / 1024 are 4096 tokens per rank at ep 2 / 4 / 8 (E / ep local experts); 32 sits
 between. GEMM points: at m = 128 .. 1024 the rows fill their aligned blocks and the curve's
 x is the aligned rows per expert; m = 4 and 32 occupy one mostly-padded 128-row block per
-expert, which runs faster than a full one: those points are keyed by the real rows per expert
-(TFLOPS over the aligned rows' FLOPs), as the cost model looks them up below one aligned group
-per expert. Each size: one warm-up forward, then `reps` forwards, each after a device
+expert, whose rate need not be a full block's: those points are keyed by the real rows per
+expert (TFLOPS over the aligned rows' FLOPs), as the cost model looks them up below one
+aligned group per expert (on one H200 the Triton GEMMs ran m = 4 at a full block's rate). Each size: one warm-up forward, then `reps` forwards, each after a device
 synchronize (as each runtime step starts; with --timing device, behind a device hold).
 """
 

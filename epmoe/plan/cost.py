@@ -261,7 +261,7 @@ def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=No
     num_experts: the experts with a row (the kernels skip the tiles of empty ones and never
     read their weights). The curve's x is the aligned rows per such expert, except below one
     aligned group per expert (decode sizes), where it is the real rows per expert: a tile
-    whose rows are mostly padding may run faster than a full one (the calibration measures
+    whose rows are mostly padding need not run at a full one's rate (the calibration measures
     those sizes and keys them the same way)."""
     if rows <= 0:
         return 0.0
