@@ -55,12 +55,12 @@ def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
     routing is the model's input, not its output: a synthetic gate skews the experts, e.g.
     fewer distinct experts per step than uniform, which the GEMMs' cost follows). A given
     routing (not the router) skips the gate: its router stage is predicted as 0."""
-    try:
-        spec = RoutingSpec.parse(run.routing) if run.routing != "router" else None
-    except ValueError:
-        spec = None
-    if spec is not None:
-        return spec, spec.label()
+    if run.routing != "router":
+        try:
+            spec = RoutingSpec.parse(run.routing)
+            return spec, spec.label()
+        except ValueError:  # drift / trace: replayed, modelled by the load they produced
+            pass
     from epmoe.launch.report import layer_sources
 
     load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
