@@ -113,13 +113,42 @@ def test_act_quant_is_read_per_recipe_first():
 
     def act_quant(recipe):
         st = _experts_stages("triton", "tokens", cfg, QuantConfig(recipe), prof, 16, 64,
-                             [4.0] * 16, cfg.moe_intermediate, 0)
+                             [4.0] * 16, cfg.moe_intermediate)
         return st["experts.act_quant"]
 
     assert act_quant("fp8_block") == pytest.approx(30.0, rel=1e-3)
     assert act_quant("bf16") == pytest.approx(1000.0, rel=1e-3)  # no bf16 fit: the pool
     assert prof.most_specific("triton", "nope", "act_quant.fp8_block").alpha_us == 30.0
     assert prof.most_specific("triton", "nope") is None
+
+
+def test_act_quant_costs_the_real_rows_in_kernel_blocks_not_the_padding():
+    """The act+quant kernel skips padding rows (blocks of ACT_BLOCK_ROWS with no valid row), so
+    its bytes follow each expert's rows rounded up to a block, in the contiguous layout (whose
+    groups are padded to 128) and the masked one (whose capacity can be far larger)."""
+    from epmoe.config import get_preset
+    from epmoe.kernels.act_quant import BLOCK_M_GPU
+    from epmoe.plan.cost import _aligned, _experts_stages
+
+    assert tr.ACT_BLOCK_ROWS == BLOCK_M_GPU  # the model's block is the kernel's
+    cfg = get_preset("deepseek-v3-tiny")
+    prof = synthetic_profile()
+    k = {t: dict(v) for t, v in prof.kernels.items()}
+    k["triton"]["act_quant"] = AlphaBeta(0.0, 1.0, SYN)  # 1 GB/s: 1 us per kB, no alpha
+    prof = dataclasses.replace(prof, kernels=k)
+    q, inter = QuantConfig("fp8_block"), cfg.moe_intermediate
+
+    def act_quant(kind, slot_rows):
+        return _experts_stages("triton", kind, cfg, q, prof, 16, sum(slot_rows), slot_rows,
+                               inter)["experts.act_quant"]
+
+    per_row = tr.act_quant_bytes(1, inter, q) / 1e3
+    few = [0.5] * 8 + [40.0] * 8  # experts with < 1 row expected, and 40 (3 blocks of 16)
+    expect = sum(_aligned(m, 16) for m in few) * per_row
+    assert act_quant("tokens", few) == pytest.approx(expect)
+    assert act_quant("masked", few) == pytest.approx(expect)  # not capacity x experts
+    assert _aligned(40.0, 16) == pytest.approx(48.0, abs=4.0)  # ~3 blocks of 16
+    assert expect < sum(_aligned(m, 128) for m in few) * per_row / 3  # vs the GEMM groups
 
 
 def test_an_overlapped_shared_mlp_is_held_back_at_most_until_the_routed_path_ends():

@@ -269,6 +269,9 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                 for c, t in base.collectives.items()}
     for b, t in kernels.items():
         kern.setdefault(b, {}).update(t)
+        for name in t:  # a fit measured alone here outdates the base's fit beside the shared
+            if f"{name}.overlapped" not in t:
+                kern[b].pop(f"{name}.overlapped", None)
     mlp_keys = {(c.backend, c.recipe, c.overlapped) for c in fits.mlp}
     mlp = tuple(fits.mlp) + (() if base is None else tuple(
         _inherited(c, base.name) for c in base.mlp

@@ -151,9 +151,12 @@ def _build(model: str, quant, experts: str, tokens: int, dev):
 
 
 def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerFits,
-                  quick: bool, reps: int, timing: str = "launched") -> None:
+                  quick: bool, reps: int, timing: str = "launched",
+                  beside_shared: bool | None = None) -> None:
     """Times one (experts backend, recipe) and adds its curves and points to `fits`
-    (timing "device": every forward behind a device hold, the GPU's time only)."""
+    (timing "device": every forward behind a device hold, the GPU's time only).
+    beside_shared: also time the routed stages with the shared MLP on its side stream (the
+    ".overlapped" fits); default on CUDA when the model has shared experts."""
     import torch
 
     from epmoe.timing import DeviceSleep
@@ -169,12 +172,14 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     recipe = "bf16" if experts == "torch" else quant.recipe
     what = (f"{experts} experts, {quant.recipe}, {cfg.name} at ep 1 (E={e}, D={d}, I={inter}), "
             f"MoELayer.forward stages ({timing} timing), balanced routing")
-    modes = (False, True) if kind == "cuda" and layer.shared_experts is not None else (False,)
+    if beside_shared is None:
+        beside_shared = kind == "cuda"
+    modes = (False, True) if beside_shared and layer.shared_experts is not None else (False,)
     # warm-up at the middle size first: Triton's autotuner picks its config at the first call
     mid = ns[len(ns) // 2]
     x_mid = torch.randn(mid, d, device=dev, dtype=torch.bfloat16)
     layer.forward(x_mid, balanced_routing(mid, cfg, dev))
-    gemm = {g: {} for g, _, _ in GEMMS}
+    gemm = {(g, side): {} for g, _, _ in GEMMS for side in modes}
     shared = {m: [] for m in modes}
     for n in ns:
         if clock.left() < 0:
@@ -183,26 +188,16 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
         routing = balanced_routing(n, cfg, dev)
         counts = torch.bincount(routing.topk_ids_TK.flatten().long().cpu(), minlength=e)
-        rows = sum(-(-c // align) * align for c in counts.tolist())
-        real = n * k
-        st = _forward_stages(layer, x, routing, dev, reps, False, hold)  # shared alone
-        if st.get("shared"):
-            shared[False].append((float(n), st["shared"]))
-        for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
-            if st.get(f"experts.{g}"):  # keep, per aligned size, the least padded run;
-                # below one aligned group per expert, keyed by the real rows (cost.py)
-                m_key = real / e if real / e < align else rows / e
-                prev = gemm[g].get(m_key)
-                if prev is None or real > prev[0]:
-                    gemm[g][m_key] = (real, tr.gemm_flops(rows, nn, kk) / st[
-                        f"experts.{g}"] / 1e6)
-        fits.add_point(experts, "permute", tr.permute_bytes(n, real, d, quant),
-                       st.get("experts.permute"))
-        fits.add_point(experts, "gather", tr.gather_bytes(n, real, d),
-                       st.get("experts.gather"))
-        for name in ("act_quant", f"act_quant.{recipe}"):  # pooled, and per recipe
-            fits.add_point(experts, name, tr.act_quant_bytes(rows, inter, quant),
-                           st.get("experts.act_quant"))
+        size = _Size(n, n * k, align, sum(-(-c // align) * align for c in counts.tolist()),
+                     n * k if experts == "torch" else sum(  # the rows act+quant computes
+                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts.tolist()))
+        # the routed stages alone, then (CUDA, a shared MLP) beside the shared MLP on its side
+        # stream, as a launch runs them by default: contention slows what overlaps it
+        for side in modes:
+            st = _forward_stages(layer, x, routing, dev, reps, side, hold)
+            if not side and st.get("shared"):
+                shared[False].append((float(n), st["shared"]))
+            _routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
         # the stages a launch's host and queue shape (small GPU work behind the router's):
         # timed in forwards that run the layer's own router, as a launch does by default;
         # so is the shared MLP on its side stream: what it overlaps is the launch's path
@@ -210,11 +205,14 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         if modes[-1] and st.get("shared"):
             shared[True].append((float(n), st["shared"]))
         _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1])
-    for (g, _, _), (nn, kk) in zip(GEMMS, ((2 * inter, d), (d, inter))):
-        pts = tuple(sorted((m, t) for m, (_, t) in gemm[g].items()))
+    for (g, side), pts in gemm.items():
+        nn, kk = (2 * inter, d) if g == "gemm1" else (d, inter)
+        pts = tuple(sorted((m, t) for m, (_, t) in pts.items()))
         if pts:
+            beside = ", beside the shared MLP on its side stream" if side else ""
             fits.gemm.append(GemmCurve(experts, recipe, "contiguous", nn, kk, pts, clock.prov(
-                f"{what}, aligned rows per expert (real rows below one aligned group)")))
+                f"{what}, aligned rows per expert (real rows below one aligned group)"
+                f"{beside}"), side))
     width = cfg.shared_intermediate
     for overlapped, pts in shared.items():
         if pts:
@@ -225,6 +223,43 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     del layer, rt
     if kind == "cuda":
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class _Size:
+    """One calibration size: tokens, (token, expert) pairs, the layout's alignment, aligned
+    GEMM rows, act+quant rows."""
+
+    tokens: int
+    real: int
+    align: int
+    rows: int
+    aq_rows: int
+
+
+def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quant,
+                   experts: str, recipe: str, overlapped: bool) -> None:
+    """The routed stages of one forward on balanced routing -> GEMM points (per aligned size
+    the least padded run; below one aligned group per expert keyed by the real rows, as
+    cost.py looks them up) and the permute / gather / act_quant fits (".overlapped" when the
+    shared MLP ran beside them)."""
+    e, d, inter, align = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, size.align
+    for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
+        if st.get(f"experts.{g}"):
+            m_key = size.real / e if size.real / e < align else size.rows / e
+            prev = gemm[(g, overlapped)].get(m_key)
+            if prev is None or size.real > prev[0]:
+                gemm[(g, overlapped)][m_key] = (size.real, tr.gemm_flops(size.rows, nn, kk) /
+                                                st[f"experts.{g}"] / 1e6)
+    side = ".overlapped" if overlapped else ""
+    n = size.tokens
+    fits.add_point(experts, f"permute{side}", tr.permute_bytes(n, size.real, d, quant),
+                   st.get("experts.permute"))
+    fits.add_point(experts, f"gather{side}", tr.gather_bytes(n, size.real, d),
+                   st.get("experts.gather"))
+    for name in ("act_quant", f"act_quant.{recipe}"):  # pooled, and per recipe
+        fits.add_point(experts, f"{name}{side}", tr.act_quant_bytes(size.aq_rows, inter, quant),
+                       st.get("experts.act_quant"))
 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,

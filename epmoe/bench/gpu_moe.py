@@ -179,13 +179,16 @@ def _step_case(quant, device, tokens: int = 4096, steps: int = 10):
 def _raw_layer_gemms(layer, x) -> float:
     """The layer's GEMMs alone at its real routing: routed GEMM1 + GEMM2 over the exact layout
     rows, shared GEMM1 + GEMM2 over the tokens (the experts' own GEMM wrappers, same buffers)."""
+    from epmoe.kernels.act_quant import ValidRows
+
     ex, sh = layer.experts, layer.shared_experts
     r = layer.route(x)
     xq = ex.quantize_input(x)
     lay = ex.make_layout(r.topk_ids_TK.to(torch.int32))
     xp = ex.permute(xq, lay)
     i, d = ex.weights.intermediate, ex.weights.hidden
-    a = ex._act_quant(ex.gemm_contiguous(xp, ex.w13, lay.row_expert_M, 2 * i, name="h"))
+    a = ex._act_quant(ex.gemm_contiguous(xp, ex.w13, lay.row_expert_M, 2 * i, name="h"),
+                      rows=ValidRows.contiguous(lay.row_expert_M))
     xs = sh.quantize_input(x)
     a_s = sh._act_quant(sh.gemm_dense(xs, sh.w13, 2 * sh.weights.intermediate, name="h"))
 

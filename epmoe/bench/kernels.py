@@ -154,6 +154,31 @@ def bandwidth_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
     ms = bench_ms(lambda: triton_act_quant(h, cfg, FP8))
     rows.append(mem_row("silu*up + fp8 quant", f"M={m} 2I={2 * i}", ms,
                         m * 2 * i * 2 + m * i + m * (i // 128) * 4))
+    rows += _act_quant_padding_rows(t, x, ids, ws, cfg, before)
+    return rows
+
+
+def _act_quant_padding_rows(t: int, x, ids, ws, cfg, before: bool) -> list[dict]:
+    """act+quant over the no-sync path's worst-case layout: the valid rows only (what the
+    experts run) and, as the baseline in the same run, every row (before padding was skipped).
+    Bytes: the valid rows' (the work both do for the layer)."""
+    from epmoe.kernels.act_quant import ValidRows, triton_act_quant
+    from epmoe.kernels.permute import triton_permute
+
+    i = cfg.moe_intermediate
+    _, lay = triton_permute(x, ids, cfg.num_experts, alignment=128, workspace=ws)
+    m = lay.num_rows
+    h = torch.randn(m, 2 * i, device="cuda").to(torch.bfloat16)
+    valid = int((lay.row_expert_M >= 0).sum())
+    b = valid * (2 * i * 2 + i + (i // 128) * 4)
+    rows = []
+    for name, quant in (("fp8", FP8), ("bf16", QuantConfig("bf16"))):
+        ms = bench_ms(lambda: triton_act_quant(h, cfg, quant,
+                                               rows=ValidRows.contiguous(lay.row_expert_M)))
+        rows.append(mem_row(f"act+quant {name}, valid rows", f"T={t} rows {valid}/{m}", ms, b))
+        if before:
+            ms = bench_ms(lambda: triton_act_quant(h, cfg, quant))
+            rows.append(mem_row(f"before: act+quant {name}, all rows", f"T={t} M={m}", ms, b))
     return rows
 
 
@@ -210,14 +235,20 @@ def router_rows(t: int, picks: dict) -> list[dict]:
                  baseline="torch router (fp32 matmul)", baseline_ms=base, ratio=base / ms)]
 
 
-def run_case(t: int, picks: dict | None = None, before: bool = True) -> list[dict]:
-    """Every row at T tokens; before=False skips the previous kernels' rows."""
+GROUPS = ("router", "bandwidth", "gemm")
+
+
+def run_case(t: int, picks: dict | None = None, before: bool = True,
+             groups=GROUPS) -> list[dict]:
+    """The groups' rows at T tokens; before=False skips the previous kernels' rows."""
     picks = picks or {}
     torch.manual_seed(0)
-    rows = router_rows(t, picks) + bandwidth_rows(t, picks, before)
-    torch.cuda.empty_cache()
-    rows += gemm_rows(t, picks, before)
-    torch.cuda.empty_cache()
+    fns = {"router": router_rows, "bandwidth": lambda t, p: bandwidth_rows(t, p, before),
+           "gemm": lambda t, p: gemm_rows(t, p, before)}
+    rows = []
+    for g in groups:
+        rows += fns[g](t, picks)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -238,12 +269,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(token_counts, picks=None, json_path=None, before: bool = True) -> list[dict]:
+def run(token_counts, picks=None, json_path=None, before: bool = True,
+        groups=GROUPS) -> list[dict]:
     rows = []
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bandwidth ratio = "
           f"achieved / HBM copy; GEMM and router ratio = baseline time / ours", flush=True)
     for t in token_counts:
-        for r in run_case(t, picks, before):
+        for r in run_case(t, picks, before, groups):
             r["tokens"] = t
             print(f"T={t:<6}" + line(r), flush=True)
             rows.append(r)
@@ -263,13 +295,18 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="4096,16384", help="token counts, comma-separated")
     p.add_argument("--skip-before", action="store_true",
                    help="skip the previous kernels' rows (pointer GEMM, torch quantizer)")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"row groups, comma-separated (default all: {','.join(GROUPS)})")
     args = p.parse_args(argv)
+    groups = tuple(g for g in args.only.split(",") if g)
+    if not groups or any(g not in GROUPS for g in groups):
+        p.error(f"--only ({args.only!r}) takes {', '.join(GROUPS)}")
     if not torch.cuda.is_available():
         print("epmoe.bench.kernels needs a CUDA GPU (the CPU interpreter's timings mean "
               "nothing); run it on a GPU machine", file=sys.stderr)
         return 2
     tokens = (4096,) if args.quick else tuple(int(x) for x in args.tokens.split(","))
-    run(tokens, json_path=args.json, before=not args.skip_before)
+    run(tokens, json_path=args.json, before=not args.skip_before, groups=groups)
     return 0
 
 

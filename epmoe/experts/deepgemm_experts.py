@@ -239,13 +239,15 @@ class DeepGemmExperts(Experts):
                                      **self._recipe_kw())
         return out
 
-    def _act_quant(self, h: torch.Tensor, mn_major: bool | None = None) -> QTensor:
+    def _act_quant(self, h: torch.Tensor, mn_major: bool | None = None,
+                   rows=None) -> QTensor:
         """SwiGLU + the recipe's quantization in one Triton kernel; SM90 scales come out in
-        DeepGEMM's MN-major TMA layout directly (no relayout copy)."""
+        DeepGEMM's MN-major TMA layout directly (no relayout copy). rows: the `ValidRows`
+        holding data (the padding rows are skipped)."""
         from epmoe.kernels.act_quant import triton_act_quant
 
         mn = (not self.sm100) if mn_major is None else mn_major
-        return triton_act_quant(h, self.cfg, self.quant, mn_major=mn)
+        return triton_act_quant(h, self.cfg, self.quant, mn_major=mn, rows=rows)
 
     # ------------------------------------------------------------------ the contract
     def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
@@ -288,7 +290,7 @@ class DeepGemmExperts(Experts):
             psum = self.psum(layout)
             h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i, "h", psum)
         with self._stage("act_quant"):
-            a = self._act_quant(h)
+            a = self._act_quant(h, rows=_valid_rows().contiguous(layout.row_expert_M))
         with self._stage("gemm2"):
             return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
 
@@ -303,7 +305,8 @@ class DeepGemmExperts(Experts):
         with self._stage("gemm1"):
             h = self.gemm_masked(x, self.w13, counts_E, 2 * i, m_hint, name="h")
         with self._stage("act_quant"):
-            a = self._act_quant(h.view(e * c, 2 * i), mn_major=False)
+            a = self._act_quant(h.view(e * c, 2 * i), mn_major=False,
+                                rows=_valid_rows().masked(counts_E, c))
             s = a.scale
             if s is not None:  # per-expert TMA layout: [E, C, G] with C the unit stride
                 s = _act_scale_fp32(a).view(e, c, -1)
@@ -312,6 +315,13 @@ class DeepGemmExperts(Experts):
                         "ue8m0_packed" if self.sm100 and s is not None else a.scale_fmt)
         with self._stage("gemm2"):
             return self.gemm_masked(a, self.w2, counts_E, d, m_hint, name="y")
+
+
+def _valid_rows():
+    """`ValidRows`, imported when a kernel runs (the Triton kernels' module loads triton)."""
+    from epmoe.kernels.act_quant import ValidRows
+
+    return ValidRows
 
 
 __all__ = ["DeepGemmExperts", "sm90_act_scale", "sm100_weight_scale", "sm100_act_scale",

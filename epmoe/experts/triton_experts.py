@@ -15,7 +15,7 @@ from epmoe.config import RECIPES, MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
 from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.kernels._common import INTERPRET
-from epmoe.kernels.act_quant import triton_act_quant
+from epmoe.kernels.act_quant import ValidRows, triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
 from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
@@ -88,7 +88,8 @@ class TritonExperts(Experts):
         with t.stage("experts.gemm1"):
             h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
         with t.stage("experts.act_quant"):
-            a = triton_act_quant(h, self.cfg, self.quant)
+            a = triton_act_quant(h, self.cfg, self.quant,
+                                 rows=ValidRows.contiguous(layout.row_expert_M))
         with t.stage("experts.gemm2"):
             return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm)
 
@@ -97,7 +98,8 @@ class TritonExperts(Experts):
         counts_E = counts_E.to(torch.int32)
         bm = min(self.block_m, 64)
         h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
-        a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant)
+        a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant,
+                             rows=ValidRows.masked(counts_E, c))
         a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)
         return triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm)
 

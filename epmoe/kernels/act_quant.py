@@ -10,11 +10,19 @@ two (ue8m0 formats, mxfp8), data = fp8(clamp(a / scale, -448, 448)). Scale outpu
   int32 packed UE8M0 [M, ceil(G/4)], MN-major      scale_fmt ue8m0_packed (DeepGEMM SM100)
   uint8 e8m0 [M, D/32]                      mxfp8
 
+`rows` (a `ValidRows`) names the rows that hold data: a contiguous layout's `row_expert_M` (-1 on
+padding rows) or a masked layout's per-expert counts. The kernel neither reads nor writes the
+other rows (their outputs stay as allocated; the GEMMs after skip them, as they skipped them in
+h), and a block of rows with none valid returns at once: over the worst-case layouts that the
+no-sync paths allocate, most rows are padding at decode sizes.
+
 Under the CPU interpreter the kernel pre-rounds in fp32 (its fp8 / bf16 casts round wrongly), so
 codes match the torch quantizer there as on GPU, save where the activation's last bit differs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from epmoe.kernels._common import (INTERPRET, check, check_tensor, empty_mn_major,
                                    fp8_scale, next_pow2, round_bf16, round_e4m3)
@@ -31,22 +39,75 @@ from epmoe.quant import AMAX_MIN, FP8_DTYPE, FP8_MAX, QTensor  # noqa: E402
 _BF16, _FP32, _POW2, _E8M0, _PACKED = 0, 1, 2, 3, 4
 # ACT modes
 _SWIGLU, _SWIGLUOAI = 1, 2
+BLOCK_M_GPU = 16  # rows per program on the GPU (the cost model's ACT_BLOCK_ROWS)
+# VALID modes: every row, a contiguous layout's row_expert_M >= 0, a masked layout's counts
+_ALL_ROWS, _ROW_EXPERT, _COUNTS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ValidRows:
+    """Which rows of the GEMM1 output hold data; `triton_act_quant` skips the others."""
+
+    row_expert_M: torch.Tensor | None = None  # contiguous [M]: -1 on padding rows
+    counts_E: torch.Tensor | None = None  # masked [E, C] flattened: row r of expert e if r < count
+    capacity: int = 0
+
+    @classmethod
+    def contiguous(cls, row_expert_M: torch.Tensor) -> "ValidRows":
+        return cls(row_expert_M=row_expert_M)
+
+    @classmethod
+    def masked(cls, counts_E: torch.Tensor, capacity: int) -> "ValidRows":
+        return cls(counts_E=counts_E, capacity=capacity)
+
+    def check(self, m: int) -> None:
+        if self.row_expert_M is not None:
+            check_tensor("row_expert_M", self.row_expert_M, (torch.int32,), dim=1)
+            check(self.row_expert_M.shape[0] == m,
+                  f"row_expert_M has {self.row_expert_M.shape[0]} rows, h has {m}")
+        elif self.counts_E is not None:
+            check_tensor("counts_E", self.counts_E, (torch.int32,), dim=1)
+            check(self.capacity > 0 and self.counts_E.shape[0] * self.capacity == m,
+                  f"masked rows: {self.counts_E.shape[0]} experts x capacity {self.capacity} "
+                  f"!= h's {m} rows")
+
+    @property
+    def mode(self) -> int:
+        if self.row_expert_M is not None:
+            return _ROW_EXPERT
+        return _COUNTS if self.counts_E is not None else _ALL_ROWS
 
 
 @triton.jit
-def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m, s_stride_g,
-                      limit, alpha, amax_min, fp8_max,
+def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, cap, M, I, stride_h, stride_q,
+                      s_stride_m, s_stride_g, limit, alpha, amax_min, fp8_max,
                       ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
-                      PRE_ROUND: tl.constexpr,
+                      PRE_ROUND: tl.constexpr, VALID: tl.constexpr,
                       GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    pid_g = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = offs_m < M
+    if VALID == 1:
+        mm = mm & (tl.load(valid_ptr + offs_m, mask=mm, other=-1) >= 0)
+    elif VALID == 2:
+        mm = mm & ((offs_m % cap) < tl.load(valid_ptr + offs_m // cap, mask=mm, other=0))
+    if tl.max(mm.to(tl.int32), axis=0) > 0:  # else every row here is padding
+        _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_stride_m,
+                        s_stride_g, limit, alpha, amax_min, fp8_max, ACT, HAS_LIMIT, QUANT,
+                        PRE_ROUND, GROUP, GROUPS_PER_PROG)
+
+
+@triton.jit
+def _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_stride_m,
+                    s_stride_g, limit, alpha, amax_min, fp8_max,
+                    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
+                    PRE_ROUND: tl.constexpr, GROUP: tl.constexpr,
+                    GROUPS_PER_PROG: tl.constexpr):
+    pid_g = tl.program_id(1)
     rows_h = h_ptr + offs_m.to(tl.int64)[:, None] * stride_h
     rows_q = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q
     num_groups = tl.cdiv(I, GROUP)
-    word = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    word = tl.zeros_like(offs_m)
     for j in tl.static_range(GROUPS_PER_PROG):
         g = pid_g * GROUPS_PER_PROG + j
         offs_c = g * GROUP + tl.arange(0, GROUP)
@@ -86,7 +147,8 @@ def _act_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_h, stride_q, s_stride_m,
 
 
 def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mode: int,
-            group: int, mn_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            group: int, mn_major: bool,
+            rows: ValidRows) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = h.shape[0]
     dev = h.device
     if quant_mode == _BF16:
@@ -106,14 +168,16 @@ def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mod
             gpp = min(4, g) if INTERPRET else 1
     if m == 0 or cols == 0:
         return q, s
-    block_m = 64 if INTERPRET else 16
+    block_m = 64 if INTERPRET else BLOCK_M_GPU
     num_col_blocks = triton.cdiv(cols, group)
     grid = (triton.cdiv(m, block_m), triton.cdiv(num_col_blocks, gpp))
+    valid = rows.row_expert_M if rows.row_expert_M is not None else rows.counts_E
     _act_quant_kernel[grid](
-        h, q, s if s is not None else q, m, cols, h.stride(0), q.stride(0),
+        h, q, s if s is not None else q, valid if valid is not None else h, rows.capacity, m, cols, h.stride(0), q.stride(0),
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
         float(limit) if limit is not None else 0.0, float(alpha), AMAX_MIN, FP8_MAX,
-        ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET, GROUP=group,
+        ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET, VALID=rows.mode,
+        GROUP=group,
         GROUPS_PER_PROG=gpp, BLOCK_M=block_m, num_warps=4)
     return q, s
 
@@ -127,10 +191,11 @@ def _quant_mode(recipe: str, scale_fmt: str) -> int:
 
 
 def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
-                     mn_major: bool = False) -> QTensor:
+                     mn_major: bool = False, rows: ValidRows | None = None) -> QTensor:
     """GEMM1 output h [M, 2I] (bf16/fp32; [0, I) gate, [I, 2I) up) -> quantized a [M, I] in the
     recipe's activation format (bf16 recipe: bf16 data, no scale). mn_major: fp32 / e8m0 scales
-    in the TMA-aligned column-major layout (packed UE8M0 is always MN-major)."""
+    in the TMA-aligned column-major layout (packed UE8M0 is always MN-major). rows: the rows
+    that hold data (default all); the others of a and its scales are left unwritten."""
     check_tensor("h_MF", h_MF, (torch.bfloat16, torch.float16, torch.float32), dim=2,
                  contiguous=False)
     check(h_MF.stride(1) == 1, f"h_MF rows must be contiguous (stride {h_MF.stride()}); call "
@@ -142,9 +207,12 @@ def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
     check(group == 0 or i % group == 0,
           f"intermediate ({i}) must be a multiple of {quant.recipe}'s activation group "
           f"({group}); pick recipe bf16 or lower tp")
+    rows = rows or ValidRows()
+    rows.check(h_MF.shape[0])
     act = _SWIGLU if cfg.activation == "swiglu" else _SWIGLUOAI
     mode = _quant_mode(quant.recipe, quant.scale_fmt)
-    q, s = _launch(h_MF, i, act, cfg.swiglu_limit, cfg.activation_alpha, mode, group, mn_major)
+    q, s = _launch(h_MF, i, act, cfg.swiglu_limit, cfg.activation_alpha, mode, group, mn_major,
+                   rows)
     return QTensor(q, s, quant.recipe, group, quant.scale_fmt)
 
 
@@ -169,4 +237,4 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128, scale_fmt: str = "f
                            backend="triton")
 
 
-__all__ = ["triton_act_quant", "per_token_group_quant"]
+__all__ = ["ValidRows", "triton_act_quant", "per_token_group_quant"]

@@ -173,14 +173,14 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     # rows into the experts on the hottest rank: tokens n_in, (token, expert) pairs
     n_in, pairs, slot_rows = _expert_rows(cand, work, topo, stats, n_rep)
     kind = "masked" if cand.backend in LL else "layout" if cand.backend == "symm-ht" else "tokens"
-    cap_rows = e_local * case.max_tokens * world if kind == "masked" else 0
+    overlap = work.overlap_shared if work.overlap_shared is not None else \
+        prof.fig("sm_arch") > 0
+    beside = overlap and cfg.num_shared_experts > 0  # the routed kernels share the GPU with it
     ex = _experts_stages(cand.experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
-                         cap_rows)
+                         beside)
     st.update(ex)
     comb = combine_cost(cand.backend, case)
     st["combine"] = comb.us
-    overlap = work.overlap_shared if work.overlap_shared is not None else \
-        prof.fig("sm_arch") > 0
     st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep, overlap)
     if overlap and st["shared"]:  # held back by the routed path at most until it ends (an
         # overlapped curve measured beside a longer routed path does not carry over)
@@ -256,7 +256,7 @@ def _aligned(m: float, a: int) -> float:
 
 
 def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=None,
-             align: int = 1) -> float:
+             align: int = 1, overlapped: bool = False) -> float:
     """FLOPs over the aligned rows at the curve's TFLOPS, at least the weights' read time.
     num_experts: the experts with a row (the kernels skip the tiles of empty ones and never
     read their weights). The curve's x is the aligned rows per such expert, except below one
@@ -266,7 +266,7 @@ def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=No
     if rows <= 0:
         return 0.0
     recipe = "bf16" if backend == "torch" else quant.recipe  # torch computes in fp32
-    curve = prof.curve(backend, recipe, layout, n, k)
+    curve = prof.curve(backend, recipe, layout, n, k, overlapped)
     e = max(num_experts, 1)
     m_real = (rows if real_rows is None else real_rows) / e
     tflops = curve.tflops(m_real if m_real < align else rows / e)
@@ -275,7 +275,20 @@ def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=No
     return max(flops_us, mem_us)
 
 
-def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter, cap_rows):
+def _kernel_fit(prof, experts: str, names: tuple[str, ...], overlapped: bool):
+    """The most specific fit of `names` (most specific first); beside the shared MLP the
+    fits timed so (".overlapped") come first, when the profile has them."""
+    first = tuple(f"{n}.overlapped" for n in names) if overlapped else ()
+    fit = prof.most_specific(experts, *first, *names)
+    if fit is None:
+        raise KeyError(f"profile {prof.name!r} has no {names[-1]!r} kernel fit for {experts!r}")
+    return fit
+
+
+def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
+                    overlapped: bool = False):
+    """The experts' stages; overlapped: the shared MLP runs beside them on its side stream
+    (the calibration times the routed stages both ways: contention slows them)."""
     d = cfg.hidden
     e_local = len(slot_rows)
     align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
@@ -285,19 +298,19 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     hit = sum(1 - math.exp(-m) for m in slot_rows if m > 0)  # experts with a row: the GEMMs
     hit = min(e_local, max(hit, 1.0))  # skip the others' tiles and never read their weights
     s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, rows, hit, 2 * inter, d,
-                                   real, align),
+                                   real, align, overlapped),
          "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, hit, d, inter,
-                                   real, align)}
-    aq_rows = cap_rows if kind == "masked" else rows
+                                   real, align, overlapped)}
+    # act+quant computes each expert's rows in whole blocks and skips padding (either layout)
+    aq_rows = rows if experts == "torch" else sum(_aligned(m, tr.ACT_BLOCK_ROWS)
+                                                   for m in slot_rows)
     recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
-    aq = prof.most_specific(experts, f"act_quant.{recipe}", "act_quant")
-    if aq is None:
-        raise KeyError(f"profile {prof.name!r} has no 'act_quant' kernel fit for {experts!r}")
+    aq = _kernel_fit(prof, experts, (f"act_quant.{recipe}", "act_quant"), overlapped)
     s["experts.act_quant"] = aq.time_us(tr.act_quant_bytes(aq_rows, inter, quant))
     if kind == "tokens":
-        s["experts.permute"] = prof.kernel(experts, "permute").time_us(
+        s["experts.permute"] = _kernel_fit(prof, experts, ("permute",), overlapped).time_us(
             tr.permute_bytes(n_in, pairs, d, quant))
-        s["experts.gather"] = prof.kernel(experts, "gather").time_us(
+        s["experts.gather"] = _kernel_fit(prof, experts, ("gather",), overlapped).time_us(
             tr.gather_bytes(n_in, pairs, d))
     extra = 0.0
     if experts == "torch":  # Python loop over non-empty experts, two host syncs, dequantize

@@ -133,6 +133,7 @@ class GemmCurve:
     k: int
     points: tuple[tuple[float, float], ...]
     prov: Provenance
+    overlapped: bool = False  # timed beside the shared MLP on its side stream (a launch's way)
 
     def __post_init__(self):
         pts = tuple((float(m), float(t)) for m, t in self.points)
@@ -145,7 +146,8 @@ class GemmCurve:
 
     @property
     def key(self) -> str:
-        return f"{self.backend}/{self.recipe}/{self.layout}/{self.n}x{self.k}"
+        side = "+overlapped" if self.overlapped else ""
+        return f"{self.backend}/{self.recipe}/{self.layout}{side}/{self.n}x{self.k}"
 
     def tflops(self, m: float) -> float:
         pts = self.points
@@ -232,16 +234,19 @@ class HardwareProfile:
     def fig(self, name: str) -> float:
         return self.device[name].value
 
-    def curve(self, backend: str, recipe: str, layout: str, n: int, k: int) -> GemmCurve:
+    def curve(self, backend: str, recipe: str, layout: str, n: int, k: int,
+              overlapped: bool = False) -> GemmCurve:
         """The curve of (backend, recipe, layout) nearest to (n, k) in log space; a masked
-        layout falls back to the contiguous curves, a recipe to bf16 / fp8_block."""
-        for lay in dict.fromkeys((layout, "contiguous")):
-            for rec in dict.fromkeys((recipe, "fp8_block" if recipe != "bf16" else "bf16")):
-                cands = [c for c in self.gemm
-                         if (c.backend, c.recipe, c.layout) == (backend, rec, lay)]
-                if cands:
-                    return min(cands, key=lambda c: abs(math.log(c.n / n)) +
-                               abs(math.log(c.k / k)))
+        layout falls back to the contiguous curves, a recipe to bf16 / fp8_block; overlapped
+        (the shared MLP runs beside it): the curve timed so when measured, else the alone one."""
+        for side in dict.fromkeys((overlapped, False)):
+            for lay in dict.fromkeys((layout, "contiguous")):
+                for rec in dict.fromkeys((recipe, "fp8_block" if recipe != "bf16" else "bf16")):
+                    cands = [c for c in self.gemm if (c.backend, c.recipe, c.layout,
+                                                      c.overlapped) == (backend, rec, lay, side)]
+                    if cands:
+                        return min(cands, key=lambda c: abs(math.log(c.n / n)) +
+                                   abs(math.log(c.k / k)))
         have = sorted({f"{c.backend}/{c.recipe}" for c in self.gemm})
         raise KeyError(f"profile {self.name!r} has no GEMM curve for {backend}/{recipe} "
                        f"(has {have}); calibrate on a machine that runs it")
@@ -345,7 +350,8 @@ def from_dict(d: Mapping) -> HardwareProfile:
                     for k, v in d["device"].items()},
             gemm=tuple(GemmCurve(c["backend"], c["recipe"], c["layout"], int(c["n"]),
                                  int(c["k"]), tuple(tuple(p) for p in c["points"]),
-                                 _prov(c["prov"])) for c in d.get("gemm", ())),
+                                 _prov(c["prov"]), bool(c.get("overlapped", False)))
+                 for c in d.get("gemm", ())),
             kernels={b: {k: AlphaBeta(float(v["alpha_us"]), float(v["beta_GBps"]),
                                       _prov(v["prov"]), float(v.get("floor_us", 0.0)))
                          for k, v in t.items()}

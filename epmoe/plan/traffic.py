@@ -12,6 +12,9 @@ from epmoe.config import QuantConfig
 
 SCALE_BYTES = 4  # fp32 scale per group on the wire (UE8M0 travels as fp32 too: comm/wire.py)
 LL_HEADER_BYTES = 16  # DeepEP low-latency message header per (token, expert)
+# The fused act+quant kernel computes an expert's rows in blocks of this many and skips padding
+# (kernels/act_quant.py, its GPU BLOCK_M): an expert with m rows costs ceil(m / 16) * 16 rows
+ACT_BLOCK_ROWS = 16
 
 
 def act_row_bytes(d: int, quant: QuantConfig) -> float:
