@@ -45,6 +45,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from epmoe.plan import traffic as tr
+from epmoe.plan.beside import fully_beside
 from epmoe.plan.cost import layer_body_us
 from epmoe.plan.profile import AlphaBeta, GemmCurve, MlpCurve
 
@@ -241,9 +242,12 @@ def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quan
                    experts: str, recipe: str, overlapped: bool) -> None:
     """The routed stages of one forward on balanced routing -> GEMM points (per aligned size
     the least padded run; below one aligned group per expert keyed by the real rows, as
-    cost.py looks them up) and the permute / gather / act_quant fits (".overlapped" when the
-    shared MLP ran beside them)."""
+    cost.py looks them up) and the permute / gather / act_quant fits (".overlapped": the
+    stages that ran entirely beside the shared MLP, in a forward that ran it on its side)."""
     e, d, inter, align = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, size.align
+    if overlapped:  # only what ran entirely beside the shared MLP (plan/beside.py)
+        inside = fully_beside(st)
+        st = {s: v for s, v in st.items() if not s.startswith("experts.") or s in inside}
     for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
         if st.get(f"experts.{g}"):
             m_key = size.real / e if size.real / e < align else size.rows / e

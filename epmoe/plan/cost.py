@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan import traffic as tr
+from epmoe.plan.beside import blend
 from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.comm_cost import (BACKENDS, HT, LL, CommCase, collective_us, combine_cost,
                                   dispatch_cost, launch_us)
@@ -175,13 +176,14 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     kind = "masked" if cand.backend in LL else "layout" if cand.backend == "symm-ht" else "tokens"
     overlap = work.overlap_shared if work.overlap_shared is not None else \
         prof.fig("sm_arch") > 0
-    beside = overlap and cfg.num_shared_experts > 0  # the routed kernels share the GPU with it
-    ex = _experts_stages(cand.experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
-                         beside)
+    args = (cand.experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter)
+    ex = _experts_stages(*args)
+    st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep, overlap)
+    if overlap and st["shared"]:  # the routed kernels that run beside it share the GPU
+        ex = blend(ex, _experts_stages(*args, overlapped=True), st["dispatch"], st["shared"])
     st.update(ex)
     comb = combine_cost(cand.backend, case)
     st["combine"] = comb.us
-    st["shared"] = _shared_us(cand, cfg, quant, prof, plan, n_rep, overlap)
     if overlap and st["shared"]:  # held back by the routed path at most until it ends (an
         # overlapped curve measured beside a longer routed path does not carry over)
         routed = st["dispatch"] + st["experts"] + st["combine"]
@@ -287,8 +289,9 @@ def _kernel_fit(prof, experts: str, names: tuple[str, ...], overlapped: bool):
 
 def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
                     overlapped: bool = False):
-    """The experts' stages; overlapped: the shared MLP runs beside them on its side stream
-    (the calibration times the routed stages both ways: contention slows them)."""
+    """The experts' stages; overlapped: each entirely beside the shared MLP on its side
+    stream (the calibration times them both ways: contention slows them; beside.py's
+    timeline decides which stages run so)."""
     d = cfg.hidden
     e_local = len(slot_rows)
     align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
