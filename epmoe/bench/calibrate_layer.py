@@ -34,8 +34,10 @@ between. GEMM points: at m = 128 .. 1024 the rows fill their aligned blocks and 
 x is the aligned rows per expert; m = 4 and 32 occupy one mostly-padded 128-row block per
 expert, whose rate need not be a full block's: those points are keyed by the real rows per
 expert (TFLOPS over the aligned rows' FLOPs), as the cost model looks them up below one
-aligned group per expert (on one H200 the Triton GEMMs ran m = 4 at a full block's rate). Each size: one warm-up forward, then `reps` forwards, each after a device
-synchronize (as each runtime step starts; with --timing device, behind a device hold).
+aligned group per expert (on one H200 the Triton GEMMs ran m = 4 at a full block's rate).
+Each size: one warm-up forward, then `reps` forwards, each after a device synchronize (as
+each runtime step starts; with --timing device, behind a device hold); on CUDA the routed
+stages are timed again beside the shared MLP on its side stream (plan/beside.py).
 """
 
 from __future__ import annotations

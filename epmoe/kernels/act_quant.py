@@ -77,6 +77,11 @@ class ValidRows:
             return _ROW_EXPERT
         return _COUNTS if self.counts_E is not None else _ALL_ROWS
 
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """What the kernel reads per row (mode 1) or per expert (mode 2); None for every row."""
+        return self.row_expert_M if self.row_expert_M is not None else self.counts_E
+
 
 @triton.jit
 def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, cap, M, I, stride_h, stride_q,
@@ -171,14 +176,13 @@ def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mod
     block_m = 64 if INTERPRET else BLOCK_M_GPU
     num_col_blocks = triton.cdiv(cols, group)
     grid = (triton.cdiv(m, block_m), triton.cdiv(num_col_blocks, gpp))
-    valid = rows.row_expert_M if rows.row_expert_M is not None else rows.counts_E
+    valid = rows.tensor if rows.tensor is not None else h  # (mode 0 never reads it)
     _act_quant_kernel[grid](
-        h, q, s if s is not None else q, valid if valid is not None else h, rows.capacity, m, cols, h.stride(0), q.stride(0),
+        h, q, s if s is not None else q, valid, rows.capacity, m, cols, h.stride(0), q.stride(0),
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
         float(limit) if limit is not None else 0.0, float(alpha), AMAX_MIN, FP8_MAX,
-        ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET, VALID=rows.mode,
-        GROUP=group,
-        GROUPS_PER_PROG=gpp, BLOCK_M=block_m, num_warps=4)
+        ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET,
+        VALID=rows.mode, GROUP=group, GROUPS_PER_PROG=gpp, BLOCK_M=block_m, num_warps=4)
     return q, s
 
 
