@@ -7,6 +7,7 @@ Configuration is typed dataclasses (epmoe.config); nothing here changes numerics
 | EPMOE_RAY_TMPDIR | parent of the private temp dir of each local Ray cluster (default: the |
 |                  | system temp dir); it must be short: Ray's socket paths are length-limited |
 | EPMOE_FAULT | tests only: "RANK:WHERE:KIND" makes that rank fail there (see launch/faults.py) |
+| EPMOE_FAULT_MARK | tests only: a file the failing rank appends "RANK PID" to as its fault fires |
 Without CUDA, TRITON_INTERPRET=1 is set before any Triton kernel is defined, so kernels run on CPU.
 """
 
@@ -23,6 +24,11 @@ RAY_TMPDIR = os.environ.get("EPMOE_RAY_TMPDIR") or None
 def fault_spec() -> str:
     """EPMOE_FAULT, read when asked (a Ray worker receives it after its modules were imported)."""
     return os.environ.get("EPMOE_FAULT", "")
+
+
+def fault_mark() -> str:
+    """EPMOE_FAULT_MARK, read when a fault fires ("" = none)."""
+    return os.environ.get("EPMOE_FAULT_MARK", "")
 
 
 def forwarded_env() -> dict[str, str]:

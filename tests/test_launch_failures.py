@@ -233,22 +233,31 @@ def test_kill_9_from_outside_exit_3_names_the_killed_rank(small_cluster, tmp_pat
     """A rank's process killed with `kill -9` by someone else while its peer is stuck in step 0:
     the dead rank is blamed (with its pid), the stuck one is named as waiting or stopped."""
     killed = []
+    mark = tmp_path / "fault.mark"
 
     def watch(tag):
-        if killed:
+        """Once rank 0 hangs in its experts (it writes the mark: then both ranks are inside
+        step 0, rank 1 waiting on it), kill the other rank's actor process. Process titles
+        do not say which call a rank is in (heartbeats run beside the step)."""
+        if killed or not mark.exists():
             return
-        ranks = sorted(p for p in tagged_procs(tag) if cmdline(p).startswith("ray::Worker.call"))
-        if len(ranks) == 2:  # both ranks inside step 0
+        hung = int(mark.read_text().split()[1])
+        ranks = [p for p in tagged_procs(tag)
+                 if cmdline(p).startswith("ray::Worker") and p != hung]
+        if len(ranks) == 1:
             time.sleep(1)
-            os.kill(ranks[-1], signal.SIGKILL)
-            killed.append(ranks[-1])
+            os.kill(ranks[0], signal.SIGKILL)
+            killed.append(ranks[0])
 
     tag = new_tag()
     out = tmp_path / "f.json"
     rc, _, err, wall, seen = run_launch(
-        ["--ep", "2", "--tokens", "4", "--steps", "2", "--layers", "1", "--timeout", "60",
-         "--address", small_cluster.address, "--out", str(out)], tag, timeout=200,
-        auth=small_cluster.auth, watch=watch, EPMOE_FAULT="0:experts:hang")
+        # --timeout bounds each stage; the kill ends the run long before it. 120 s: on a
+        # loaded 2-core box the actors' start (imports) alone has taken over 60 s
+        ["--ep", "2", "--tokens", "4", "--steps", "2", "--layers", "1", "--timeout", "120",
+         "--address", small_cluster.address, "--out", str(out)], tag, timeout=300,
+        auth=small_cluster.auth, watch=watch, EPMOE_FAULT="0:experts:hang",
+        EPMOE_FAULT_MARK=str(mark))
     print(f"{wall=:.1f}s {killed=} {err.strip().splitlines()[-1:]}")
     assert rc == 3 and killed, err
     f = json.loads(out.read_text())["failure"]

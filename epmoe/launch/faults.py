@@ -10,7 +10,8 @@ WHERE is a launcher stage or any timed stage of the runtime:
 | measure   | when the rank measures the balancedness an EPLB placement achieved      |
 | other     | the first entry into that runtime stage (router, dispatch, experts, ...) |
 KIND: exit (os._exit), kill (SIGKILL, as `kill -9`), raise (an exception), hang (sleeps).
-A fault fires once, at the first match.
+A fault fires once, at the first match. With EPMOE_FAULT_MARK=FILE the rank first appends
+"RANK PID" to FILE, so a test knows the moment (and the process) without guessing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Fault:
         return STAGES.get(self.where, self.where)
 
     def fire(self) -> None:
+        from epmoe.env import fault_mark  # noqa: PLC0415
+
+        if fault_mark():
+            with open(fault_mark(), "a") as f:
+                f.write(f"{self.rank} {os.getpid()}\n")
         if self.kind == "exit":
             os._exit(17)
         if self.kind == "kill":
