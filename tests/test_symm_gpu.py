@@ -9,6 +9,8 @@ byte against all2all's payloads, layouts against `make_contiguous_layout`, combi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,15 +31,19 @@ OPTS = SymmOptions(num_sms=4, timeout_s=5.0)
 CHUNKED = SymmOptions(num_sms=4, timeout_s=5.0, chunk_cols=128)  # D = 256: 2 chunks per row
 
 
-@pytest.mark.parametrize("streams", [False, True])
+@pytest.mark.parametrize("streams,pipelined", [(False, None), (True, None), (True, True)])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "bf16", "fp32", "uneven"), (4, "fp8_block", "ue8m0_packed", "full"),
     (2, "fp8_block", "fp32", "empty")])
-def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, seed):
+def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, seed):
+    """pipelined: each rank's dispatch is one kernel (send and receive roles) on its own
+    stream, its receive waiting chunk by chunk on the other ranks' sends as they run."""
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
+    opts = dataclasses.replace(OPTS if world > 2 else CHUNKED, pipelined=pipelined,
+                               chunk_rows=4 if pipelined else 0)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
-                              options=OPTS if world > 2 else CHUNKED, alignment=8)
+                              options=opts, alignment=8)
     for _ in range(3):
         ht_round(comms, world, quant, *case_inputs(scenario, world, gen), gen, "cuda", streams)
     for c in comms:
@@ -87,14 +93,15 @@ def _expected(x, ids, w, quant, world):
     return out.to(torch.bfloat16)
 
 
-def _graph_round(comms, static, e_l):
+def _graph_round(comms, static, e_l, streams=False):
     """-> (eager step, graph, the graph's outputs): dispatch -> _scaled_identity -> combine of
     every loopback rank, captured once after a warm-up (check_errors syncs the host, so the
-    captured round uses the halves directly)."""
+    captured round uses the halves directly; with `streams`, each rank on its own stream,
+    forked from and joined to the capture stream)."""
     def step():
-        outs = loopback_dispatch(comms, *static)
+        outs = loopback_dispatch(comms, *static, streams=streams)
         ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
-        return loopback_combine(comms, ys, [h for _, h in outs])
+        return loopback_combine(comms, ys, [h for _, h in outs], streams=streams)
 
     step()
     s = torch.cuda.Stream()
@@ -104,12 +111,17 @@ def _graph_round(comms, static, e_l):
         step()  # warm-up on the capture stream
         torch.cuda.synchronize()
         with torch.cuda.graph(g, stream=s):
-            outs = [c.dispatch_send(x, i, w) for c, x, i, w in zip(comms, *static)]
-            outs = [c.dispatch_recv(p) for c, p in zip(comms, outs)]
-            ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
-            for c, y, (_, h) in zip(comms, ys, outs):
-                c.combine_send(y, h)
-            graph_out = [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
+            if streams:
+                outs = loopback_dispatch(comms, *static, streams=True)
+                ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
+                graph_out = loopback_combine(comms, ys, [h for _, h in outs], streams=True)
+            else:
+                outs = [c.dispatch_send(x, i, w) for c, x, i, w in zip(comms, *static)]
+                outs = [c.dispatch_recv(p) for c, p in zip(comms, outs)]
+                ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
+                for c, y, (_, h) in zip(comms, ys, outs):
+                    c.combine_send(y, h)
+                graph_out = [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
     torch.cuda.current_stream().wait_stream(s)
     return step, g, graph_out
 
@@ -145,13 +157,18 @@ def test_ll_cuda_graph_1000_replays_match_eager(seed):
         c.check_errors()
 
 
-def test_ht_cuda_graph_replays_match_reference(seed):
+@pytest.mark.parametrize("pipelined", [None, True])
+def test_ht_cuda_graph_replays_match_reference(pipelined, seed):
+    """200 replays on fresh routing; pipelined: each rank's one dispatch kernel on its own
+    stream inside the graph (the progress words' epochs advance on the device)."""
     world, quant = 2, QuantConfig("bf16")
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
-                              options=OPTS)
+                              options=dataclasses.replace(OPTS, pipelined=pipelined,
+                                                          chunk_rows=4))
     static = on("cuda", *case_inputs("full", world, gen))
-    _, g, graph_out = _graph_round(comms, static, CFG.num_experts // world)
+    _, g, graph_out = _graph_round(comms, static, CFG.num_experts // world,
+                                   streams=bool(pipelined))
     for i in range(200):
         _refill(static, world, gen)
         g.replay()

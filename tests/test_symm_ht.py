@@ -18,7 +18,8 @@ import dataclasses
 import pytest
 import torch
 
-from epmoe.comm.symm.arena import CTRL_SEQ, HT_DISPATCH, SymmTimeoutError, ctrl_ack
+from epmoe.comm.symm.arena import (CTRL_ROLE, CTRL_SEQ, CTRL_SEQ_SEND, HT_DISPATCH,
+                                   SymmTimeoutError, ctrl_ack)
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
@@ -194,7 +195,8 @@ def test_ht_matches_all2all(world, recipe, fmt, scenario, align, rounds, chunk, 
 def test_ht_sends_each_token_once_per_destination_rank(seed):
     """Dedup: rank s's region at rank d holds exactly the tokens of s with an expert on d, one
     row each, in token order; the count block says how many. A rank's own rows are never
-    staged (its receive reads them from its input): its own region holds poison still."""
+    staged (its receive reads them from its input and routing): its own region holds poison
+    still."""
     world, quant = 2, QuantConfig("bf16")
     gen = torch.Generator().manual_seed(seed)
     lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, options=OPTS)
@@ -210,11 +212,12 @@ def test_ht_sends_each_token_once_per_destination_rank(seed):
         cnt = arena.words("ht_counts").view(2, world, shape.count_words)
         for s in range(world):
             mine = [t for t in range(MAX_T) if ((ids[s][t] // e_l) == d).any()]
-            assert int(cnt[1, s, 0]) == len(mine)  # epoch 1 uses buffer 1
             want = xs[s][mine].view(torch.int32)
-            if s == d:
+            if s == d:  # the own rows and counts come from the rank's input and routing
                 assert (rows[1, s] == -7).all()
             else:
+                assert int(cnt[1, s, 0]) == len(mine)  # epoch 1 uses buffer 1
+                assert int(cnt[1, s, 1 + e_l]) == OPTS.num_sms  # the sender's CTAs
                 assert torch.equal(rows[1, s, :len(mine), :want.shape[1]], want)
 
 
@@ -256,7 +259,8 @@ def test_ht_send_into_an_unreleased_buffer_times_out(seed):
     lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
                                options=SymmOptions(num_sms=1, timeout_s=0.02))
     ctrl = lw.rank(0).ctrl()
-    ctrl[CTRL_SEQ + HT_DISPATCH] = 4  # the next send is epoch 5: needs ack >= 3 from each peer
+    ctrl[CTRL_SEQ + HT_DISPATCH] = 4  # both halves counted 4 calls: the next send is epoch 5,
+    ctrl[CTRL_SEQ_SEND + HT_DISPATCH] = 4  # it needs ack >= 3 from each peer
     ctrl[ctrl_ack(world) + HT_DISPATCH * world + 0] = 4  # rank 0 released its own
     xs, ids, ws = case_inputs("uneven", world, gen)
     comms[0].dispatch_send(xs[0], ids[0], ws[0])
@@ -293,3 +297,62 @@ def test_ht_exact_rows_returns_only_the_used_rows(seed):
     for r, (batch, h) in enumerate(run_round(comms, world, quant, xs, ids, ws, gen)):
         m = int(batch.layout.offsets_E1[-1])
         assert batch.num_rows == m == batch.layout.num_rows == int(h.recv.info_I[1])
+
+
+def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
+    """Rank 0 runs the pipelined dispatch (one launch: its first CTAs to start send, the rest
+    receive), rank 1 the two split launches; the roles' protocol is the same, so they mix.
+    Order: rank 1 sends, rank 0's one kernel (its receivers find rank 1's rows), rank 1
+    receives. Three rounds: both buffers, the per-half epochs and the role counter's reset."""
+    world, quant = 2, QuantConfig("fp8_block")
+    gen = torch.Generator().manual_seed(seed)
+    lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
+                               options=SymmOptions(num_sms=2, recv_sms=3), alignment=8)
+    comms[0].options = SymmOptions(num_sms=2, recv_sms=3, pipelined=True)
+    assert comms[0].pipelined and not comms[1].pipelined
+    for _ in range(3):
+        xs, ids, ws = case_inputs("full", world, gen)
+        p1 = comms[1].dispatch_send(xs[1], ids[1], ws[1])
+        p0 = comms[0].dispatch_send(xs[0], ids[0], ws[0])
+        outs = [comms[0].dispatch_recv(p0), comms[1].dispatch_recv(p1)]
+        for c in comms:
+            c.check_errors()
+        assert int(lw.rank(0).ctrl()[CTRL_ROLE + HT_DISPATCH]) == 0  # reset for the next
+        # rank 0's send CTAs released their progress at rank 1 round by round (2 CTAs,
+        # 4-slot chunks under the interpreter): epoch << 32 | rounds of that CTA
+        n = sum(bool(((ids[0][t] // (CFG.num_experts // world)) == 1).any())
+                for t in range(MAX_T))
+        prog = lw.rank(1).words("ht_prog", torch.int64).view(world, -1)
+        epoch = int(lw.rank(0).ctrl()[CTRL_SEQ_SEND + HT_DISPATCH])
+        for c in range(2):
+            rounds = len(range(c, -(-n // 4), 2))
+            if rounds:
+                assert int(prog[0, c]) == (epoch << 32) | rounds, (c, rounds)
+        check_received(comms, outs, world, quant, xs, ids, ws)
+        ys = [torch.randn(b.num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
+              for b, _ in outs]
+        res = loopback_combine(comms, ys, [h for _, h in outs])
+        want = a2a_combine(world, outs, ys, [x.shape[0] for x in xs])
+        assert all(torch.equal(a, b) for a, b in zip(res, want))
+
+
+def test_ht_receive_waits_for_each_chunk_of_a_peer(seed):
+    """Rank 1's counts and first round of chunks have landed at rank 0, its later rounds not
+    (its progress word says 1 round): rank 0's receive times out naming peer 1 instead of
+    placing rows that are not there. 12 tokens, 4-slot chunks, 1 send CTA: 3 rounds."""
+    world, quant = 2, QuantConfig("bf16")
+    gen = torch.Generator().manual_seed(seed)
+    opts = SymmOptions(num_sms=1, timeout_s=0.02, chunk_rows=4)
+    lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, options=opts)
+    xs, ids, ws = case_inputs("full", world, gen)
+    ids[1][:, 0] = 0  # every token of rank 1 has an expert on rank 0: 12 slots, 3 chunks
+    p1 = comms[1].dispatch_send(xs[1], ids[1], ws[1])
+    prog = lw.rank(0).words("ht_prog", torch.int64).view(world, -1)
+    assert int(prog[1, 0]) == (1 << 32) | 0x7FFFFFFF  # split send: epoch 1, every round
+    prog[1, 0] = (1 << 32) | 1
+    p0 = comms[0].dispatch_send(xs[0], ids[0], ws[0])
+    comms[0].dispatch_recv(p0)
+    with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 1 in ht-dispatch "
+                                               r"receive, waiting for the peer's data"):
+        comms[0].check_errors()
+    del p1

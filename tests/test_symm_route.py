@@ -27,5 +27,7 @@ def test_route_ranks_pairs_and_messages_in_token_order_across_chunks(seed):
         for d in range(world):
             goes = bool(((ids[n] >= 0) & (ids[n] // e_l == d)).any())
             assert int(rt.msg_TW[n, d]) == (sent[d] if goes else -1), (n, d)
+            if goes:  # the inverse: rank d's sent[d]-th token is n
+                assert int(rt.tok_WT[d, sent[d]]) == n, (n, d)
             sent[d] += goes
     assert rt.total_C.tolist() == seen + sent

@@ -59,7 +59,10 @@ def _options(opt_kw: dict):
     """SymmOptions from the knobs given (only those: the bench also runs older trees)."""
     from epmoe.comm.symm.options import SymmOptions
 
-    return SymmOptions(**{k: v for k, v in opt_kw.items() if v})
+    kw = {k: v for k, v in opt_kw.items() if v}
+    if "pipelined" in kw:
+        kw["pipelined"] = bool(kw["pipelined"])
+    return SymmOptions(**kw)
 
 
 def kernel_breakdown(run, iters: int, world: int) -> dict:
@@ -149,7 +152,7 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
     measured."""
     from epmoe.comm.symm.ht import SymmHighThroughputComm
     from epmoe.comm.symm.ll import SymmLowLatencyComm
-    from epmoe.comm.symm.loopback import loopback_comms
+    from epmoe.comm.symm.loopback import loopback_comms, loopback_dispatch
 
     opt_kw = dict(opt_kw or {})
     opts = _options(opt_kw)
@@ -163,6 +166,8 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
         rt = [routing(t, gen, "cuda") for _ in range(world)]
         ids, ws = [r[0] for r in rt], [r[1] for r in rt]
         def dispatch():
+            if opts.pipelined:  # each rank's one kernel on its stream: the ranks overlap
+                return loopback_dispatch(comms, xs, ids, ws, streams=True)
             pend = [c.dispatch_send(x, i, w) for c, x, i, w in zip(comms, xs, ids, ws)]
             return [c.dispatch_recv(p_) for c, p_ in zip(comms, pend)]
 
@@ -209,12 +214,14 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
     torch.cuda.empty_cache()
 
 
-KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps")
+KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipelined",
+         "chunk_rows")
 
 
 def _sweep(spec: str) -> list[dict]:
-    """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps}]
-    (missing or 0: the default)."""
+    """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
+    pipelined, chunk_rows}] (missing or 0: the default; pipelined 1: symm-ht's one-kernel
+    dispatch, ranks on their own streams)."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = [int(v) for v in item.split(":")]

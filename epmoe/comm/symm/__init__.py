@@ -34,13 +34,14 @@ rows of one [W, bytes] tensor). Kernels are identical for both.
 
     HT arena                                  LL arena
     +--------------------------------------+  +---------------------------------------+
-    | ctrl   seq[4] done[8] err[8]         |  | ctrl   (same block)                   |
+    | ctrl   seq[4] done[8] err[8] send_seq|  | ctrl   (same block)                   |
+    |        [4] role[4]                   |  |                                       |
     |        ready[4][W] ack[4][W]         |  | ll_slots  [E_l] rows taken per expert |
     | ht_rows   [2][W][T] data|scale words |  | ll_data   [E_l][C][D] fp8 | bf16      |
     | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
-    | ht_counts [2][W] n, pairs/expert     |  | ll_meta   [E_l][C] (src*T + t)*K + k  |
-    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_msg    [W][T] epoch, row_k, w_k    |
-    |                                      |  | ll_comb   [2][W][T] bf16 [D] partial  |
+    | ht_counts [2][W] n, pairs/expert, G  |  | ll_meta   [E_l][C] (src*T + t)*K + k  |
+    | ht_prog   [W][1024] i64 chunk rounds |  | ll_msg    [W][T] epoch, row_k, w_k    |
+    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_comb   [2][W][T] bf16 [D] partial  |
     +--------------------------------------+  +---------------------------------------+
     [2] = buffer epoch % 2, [W] = source rank, T = max tokens per rank, C = W x T
 
@@ -60,6 +61,13 @@ under the interpreter); the first timeout writes (phase, peer, flag, expected) t
 error record, later waits give up at once, and `check_errors()` raises `SymmTimeoutError`
 naming rank, peer and phase (the loopback driver checks after every phase; the Runtime at a
 sync point it already has). An arena that timed out stays failed: close the context.
+symm-ht's dispatch publishes finer: the counts first (ready), then after each round of
+CK-slot chunks a send CTA releases `ht_prog[me][cta] = epoch << 32 | rounds` at every peer,
+and the receive places each chunk once its round has landed (`ht_send.py`, `ht_recv.py`). On
+real ranks both roles run in one kernel (`SymmOptions.pipelined`): its first CTAs to start
+take the send role (an arrival counter, so a role others wait for is always running), the
+rest receive, and the layout writes overlap the link. Its two roles count their own epochs
+(send_seq, seq): the receive may finish first.
 Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; by default symm-ht 24,
 symm-ll every SM); the receive halves (local copies after their wait) run `recv_sms` CTAs
 (default: every SM, or num_sms when that is given). No kernel waits on another CTA of its own
@@ -77,7 +85,7 @@ NVSHMEM_SYMMETRIC_SIZE when the arena is large (HT at 4096 tokens x 7168 bf16, 2
 about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
-(sender's routing table), ht_dispatch.py / ht_combine.py, ll_dispatch.py / ll_combine.py
+(sender's routing table), ht_dispatch.py (+ ht_send.py, ht_recv.py: its roles) / ht_combine.py, ll_dispatch.py / ll_combine.py
 (kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles,
 `ksum`), options.py (knobs), ht.py / ll.py (the backends), loopback.py (W ranks in one
 process).

@@ -27,10 +27,13 @@ NUM_OPS = 4
 OP_NAMES = ("ht-dispatch", "ht-combine", "ll-dispatch", "ll-combine")
 # Control block, int32 words: seq[op] (calls completed on this rank), done_send[op] /
 # done_recv[op] (CTA arrivals of the running kernel), err[8] (first timeout: flag, phase, peer,
-# seen, expected), then ready[op][W] (epoch the source published to me) and ack[op][W] (epoch
-# the peer has consumed from me, i.e. the buffer I may refill).
+# seen, expected), send_seq[op] (calls whose send half completed: symm-ht's dispatch send
+# counts its own, as its receive may finish first), role[op] (CTAs of a running pipelined
+# kernel that took their role), then ready[op][W] (epoch the source published to me) and
+# ack[op][W] (epoch the peer has consumed from me, i.e. the buffer I may refill).
 CTRL_SEQ, CTRL_DONE_SEND, CTRL_DONE_RECV, CTRL_ERR = 0, 4, 8, 12
 ERR_WORDS = 8
+CTRL_SEQ_SEND, CTRL_ROLE = 20, 24
 CTRL_READY = 32  # + op * W + src
 
 
@@ -99,12 +102,15 @@ class RankArena:
 
     base         uint8 [nbytes], this rank's allocation (kernels get it as `arena_ptr`)
     peer_delta_W int64 [W], byte distance from base to each rank's base (0 for this rank)
+    loopback     every rank's arena lives in this process (`LoopbackWorld`): its driver runs
+                 the ranks one after another, so no kernel may wait for a later launch
     """
 
     base: torch.Tensor
     peer_delta_W: torch.Tensor
     rank: int
     layout: ArenaLayout
+    loopback: bool = False
 
     @property
     def world(self) -> int:
@@ -155,7 +161,7 @@ class LoopbackWorld:
         return self.layout.world
 
     def rank(self, r: int) -> RankArena:
-        return RankArena(self.storage[r], self._deltas[r], r, self.layout)
+        return RankArena(self.storage[r], self._deltas[r], r, self.layout, loopback=True)
 
 
 class ArenaResource:

@@ -62,12 +62,14 @@ def cuda_unsupported(device) -> str | None:
 @dataclass(frozen=True)
 class SymmHTPending:
     """Between dispatch_send and dispatch_recv: this rank's routing table (msg_TW: the ranks
-    each token went to; combine reads it), token count, and its wire rows (the receive reads
-    the rank's own rows from them: the input must not change until dispatch_recv)."""
+    each token went to; combine reads it), token count, the kernel's inputs (the receive reads
+    the rank's own rows from its wire rows: the input must not change until dispatch_recv),
+    and the receive's outputs when the pipelined kernel already wrote them."""
 
     msg_TW: torch.Tensor
     num_tokens: int
-    wire_x: QTensor
+    args: ht_dispatch.HTDispatchArgs
+    outputs: ht_dispatch.HTOutputs | None
 
 
 @dataclass(frozen=True)
@@ -133,19 +135,35 @@ class SymmHighThroughputComm(Comm):
                                          recipe=w.recipe)
 
     # -------------------------------------------------------------- dispatch
+    @property
+    def pipelined(self) -> bool:
+        """One kernel for both dispatch roles (SymmOptions.pipelined; default: real ranks)."""
+        p = self.options.pipelined
+        return (not self.arena.view.loopback) if p is None else p
+
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmHTPending:
         self.arena.begin(HT_DISPATCH)
         xq = self._quantize(x_TD)
         rt = route(topk_ids_TK, self.num_experts, self.world)
-        ht_dispatch.dispatch_send(self.arena.view, self.shape, xq, topk_ids_TK, topk_weights_TK,
-                                  rt, self.options)
-        return SymmHTPending(rt.msg_TW, x_TD.shape[0], xq)
+        args = ht_dispatch.prepare(self.shape, xq, topk_ids_TK, topk_weights_TK, rt)
+        view, out = self.arena.view, None
+        if self.pipelined:  # both roles now: the receive overlaps the link
+            out = ht_dispatch.allocate(view, self.shape, self.alignment)
+            ht_dispatch.launch(view, self.shape, self.alignment, args, out,
+                               ht_dispatch.PIPELINED, self.options)
+        else:
+            ht_dispatch.launch(view, self.shape, self.alignment, args, None,
+                               ht_dispatch.SPLIT_SEND, self.options)
+        return SymmHTPending(rt.msg_TW, x_TD.shape[0], args, out)
 
     def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
         self.arena.end(HT_DISPATCH)
-        x, layout, recv = ht_dispatch.dispatch_recv(self.arena.view, self.shape, self.fmt,
-                                                    self.alignment, pending.wire_x,
-                                                    self.options)
+        view, out = self.arena.view, pending.outputs
+        if out is None:
+            out = ht_dispatch.allocate(view, self.shape, self.alignment)
+            ht_dispatch.launch(view, self.shape, self.alignment, pending.args, out,
+                               ht_dispatch.SPLIT_RECV, self.options)
+        x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out)
         if self.options.exact_rows:
             x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
         return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW, pending.num_tokens)

@@ -16,6 +16,9 @@ from epmoe.config import QuantConfig
 from epmoe.quant import FP8_DTYPE
 
 
+MAX_SEND_CTAS = 1024  # progress words per source rank: one per CTA of its dispatch send
+
+
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -86,7 +89,8 @@ class HTShape:
 
     @property
     def count_words(self) -> int:
-        return _align(1 + self.num_local_experts, 4)
+        """n, pairs per local expert, the sender's CTAs (its chunk -> CTA map)."""
+        return _align(2 + self.num_local_experts, 4)
 
     def layout(self) -> ArenaLayout:
         w, t = self.world, max(1, self.max_tokens)
@@ -94,6 +98,7 @@ class HTShape:
             ("ht_rows", 2 * w * t * self.row_words * 4),
             ("ht_meta", 2 * w * t * self.meta_words * 4),
             ("ht_counts", 2 * w * self.count_words * 4),
+            ("ht_prog", w * MAX_SEND_CTAS * 8),
             ("ht_comb", 2 * w * t * self.hidden * 2)])
 
 

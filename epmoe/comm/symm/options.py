@@ -27,6 +27,12 @@ class SymmOptions:
                 the interpreter it bounds polls: 1000 per second)
     exact_rows  symm-ht: sync once after the receive and return only the used rows (M exact)
                 instead of the worst-case row count (no host sync, CUDA-graph safe)
+    pipelined   symm-ht dispatch as one kernel whose first CTAs send and the rest receive,
+                placing each chunk in the layout as it lands (the layout writes overlap the
+                link); None = on for real ranks, off in the loopback world run rank by rank
+                (a receive there would wait for a send launched after it)
+    chunk_rows  symm-ht dispatch: slots per chunk (the unit a receive waits for; a power of
+                two); 0 = 16 on GPU, 4 when interpreting (several rounds in small tests)
     """
 
     num_sms: int = 0
@@ -36,6 +42,8 @@ class SymmOptions:
     num_warps: int = 0
     timeout_s: float = 10.0
     exact_rows: bool = False
+    pipelined: bool | None = None
+    chunk_rows: int = 0
 
     def __post_init__(self):
         if self.num_sms < 0:
@@ -50,6 +58,9 @@ class SymmOptions:
         if self.num_warps < 0 or self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
             raise ValueError(f"num_warps ({self.num_warps}) must be 0 (the default) or a power "
                              f"of two <= 32")
+        if self.chunk_rows < 0 or self.chunk_rows & (self.chunk_rows - 1):
+            raise ValueError(f"chunk_rows ({self.chunk_rows}) must be 0 (the default) or a "
+                             f"power of two")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
 
@@ -63,6 +74,9 @@ class SymmOptions:
         cost is per program step, not per element)."""
         return 64 if INTERPRET else (self.tile_tokens or default)
 
+
+    def chunk_rows_or_default(self) -> int:
+        return self.chunk_rows or (4 if INTERPRET else 16)
 
     def chunk(self, row: int) -> int:
         """Columns per work item of a reducing kernel for rows of `row` columns."""

@@ -8,6 +8,8 @@ per rank, -1 = empty slot):
                           group is offset + (pairs of lower source ranks) + pos
   msg_TW    int32 [T, W]  index of token t among the tokens sent to rank d (a token goes once
                           to every rank holding one of its experts: dedup), -1 if not sent
+  tok_WT    int32 [W, T]  the inverse of msg_TW: tok_WT[d, m] = the token sent as rank d's m-th
+                          (m < tokens sent to d; the rest is not written)
   total_C   int32 [E + W] pairs per expert, then tokens sent per destination rank
 
 Three small kernels over token chunks (no host sync): counts per chunk and column, their
@@ -70,9 +72,9 @@ def _route_scan_kernel(cnt_ptr, incl_ptr, chunks, COLS: tl.constexpr, BC: tl.con
 
 
 @triton.jit
-def _route_pos_kernel(ids_ptr, incl_ptr, cnt_ptr, pos_ptr, msg_ptr, T, K: tl.constexpr,
-                      E: tl.constexpr, E_L: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr,
-                      KP: tl.constexpr, BT: tl.constexpr):
+def _route_pos_kernel(ids_ptr, incl_ptr, cnt_ptr, pos_ptr, msg_ptr, tok_ptr, T,
+                      K: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, W: tl.constexpr,
+                      COLS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
     """Positions of one chunk: pairs are ranked by their flat index t * KP + k (token order:
     one token's expert ids are distinct), base = pairs of earlier chunks (incl - cnt)."""
     pid = tl.program_id(0)
@@ -99,6 +101,7 @@ def _route_pos_kernel(ids_ptr, incl_ptr, cnt_ptr, pos_ptr, msg_ptr, T, K: tl.con
         col = pid * COLS + E + d
         m = tl.load(incl_ptr + col) - tl.load(cnt_ptr + col) + tl.cumsum(sent, axis=0) - sent
         tl.store(msg_ptr + tok.to(tl.int64) * W + d, tl.where(sent > 0, m, -1), mask=tm)
+        tl.store(tok_ptr + d * T + m, tok, mask=tm & (sent > 0))
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class SendRoute:
 
     pos_TK: torch.Tensor
     msg_TW: torch.Tensor
+    tok_WT: torch.Tensor
     total_C: torch.Tensor
 
 
@@ -130,8 +134,10 @@ def route(topk_ids_TK: torch.Tensor, num_experts: int, world: int) -> SendRoute:
                                                   RB=2 if INTERPRET else 32)
     pos = torch.empty((t, k), dtype=torch.int32, device=dev)
     msg = torch.empty((t, world), dtype=torch.int32, device=dev)
-    _route_pos_kernel[(chunks,)](ids, incl, cnt, pos, msg, t, W=world, KP=next_pow2(k), **meta)
-    return SendRoute(pos, msg, incl[-1])
+    tok = torch.empty((world, max(t, 1)), dtype=torch.int32, device=dev)
+    _route_pos_kernel[(chunks,)](ids, incl, cnt, pos, msg, tok, t, W=world, KP=next_pow2(k),
+                                 **meta)
+    return SendRoute(pos, msg, tok, incl[-1])
 
 
 __all__ = ["route", "SendRoute"]

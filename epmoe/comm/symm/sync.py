@@ -29,6 +29,8 @@ C_DONE_SEND = tl.constexpr(_a.CTRL_DONE_SEND)
 C_DONE_RECV = tl.constexpr(_a.CTRL_DONE_RECV)
 C_ERR = tl.constexpr(_a.CTRL_ERR)
 C_READY = tl.constexpr(_a.CTRL_READY)
+C_SEQ_SEND = tl.constexpr(_a.CTRL_SEQ_SEND)
+C_ROLE = tl.constexpr(_a.CTRL_ROLE)
 C_NUM_OPS = tl.constexpr(_a.NUM_OPS)
 
 
@@ -180,9 +182,42 @@ def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
 @triton.jit
 def finish_recv(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
     """Last CTA of a receive half: seq[OP] = e here, ack[OP][me] = e at every rank."""
-    if arrive_last(arena_ptr, C_DONE_RECV + OP, tl.num_programs(0)) != 0:
+    finish_recv_of(arena_ptr, delta_ptr, OP, e, me, W, tl.num_programs(0))
+
+
+@triton.jit
+def finish_recv_of(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr, n):
+    """`finish_recv` for a receive half of `n` CTAs (a role of a larger grid)."""
+    if arrive_last(arena_ptr, C_DONE_RECV + OP, n) != 0:
         tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP), e)
         publish(arena_ptr, delta_ptr, C_READY + C_NUM_OPS * W + OP * W + me, e, W)
+
+
+@triton.jit
+def send_epoch(arena_ptr, OP: tl.constexpr):
+    """The epoch of a send half that counts its own calls (send_seq + 1; `finish_send_seq`)."""
+    return tl.load(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP)) + 1
+
+
+@triton.jit
+def finish_send_seq(arena_ptr, OP: tl.constexpr, e, n):
+    """Last of the `n` CTAs of such a send half: send_seq[OP] = e (local only: what the
+    receivers wait for was published as the send went)."""
+    if arrive_last(arena_ptr, C_DONE_SEND + OP, n) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP), e)
+
+
+@triton.jit
+def take_role(arena_ptr, OP: tl.constexpr, n):
+    """-> this CTA's arrival index among the `n` CTAs of a running kernel (0 = first to run).
+    A kernel that splits its CTAs into roles by arrival gives the first roles to CTAs that
+    are running, whatever order the hardware starts them in: a role that others wait for
+    never waits for a free SM. The last to arrive resets the counter for the next launch."""
+    p = ctrl_ptr(arena_ptr, C_ROLE + OP)
+    i = tl.atomic_add(p, 1, sem="relaxed", scope="gpu")
+    if i == n - 1:
+        tl.atomic_xchg(p, 0, sem="relaxed", scope="gpu")
+    return i
 
 
 @triton.jit
@@ -192,7 +227,8 @@ def no_error(arena_ptr):
 
 
 __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_release",
-           "finish_send", "finish_recv",
+           "finish_send", "finish_recv", "finish_recv_of", "send_epoch", "finish_send_seq",
+           "take_role",
            "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
            "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
            "USE_TIMER"]
