@@ -338,8 +338,9 @@ def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
 
 def test_ht_receive_waits_for_each_chunk_of_a_peer(seed):
     """Rank 1's counts and first round of chunks have landed at rank 0, its later rounds not
-    (its progress word says 1 round): rank 0's receive times out naming peer 1 instead of
-    placing rows that are not there. 12 tokens, 4-slot chunks, 1 send CTA: 3 rounds."""
+    (its progress word says 1 round, its whole-send word nothing): rank 0's receive times out
+    naming peer 1 instead of placing rows that are not there. 12 tokens, 4-slot chunks, 1
+    send CTA: 3 rounds."""
     world, quant = 2, QuantConfig("bf16")
     gen = torch.Generator().manual_seed(seed)
     opts = SymmOptions(num_sms=1, timeout_s=0.02, chunk_rows=4)
@@ -349,10 +350,32 @@ def test_ht_receive_waits_for_each_chunk_of_a_peer(seed):
     p1 = comms[1].dispatch_send(xs[1], ids[1], ws[1])
     prog = lw.rank(0).words("ht_prog", torch.int64).view(world, -1)
     assert int(prog[1, 0]) == (1 << 32) | 0x7FFFFFFF  # split send: epoch 1, every round
-    prog[1, 0] = (1 << 32) | 1
+    assert int(prog[1, -1]) == (1 << 32) | 0x7FFFFFFF  # and the whole send landed
+    prog[1, 0] = (1 << 32) | 1  # as if only its first round had landed, and not the rest
+    prog[1, -1] = 0
     p0 = comms[0].dispatch_send(xs[0], ids[0], ws[0])
     comms[0].dispatch_recv(p0)
     with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 1 in ht-dispatch "
                                                r"receive, waiting for the peer's data"):
         comms[0].check_errors()
     del p1
+
+
+def test_ht_combine_done_words_count_every_block_each_call(seed):
+    """The combine's reduce counts NC (column chunks) per call into every token block's done
+    word, blocks without tokens included, so after call e each word is e * NC (the push
+    waits for exactly that: a block left short would hang the next call's push). 40 tokens
+    per rank of room: 80 receive slots, two 64-row blocks under the interpreter, of which
+    the 3 + 6 tokens received use one."""
+    world, quant, max_t = 2, QuantConfig("bf16"), 40
+    gen = torch.Generator().manual_seed(seed)
+    opts = SymmOptions(num_sms=1, recv_sms=3, chunk_cols=64)  # D = 256: 4 chunks
+    lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, max_t, options=opts)
+    for call in range(1, 3):
+        outs = loopback_dispatch(comms, *case_inputs("uneven", world, gen, max_t=max_t))
+        ys = [torch.randn(b.num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
+              for b, _ in outs]
+        loopback_combine(comms, ys, [h for _, h in outs])
+        for r in range(world):
+            done = lw.rank(r).words("ht_cdone")[:2]
+            assert (done == call * 4).all(), (r, call, done.tolist())

@@ -46,8 +46,14 @@ def ctrl_words(world: int) -> int:
 
 
 # Phase codes of the error record: 2 * op + (0: waiting for a peer to release its buffer,
-# 1: waiting for a peer's data).
+# 1: waiting for a peer's data); LOCAL_PHASE + op: waiting for another role of the same kernel.
+LOCAL_PHASE = 100
+
+
 def phase_name(code: int) -> str:
+    if int(code) >= LOCAL_PHASE and int(code) - LOCAL_PHASE < NUM_OPS:
+        return (OP_NAMES[int(code) - LOCAL_PHASE] + " send, waiting for this rank's own "
+                "reduction (a fault of this rank's kernel, not of a peer)")
     op, what = divmod(int(code), 2)
     if not 0 <= op < NUM_OPS:
         return f"phase code {code}"

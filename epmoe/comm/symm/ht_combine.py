@@ -4,13 +4,18 @@ order and casts once. That is all2all's numerics (experts' weighted sum per toke
 wire, rank-ordered fp32 sum, one cast), so both agree bit for bit on the same expert outputs.
 Region `ht_comb` of the HT arena (see `ht_dispatch.py`).
 
-The send half is two kernels, as the dispatch's halves are split by what they touch:
-  combine_reduce  local, every SM by default (`recv_sms`: the K-row unpermute-and-sum that a
-                  separate kernel does before DeepEP's combine): per received token, its
-                  partial row, stored straight into this rank's own `ht_comb` slot when the
-                  token is its own, else into a local staging row
-  combine_push    24 CTAs by default (`num_sms`: they write to peers): wait for the peers'
-                  acks, copy the staged rows to their sources' `ht_comb`, publish ready
+The send half is one kernel with two roles by arrival (`sync.take_role`):
+  reduce  the first CTAs to start, every SM but the push's by default (`recv_sms`: the K-row
+          unpermute-and-sum that a separate kernel does before DeepEP's combine): per
+          received token, its partial row, stored straight into this rank's own `ht_comb`
+          slot when the token is its own, else into a local staging row; each finished work
+          item counts into its token block's done word (`ht_cdone`, release at GPU scope)
+  push    the other 24 CTAs by default (`num_sms`: they write to peers): wait for the peers'
+          acks, then block by block, as soon as a block's items are done, copy its staged
+          rows to their sources' `ht_comb`; the last publishes ready
+so the reduction's reads of the expert rows overlap the partial rows' trip over the link.
+A done word counts NC (column chunks) per call, blocks without tokens included, so it reaches
+epoch * NC exactly when the block of this call is reduced: nothing is reset.
 """
 
 from __future__ import annotations
@@ -21,34 +26,35 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.comm.symm.arena import HT_COMBINE, RankArena  # noqa: E402
+from epmoe.comm.symm.arena import HT_COMBINE, LOCAL_PHASE, RankArena  # noqa: E402
 from epmoe.comm.symm.ht_dispatch import HTReceived  # noqa: E402
 from epmoe.comm.symm.ht_shape import HTShape  # noqa: E402
-from epmoe.comm.symm.options import SymmOptions, grid  # noqa: E402
+from epmoe.comm.symm.options import SymmOptions, device_sms, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
-from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_send, wait_acks  # noqa: E402
+from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_send_of, take_role,  # noqa: E402
+                                  wait_acks, wait_geq)
 from epmoe.comm.symm.tiles import (ksum, num_items, row_cols, rows_per_step,  # noqa: E402
                                    work_item)
 
 OP_C = tl.constexpr(HT_COMBINE)
+LOCAL = tl.constexpr(LOCAL_PHASE)
 
 
 @triton.jit
-def _combine_reduce_kernel(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr, part_ptr,
-                           me, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                           K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
-                           BT: tl.constexpr, PRE_ROUND: tl.constexpr):
-    """A work item: BT received tokens x one chunk of CK columns, their K row chunks (K
-    independent [BT, CK] loads, in flight together) weighted and summed in k order (`ksum`),
-    stored to the own ht_comb slot (this rank's tokens: nobody else reads that slot, and this
-    rank's previous combine_recv of the same buffer ran before on its stream) or staged."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
+def _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done_ptr, n_total,
+                  me, c, G, e, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+                  K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr, BT: tl.constexpr,
+                  NBLK: tl.constexpr, PRE_ROUND: tl.constexpr):
+    """The reduce role, CTA c of G. A work item: BT received tokens x one chunk of CK
+    columns, their K row chunks (K independent [BT, CK] loads, in flight together) weighted
+    and summed in k order (`ksum`), stored to the own ht_comb slot (this rank's tokens: nobody
+    else reads that slot, and this rank's previous combine_recv of the same buffer ran before
+    on its stream) or staged; then the block's done counter += 1 (release, GPU scope). Blocks
+    past the received tokens get all their counts at once: every block counts NC per call."""
     NC: tl.constexpr = (D + CK - 1) // CK
-    buf = epoch(arena_ptr, OP_C) % 2
-    n_total = tl.load(info_ptr)
+    buf = e % 2
     own_p = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
-    for it in range(pid, num_items(n_total, BT, NC), G):
+    for it in range(c, num_items(n_total, BT, NC), G):
         n, cols, cm = work_item(it, BT, CK, NC, D)
         nm = n < n_total
         n64 = n.to(tl.int64)
@@ -59,38 +65,68 @@ def _combine_reduce_kernel(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_p
         dst = tl.where(st // TMAX == me, own, part_ptr + n64 * D)
         tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
                  mask=nm[:, None] & cm[None, :])
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr + it // NC, 1, sem="release", scope="gpu")
+    for b in range((n_total + BT - 1) // BT + c, NBLK, G):
+        tl.atomic_add(done_ptr + b, NC, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _combine_push_kernel(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, info_ptr, me, limit,
-                         COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
-                         D: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr,
-                         USE_TIMER: tl.constexpr):
-    """A step: BT staged partial rows (whole rows, one load) of other ranks' tokens, copied
-    to their sources."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    e = epoch(arena_ptr, OP_C)
+def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, n_total, me, c, G, e,
+               limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+               D: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, BTR: tl.constexpr,
+               BT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """The push role, CTA c of G: wait for the peers' acks, then per reduce block (BTR rows,
+    in order) wait until its NC items are done (acquire, GPU scope; the block's count reaches
+    e * NC), and copy its staged partial rows of other ranks' tokens to their sources in steps
+    of BT whole rows."""
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
-        n_total = tl.load(info_ptr)
         cols = tl.arange(0, CH)
         cm = cols < D
-        for n0 in range(pid * BT, n_total, G * BT):
-            n = n0 + tl.arange(0, BT)
-            n64 = n.to(tl.int64)
-            nm = n < n_total
-            st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
-            nm = nm & (st // TMAX != me)
-            m2 = nm[:, None] & cm[None, :]
-            row = tl.load(part_ptr + n64[:, None] * D + cols[None, :], mask=m2)
-            peer = arena_ptr + tl.multiple_of(
-                tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
-            dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
-                + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
-            tl.store(dst[:, None] + cols[None, :], row, mask=m2)
-    finish_send(arena_ptr, delta_ptr, OP_C, e, me, W)
+        for blk in range(c, (n_total + BTR - 1) // BTR, G):
+            ok = ok & wait_geq(done_ptr + blk, e * NC, arena_ptr, LOCAL + OP_C, me, limit,
+                               USE_TIMER)
+            for n0 in range(blk * BTR, blk * BTR + BTR * ok, BT):  # none after a timeout
+                n = n0 + tl.arange(0, BT)
+                n64 = n.to(tl.int64)
+                nm = n < n_total
+                st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
+                nm = nm & (st // TMAX != me)
+                m2 = nm[:, None] & cm[None, :]
+                row = tl.load(part_ptr + n64[:, None] * D + cols[None, :], mask=m2)
+                peer = arena_ptr + tl.multiple_of(
+                    tl.load(delta_ptr + st // TMAX, mask=nm, other=0), 128)  # wide stores
+                dst = (peer + COMB).to(tl.pointer_type(tl.bfloat16)) \
+                    + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
+                tl.store(dst[:, None] + cols[None, :], row, mask=m2)
+
+
+@triton.jit
+def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
+                         part_ptr, me, limit, G_RED, G_PUSH, COMB: tl.constexpr,
+                         DONE: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+                         K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
+                         CH: tl.constexpr, BTR: tl.constexpr, BT: tl.constexpr,
+                         NBLK: tl.constexpr, PRE_ROUND: tl.constexpr,
+                         USE_TIMER: tl.constexpr):
+    """G_RED + G_PUSH CTAs: the first G_RED to start reduce, the rest push each block of
+    partial rows as soon as it is reduced (so the reduction's HBM reads overlap the link). The
+    push role waits only on reduce CTAs that already run (roles by arrival), never the other
+    way round."""
+    NC: tl.constexpr = (D + CK - 1) // CK
+    i = take_role(arena_ptr, OP_C, G_RED + G_PUSH)
+    e = epoch(arena_ptr, OP_C)
+    n_total = tl.load(info_ptr)
+    done = (arena_ptr + DONE).to(tl.pointer_type(tl.int32))
+    if i < G_RED:
+        _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done, n_total,
+                      me, i, G_RED, e, COMB, TMAX, W, K, D, CK, BTR, NBLK, PRE_ROUND)
+    else:
+        _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done, n_total, me, i - G_RED,
+                   G_PUSH, e, limit, COMB, TMAX, W, D, CH, NC, BTR, BT, USE_TIMER)
+        finish_send_of(arena_ptr, delta_ptr, OP_C, e, me, W, G_PUSH)
 
 
 def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTReceived,
@@ -99,19 +135,25 @@ def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTR
     if y_MD.dtype != torch.bfloat16 or y_MD.dim() != 2 or y_MD.shape[1] != shape.hidden:
         raise ValueError(f"expert output must be bf16 [M, {shape.hidden}] rows of the "
                          f"contiguous layout, got {y_MD.dtype} {tuple(y_MD.shape)}")
-    d, tmax = shape.hidden, max(1, shape.max_tokens)
-    comb = arena.layout.offset("ht_comb")
-    part = torch.empty((shape.world * tmax, d), dtype=torch.bfloat16, device=y_MD.device)
-    _combine_reduce_kernel[(grid(opts, y_MD.device, recv=True),)](
-        arena.base, y_MD.contiguous(), recv.inv_NK, recv.w_NK, recv.src_tok_N, recv.info_I,
-        part, arena.rank, COMB=comb, TMAX=tmax, W=shape.world, K=shape.top_k, D=d,
-        CK=opts.chunk(d), BT=opts.tile(16), PRE_ROUND=INTERPRET, num_warps=opts.warps(),
+    d, tmax, dev = shape.hidden, max(1, shape.max_tokens), y_MD.device
+    lay = arena.layout
+    part = torch.empty((shape.world * tmax, d), dtype=torch.bfloat16, device=dev)
+    g_push, g_red = grid(opts, dev), grid(opts, dev, recv=True)
+    sms = device_sms(dev)
+    if sms and opts.recv_sms == 0:  # the roles share the SMs
+        g_red = max(1, min(g_red, sms - g_push))
+    btr = opts.tile(16)
+    bt = min(btr, opts.tile(rows_per_step(row_cols(d), 2)))
+    nblk = triton.cdiv(shape.world * tmax, btr)
+    if nblk * 4 > lay.size("ht_cdone"):
+        raise ValueError(f"combine blocks ({nblk}) exceed the arena's ht_cdone words")
+    _combine_send_kernel[(g_red + g_push,)](
+        arena.base, arena.peer_delta_W, y_MD.contiguous(), recv.inv_NK, recv.w_NK,
+        recv.src_tok_N, recv.info_I, part, arena.rank, opts.spin_limit, g_red, g_push,
+        COMB=lay.offset("ht_comb"), DONE=lay.offset("ht_cdone"), TMAX=tmax, W=shape.world,
+        K=shape.top_k, D=d, CK=opts.chunk(d), CH=row_cols(d), BTR=btr, BT=bt, NBLK=nblk,
+        PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=opts.warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
-    _combine_push_kernel[(grid(opts, y_MD.device),)](
-        arena.base, arena.peer_delta_W, part, recv.src_tok_N, recv.info_I, arena.rank,
-        opts.spin_limit, COMB=comb, TMAX=tmax, W=shape.world, D=d, CH=row_cols(d),
-        BT=opts.tile(rows_per_step(row_cols(d), 2)), USE_TIMER=USE_TIMER,
-        num_warps=opts.warps())
 
 
 def combine_recv(arena: RankArena, shape: HTShape, msg_TW: torch.Tensor,

@@ -39,12 +39,12 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_DISPATCH, RankArena  # noqa: E402
 from epmoe.comm.symm.ht_recv import recv_rows  # noqa: E402
-from epmoe.comm.symm.ht_send import send_rows  # noqa: E402
+from epmoe.comm.symm.ht_send import finish_send_rows, send_rows  # noqa: E402
 from epmoe.comm.symm.ht_shape import MAX_SEND_CTAS, HTShape, RowFormat, max_rows  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, device_sms, grid  # noqa: E402
 from epmoe.comm.symm.route import SendRoute  # noqa: E402
 from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_recv_of,  # noqa: E402
-                                  finish_send_seq, send_epoch, take_role)
+                                  send_epoch, take_role)
 from epmoe.comm.symm.tiles import row_cols, rows_per_step  # noqa: E402
 from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import QTensor  # noqa: E402
@@ -81,7 +81,7 @@ def _dispatch_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr
                   total_ptr, TS, me, i, G_SEND, e, limit, ROWS, META, CNT, PROG, GMAX, TMAX,
                   W, WP, K, KP, E_L, EP, DW, SW, CH, BSW, ROW_W, MW, CW, CK, BT_S, MODE == 0,
                   USE_TIMER)
-        finish_send_seq(arena_ptr, OP_D, e, G_SEND)
+        finish_send_rows(arena_ptr, delta_ptr, PROG, GMAX, e, me, W, G_SEND)
     else:
         e = epoch(arena_ptr, OP_D)
         recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_ptr, TS,
@@ -188,9 +188,9 @@ def launch(arena: RankArena, shape: HTShape, alignment: int, a: HTDispatchArgs,
     SPLIT_RECV (receive role; out given) or PIPELINED (both roles in one grid; out given)."""
     dev = arena.base.device
     g_send, g_recv = grid(opts, dev), grid(opts, dev, recv=True)
-    if g_send > MAX_SEND_CTAS:
-        raise ValueError(f"symm-ht send CTAs ({g_send}) exceed {MAX_SEND_CTAS} (the arena's "
-                         f"progress words per source)")
+    if g_send >= MAX_SEND_CTAS:
+        raise ValueError(f"symm-ht send CTAs ({g_send}) must be < {MAX_SEND_CTAS} (the arena's "
+                         f"progress words per source, one of them the whole send's)")
     if mode == PIPELINED and not INTERPRET:  # the roles share the SMs
         sms = device_sms(dev) or g_send + g_recv
         g_recv = max(1, min(g_recv, sms - g_send)) if opts.recv_sms == 0 else g_recv

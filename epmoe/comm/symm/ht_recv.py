@@ -18,10 +18,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_DISPATCH  # noqa: E402
-from epmoe.comm.symm.ht_send import progress  # noqa: E402
+from epmoe.comm.symm.ht_send import ALL_ROUNDS, progress  # noqa: E402
 from epmoe.comm.symm.sync import C_READY, ctrl_ptr, wait_geq  # noqa: E402
 
 OP_D = tl.constexpr(HT_DISPATCH)
+ALL = tl.constexpr(ALL_ROUNDS)
 
 
 @triton.jit
@@ -108,6 +109,14 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
             tl.store(row_expert_ptr + r, -1, mask=r < M_MAX)
         # items: one step of BT slots of one source, step-major (the order the senders fill
         # them), each waiting for the round of the chunk it lies in
+        # sources whose whole send already landed (the last send CTA's word): no waits
+        progw = (arena_ptr + PROG).to(tl.pointer_type(tl.int64))
+        landed = tl.zeros((WP,), dtype=tl.int32)
+        every = progress(e, tl.full((), ALL, dtype=tl.int32))
+        for d in tl.static_range(W):
+            if d != me:
+                v = tl.atomic_add(progw + d * GMAX + GMAX - 1, 0, sem="acquire", scope="sys")
+                landed = tl.where(s == d, (v >= every).to(tl.int32), landed)
         nst = (tl.max(nmsg, axis=0) + BT - 1) // BT
         for i in range(c, nst * W, G):
             m0 = (i // W) * BT
@@ -116,9 +125,9 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
             if m0 < ns:
                 q = m0 // CK
                 go = tl.full((), 1, dtype=tl.int32)
-                if src != me:
+                if (src != me) & (_pick(landed, s, src) == 0):
                     g = _pick(g_s, s, src)
-                    flag = (arena_ptr + PROG).to(tl.pointer_type(tl.int64)) + src * GMAX + q % g
+                    flag = progw + src * GMAX + q % g
                     go = wait_geq(flag, progress(e, q // g + 1), arena_ptr, 2 * OP_D + 1, src,
                                   limit, USE_TIMER)
                 first = _pick(excl_s, s, src)

@@ -4,7 +4,8 @@ published as it lands (`ht_dispatch.py` has the regions, the receive role and th
 A destination d's slots (the tokens sent to d, in token order: `route.tok_WT[d]`) are cut into
 chunks of CK slots; send CTA c of G takes chunks c, c + G, c + 2G, ... (round j: chunk
 c + jG of every peer), and after each round releases its progress word at every peer,
-`ht_prog[me][c] = epoch << 32 | rounds done` (one fence per round). A receiver that needs chunk
+`ht_prog[me][c] = epoch << 32 | rounds done` (one fence per round; word GMAX - 1 says the
+whole send landed). A receiver that needs chunk
 q of source s waits for `ht_prog[s][q % G] >= epoch << 32 | q // G + 1`, so it can place the
 first chunks in the experts' layout while later ones are still on the link. CTA 0 first
 writes the counts (with G) and releases ready[me] = epoch: the receivers size the layout from
@@ -18,7 +19,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_DISPATCH  # noqa: E402
-from epmoe.comm.symm.sync import (C_READY, fence_release, no_error, peer_ptr,  # noqa: E402
+from epmoe.comm.symm.sync import (C_DONE_SEND, C_READY, C_SEQ_SEND,  # noqa: E402
+                                  arrive_last, ctrl_ptr, fence_release, no_error, peer_ptr,
                                   publish, signal, wait_acks)
 
 OP_D = tl.constexpr(HT_DISPATCH)
@@ -42,6 +44,18 @@ def _publish_round(arena_ptr, delta_ptr, PROG: tl.constexpr, GMAX: tl.constexpr,
             if d != me:
                 peer = peer_ptr(arena_ptr, delta_ptr, d)
                 signal((peer + PROG).to(tl.pointer_type(tl.int64)) + me * GMAX + c, value)
+
+
+@triton.jit
+def finish_send_rows(arena_ptr, delta_ptr, PROG: tl.constexpr, GMAX: tl.constexpr, e, me,
+                     W: tl.constexpr, n):
+    """Last of the `n` send CTAs: send_seq = e here, and `ht_prog[me][GMAX - 1]` = epoch << 32 |
+    every round at every peer (all of this send landed: a receive that sees it skips the
+    per-chunk waits for this source)."""
+    if arrive_last(arena_ptr, C_DONE_SEND + OP_D, n) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP_D), e)
+        every = tl.full((), ALL_ROUNDS, dtype=tl.int32)
+        _publish_round(arena_ptr, delta_ptr, PROG, GMAX, progress(e, every), me, GMAX - 1, W)
 
 
 @triton.jit
@@ -131,4 +145,4 @@ def send_rows(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_p
             _publish_round(arena_ptr, delta_ptr, PROG, GMAX, progress(e, every), me, c, W)
 
 
-__all__ = ["send_rows", "progress"]
+__all__ = ["send_rows", "finish_send_rows", "progress"]

@@ -99,6 +99,7 @@ class HTShape:
             ("ht_meta", 2 * w * t * self.meta_words * 4),
             ("ht_counts", 2 * w * self.count_words * 4),
             ("ht_prog", w * MAX_SEND_CTAS * 8),
+            ("ht_cdone", w * t * 4),
             ("ht_comb", 2 * w * t * self.hidden * 2)])
 
 

@@ -175,7 +175,13 @@ def publish2(arena_ptr, delta_ptr, word_a, value_a, word_b, value_b, W: tl.const
 @triton.jit
 def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
     """Last CTA of a send half: ready[OP][me] = e at every rank."""
-    if arrive_last(arena_ptr, C_DONE_SEND + OP, tl.num_programs(0)) != 0:
+    finish_send_of(arena_ptr, delta_ptr, OP, e, me, W, tl.num_programs(0))
+
+
+@triton.jit
+def finish_send_of(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr, n):
+    """`finish_send` for a send half of `n` CTAs (a role of a larger grid)."""
+    if arrive_last(arena_ptr, C_DONE_SEND + OP, n) != 0:
         publish(arena_ptr, delta_ptr, C_READY + OP * W + me, e, W)
 
 
@@ -195,16 +201,9 @@ def finish_recv_of(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexp
 
 @triton.jit
 def send_epoch(arena_ptr, OP: tl.constexpr):
-    """The epoch of a send half that counts its own calls (send_seq + 1; `finish_send_seq`)."""
+    """The epoch of a send half that counts its own calls (send_seq + 1, stored by its last
+    CTA: `ht_send.finish_send_rows`)."""
     return tl.load(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP)) + 1
-
-
-@triton.jit
-def finish_send_seq(arena_ptr, OP: tl.constexpr, e, n):
-    """Last of the `n` CTAs of such a send half: send_seq[OP] = e (local only: what the
-    receivers wait for was published as the send went)."""
-    if arrive_last(arena_ptr, C_DONE_SEND + OP, n) != 0:
-        tl.store(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP), e)
 
 
 @triton.jit
@@ -227,7 +226,7 @@ def no_error(arena_ptr):
 
 
 __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_release",
-           "finish_send", "finish_recv", "finish_recv_of", "send_epoch", "finish_send_seq",
+           "finish_send", "finish_send_of", "finish_recv", "finish_recv_of", "send_epoch",
            "take_role",
            "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
            "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
