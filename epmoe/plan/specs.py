@@ -176,15 +176,15 @@ def _h200_comm() -> tuple[dict, dict]:
 # CTAs, DeepSeek-V3 shapes, uniform routing: (recipe, tokens/rank, dispatch us, combine us,
 # us of the dispatch that is symm-ht's separate quantize kernel: the model's
 # dispatch.quantize term, so left out of the fit; symm-ll quantizes inside its send).
-SYMM_SRC = ("lent H200, BENCHMARKS.md section 7, fourth and fifth sessions (2026-12-02): "
-            "python -m epmoe.bench.comm --only ht|ll --iters 10|30 --breakdown --check, "
-            "loopback 2 ranks, device time (symm-ht: own rows not staged, the combine's "
-            "reduce/push split)")
+SYMM_SRC = ("lent H200, BENCHMARKS.md section 7, fourth and seventh sessions (2026-12-02): "
+            "python -m epmoe.bench.comm --only ht|ll --iters 20|30 --breakdown --check, "
+            "loopback 2 ranks, device time (symm-ht: the dispatch's roles as two launches, "
+            "the combine's reduce and push in one kernel)")
 SYMM_LOOPBACK = {  # backend: (CTAs the send halves take, points)
-    "symm-ht": (24, [("bf16", 512, 57.7, 55.3, 0), ("bf16", 4096, 288.7, 326.0, 0),
-                     ("bf16", 8192, 533.8, 606.5, 0), ("fp8_block", 512, 56.7, 57.9, 6.2),
-                     ("fp8_block", 4096, 222.6, 325.3, 26.3),
-                     ("fp8_block", 8192, 404.0, 589.1, 49.5)]),
+    "symm-ht": (24, [("bf16", 512, 65.0, 56.3, 0), ("bf16", 4096, 285.5, 286.3, 0),
+                     ("bf16", 8192, 518.3, 510.9, 0), ("fp8_block", 512, 59.7, 57.1, 6.1),
+                     ("fp8_block", 4096, 222.2, 272.1, 26.4),
+                     ("fp8_block", 8192, 417.1, 512.8, 49.8)]),
     "symm-ll": (132, [("bf16", 1, 9.9, 14.9, 0), ("bf16", 8, 10.6, 16.2, 0),
                       ("bf16", 32, 11.2, 16.9, 0), ("bf16", 128, 13.6, 21.4, 0),
                       ("bf16", 256, 18.9, 29.1, 0), ("fp8_block", 1, 13.1, 14.9, 0),
