@@ -18,8 +18,8 @@ import dataclasses
 import pytest
 import torch
 
-from epmoe.comm.symm.arena import (CTRL_ROLE, CTRL_SEQ, CTRL_SEQ_SEND, HT_DISPATCH,
-                                   SymmTimeoutError, ctrl_ack)
+from epmoe.comm.symm.arena import (CTRL_CDONE_SUM, CTRL_ROLE, CTRL_SEQ, CTRL_SEQ_SEND,
+                                   HT_DISPATCH, SymmTimeoutError, ctrl_ack)
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
@@ -362,20 +362,40 @@ def test_ht_receive_waits_for_each_chunk_of_a_peer(seed):
 
 
 def test_ht_combine_done_words_count_every_block_each_call(seed):
-    """The combine's reduce counts NC (column chunks) per call into every token block's done
-    word, blocks without tokens included, so after call e each word is e * NC (the push
-    waits for exactly that: a block left short would hang the next call's push). 40 tokens
-    per rank of room: 80 receive slots, two 64-row blocks under the interpreter, of which
-    the 3 + 6 tokens received use one."""
+    """The combine's reduce counts NC (column chunks) per call into every done word (a token
+    block's, or one no block uses this call), so after each call all words hold the same sum,
+    which the control block keeps (the push waits for that sum + NC). 40 tokens per rank of
+    room: 80 words, of which the 3 + 6 tokens received use one 64-row block. Then a second
+    comm on the same arena with other column chunks (NC 2 instead of 4) takes turns with the
+    first: with a per-call count tied to NC the push would wait for a sum never reached."""
     world, quant, max_t = 2, QuantConfig("bf16"), 40
     gen = torch.Generator().manual_seed(seed)
-    opts = SymmOptions(num_sms=1, recv_sms=3, chunk_cols=64)  # D = 256: 4 chunks
+    opts = SymmOptions(num_sms=1, recv_sms=3, chunk_cols=64, timeout_s=1.0)  # D = 256: NC 4
     lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, max_t, options=opts)
-    for call in range(1, 3):
-        outs = loopback_dispatch(comms, *case_inputs("uneven", world, gen, max_t=max_t))
+    wide = [SymmHighThroughputComm(CFG, quant, c.expert_map_E, c.ctx,
+                                   options=dataclasses.replace(opts, chunk_cols=128))
+            for c in comms]
+    total = 0
+    for layer, nc in ((comms, 4), (comms, 4), (wide, 2), (comms, 4), (wide, 2)):
+        xs, ids, ws = case_inputs("uneven", world, gen, max_t=max_t)
+        outs = loopback_dispatch(layer, xs, ids, ws)
         ys = [torch.randn(b.num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
               for b, _ in outs]
-        loopback_combine(comms, ys, [h for _, h in outs])
+        res = loopback_combine(layer, ys, [h for _, h in outs])
+        total += nc
         for r in range(world):
-            done = lw.rank(r).words("ht_cdone")[:2]
-            assert (done == call * 4).all(), (r, call, done.tolist())
+            done = lw.rank(r).words("ht_cdone")
+            assert (done == total).all(), (r, total, done.tolist())
+            assert int(lw.rank(r).ctrl()[CTRL_CDONE_SUM]) == total
+        want = [torch.zeros_like(x) for x in xs]  # all2all's numerics (W = 2: one rounding)
+        for r, ((b, h), y) in enumerate(zip(outs, ys)):
+            for n in range(int(h.recv.info_I[0])):
+                src, t = divmod(int(h.recv.src_tok_N[n]), max_t)
+                acc = torch.zeros(CFG.hidden)
+                for k in range(CFG.top_k):
+                    row = int(h.recv.inv_NK[n, k])
+                    if row >= 0:
+                        acc = acc + h.recv.w_NK[n, k] * y[row].float()
+                want[src][t] = (want[src][t].float() + acc.to(torch.bfloat16).float()).to(
+                    torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(res, want))

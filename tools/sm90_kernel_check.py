@@ -88,7 +88,7 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               G_PUSH="i32"),
          dict(COMB=4096, DONE=8192, TMAX=tokens, W=world, K=top_k, D=hidden, CK=ck,
               CH=row_cols(hidden), BTR=16, BT=rows_per_step(row_cols(hidden), 2),
-              NBLK=world * tokens // 16, PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
+              NWORDS=world * tokens, BR=1024, PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
         ("ht sum_back", sum_back._sum_back_kernel,
          dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*i32", T="i32", me="i32",
               limit="i64"),

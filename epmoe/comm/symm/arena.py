@@ -34,6 +34,9 @@ OP_NAMES = ("ht-dispatch", "ht-combine", "ll-dispatch", "ll-combine")
 CTRL_SEQ, CTRL_DONE_SEND, CTRL_DONE_RECV, CTRL_ERR = 0, 4, 8, 12
 ERR_WORDS = 8
 CTRL_SEQ_SEND, CTRL_ROLE = 20, 24
+# symm-ht combine: what every done word holds before a call (the sum of the calls' column
+# chunks so far), and the whole kernel's arrivals (its last CTA advances the sum)
+CTRL_CDONE_SUM, CTRL_CDONE_ARRIVE = 28, 29
 CTRL_READY = 32  # + op * W + src
 
 

@@ -14,8 +14,10 @@ The send half is one kernel with two roles by arrival (`sync.take_role`):
           acks, then block by block, as soon as a block's items are done, copy its staged
           rows to their sources' `ht_comb`; the last publishes ready
 so the reduction's reads of the expert rows overlap the partial rows' trip over the link.
-A done word counts NC (column chunks) per call, blocks without tokens included, so it reaches
-epoch * NC exactly when the block of this call is reduced: nothing is reset.
+Every done word counts NC (column chunks) per call, words without tokens included, so all
+hold the same sum before a call (kept in the control block, advanced by the grid's last CTA)
+and a block is reduced exactly when its word reaches that sum + NC: nothing is reset, and
+calls with other column chunks or block sizes may share the arena.
 """
 
 from __future__ import annotations
@@ -26,31 +28,35 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.comm.symm.arena import HT_COMBINE, LOCAL_PHASE, RankArena  # noqa: E402
+from epmoe.comm.symm.arena import (CTRL_CDONE_ARRIVE, CTRL_CDONE_SUM, HT_COMBINE,  # noqa: E402
+                                   LOCAL_PHASE, RankArena)
 from epmoe.comm.symm.ht_dispatch import HTReceived  # noqa: E402
 from epmoe.comm.symm.ht_shape import HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, device_sms, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
-from epmoe.comm.symm.sync import (USE_TIMER, epoch, finish_send_of, take_role,  # noqa: E402
-                                  wait_acks, wait_geq)
+from epmoe.comm.symm.sync import (USE_TIMER, arrive_last, ctrl_ptr, epoch,  # noqa: E402
+                                  finish_send_of, take_role, wait_acks, wait_geq)
 from epmoe.comm.symm.tiles import (ksum, num_items, row_cols, rows_per_step,  # noqa: E402
                                    work_item)
 
 OP_C = tl.constexpr(HT_COMBINE)
 LOCAL = tl.constexpr(LOCAL_PHASE)
+C_SUM = tl.constexpr(CTRL_CDONE_SUM)
+C_ARRIVE = tl.constexpr(CTRL_CDONE_ARRIVE)
 
 
 @triton.jit
 def _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done_ptr, n_total,
                   me, c, G, e, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                   K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr, BT: tl.constexpr,
-                  NBLK: tl.constexpr, PRE_ROUND: tl.constexpr):
+                  NWORDS: tl.constexpr, BR: tl.constexpr, PRE_ROUND: tl.constexpr):
     """The reduce role, CTA c of G. A work item: BT received tokens x one chunk of CK
     columns, their K row chunks (K independent [BT, CK] loads, in flight together) weighted
     and summed in k order (`ksum`), stored to the own ht_comb slot (this rank's tokens: nobody
     else reads that slot, and this rank's previous combine_recv of the same buffer ran before
-    on its stream) or staged; then the block's done counter += 1 (release, GPU scope). Blocks
-    past the received tokens get all their counts at once: every block counts NC per call."""
+    on its stream) or staged; then the block's done word += 1 (release, GPU scope). Every
+    other word of the region gets its NC at once: every word counts NC per call, whatever
+    the block size or NC of other calls on this arena."""
     NC: tl.constexpr = (D + CK - 1) // CK
     buf = e % 2
     own_p = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
@@ -67,18 +73,20 @@ def _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done_
                  mask=nm[:, None] & cm[None, :])
         tl.debug_barrier()
         tl.atomic_add(done_ptr + it // NC, 1, sem="release", scope="gpu")
-    for b in range((n_total + BT - 1) // BT + c, NBLK, G):
-        tl.atomic_add(done_ptr + b, NC, sem="relaxed", scope="gpu")
+    rr = tl.arange(0, BR)
+    for b0 in range((n_total + BT - 1) // BT + c * BR, NWORDS, G * BR):
+        b = b0 + rr
+        tl.atomic_add(done_ptr + b, NC, mask=b < NWORDS, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, n_total, me, c, G, e,
-               limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
+def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, target, n_total, me, c,
+               G, e, limit, COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                D: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, BTR: tl.constexpr,
                BT: tl.constexpr, USE_TIMER: tl.constexpr):
     """The push role, CTA c of G: wait for the peers' acks, then per reduce block (BTR rows,
-    in order) wait until its NC items are done (acquire, GPU scope; the block's count reaches
-    e * NC), and copy its staged partial rows of other ranks' tokens to their sources in steps
+    in order) wait until its NC items are done (acquire, GPU scope; the block's word reaches
+    `target`: what every word held before this call, + NC), and copy its staged partial rows of other ranks' tokens to their sources in steps
     of BT whole rows."""
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
@@ -86,7 +94,7 @@ def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, n_total, m
         cols = tl.arange(0, CH)
         cm = cols < D
         for blk in range(c, (n_total + BTR - 1) // BTR, G):
-            ok = ok & wait_geq(done_ptr + blk, e * NC, arena_ptr, LOCAL + OP_C, me, limit,
+            ok = ok & wait_geq(done_ptr + blk, target, arena_ptr, LOCAL + OP_C, me, limit,
                                USE_TIMER)
             for n0 in range(blk * BTR, blk * BTR + BTR * ok, BT):  # none after a timeout
                 n = n0 + tl.arange(0, BT)
@@ -109,7 +117,7 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
                          DONE: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                          K: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
                          CH: tl.constexpr, BTR: tl.constexpr, BT: tl.constexpr,
-                         NBLK: tl.constexpr, PRE_ROUND: tl.constexpr,
+                         NWORDS: tl.constexpr, BR: tl.constexpr, PRE_ROUND: tl.constexpr,
                          USE_TIMER: tl.constexpr):
     """G_RED + G_PUSH CTAs: the first G_RED to start reduce, the rest push each block of
     partial rows as soon as it is reduced (so the reduction's HBM reads overlap the link). The
@@ -120,13 +128,17 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_pt
     e = epoch(arena_ptr, OP_C)
     n_total = tl.load(info_ptr)
     done = (arena_ptr + DONE).to(tl.pointer_type(tl.int32))
+    before = tl.load(ctrl_ptr(arena_ptr, C_SUM))  # every done word, before this call
     if i < G_RED:
         _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done, n_total,
-                      me, i, G_RED, e, COMB, TMAX, W, K, D, CK, BTR, NBLK, PRE_ROUND)
+                      me, i, G_RED, e, COMB, TMAX, W, K, D, CK, BTR, NWORDS, BR, PRE_ROUND)
     else:
-        _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done, n_total, me, i - G_RED,
-                   G_PUSH, e, limit, COMB, TMAX, W, D, CH, NC, BTR, BT, USE_TIMER)
+        _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done, before + NC, n_total, me,
+                   i - G_RED, G_PUSH, e, limit, COMB, TMAX, W, D, CH, NC, BTR, BT, USE_TIMER)
         finish_send_of(arena_ptr, delta_ptr, OP_C, e, me, W, G_PUSH)
+    # the last CTA of the grid (every CTA read `before` as it started) advances the sum
+    if arrive_last(arena_ptr, C_ARRIVE, G_RED + G_PUSH) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SUM), before + NC)
 
 
 def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTReceived,
@@ -144,14 +156,12 @@ def combine_send(arena: RankArena, shape: HTShape, y_MD: torch.Tensor, recv: HTR
         g_red = max(1, min(g_red, sms - g_push))
     btr = opts.tile(16)
     bt = min(btr, opts.tile(rows_per_step(row_cols(d), 2)))
-    nblk = triton.cdiv(shape.world * tmax, btr)
-    if nblk * 4 > lay.size("ht_cdone"):
-        raise ValueError(f"combine blocks ({nblk}) exceed the arena's ht_cdone words")
     _combine_send_kernel[(g_red + g_push,)](
         arena.base, arena.peer_delta_W, y_MD.contiguous(), recv.inv_NK, recv.w_NK,
         recv.src_tok_N, recv.info_I, part, arena.rank, opts.spin_limit, g_red, g_push,
         COMB=lay.offset("ht_comb"), DONE=lay.offset("ht_cdone"), TMAX=tmax, W=shape.world,
-        K=shape.top_k, D=d, CK=opts.chunk(d), CH=row_cols(d), BTR=btr, BT=bt, NBLK=nblk,
+        K=shape.top_k, D=d, CK=opts.chunk(d), CH=row_cols(d), BTR=btr, BT=bt,
+        NWORDS=lay.size("ht_cdone") // 4, BR=1024,
         PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=opts.warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
 
