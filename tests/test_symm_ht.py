@@ -361,6 +361,31 @@ def test_ht_receive_waits_for_each_chunk_of_a_peer(seed):
     del p1
 
 
+def test_ht_receive_follows_the_senders_chunks_not_its_own(seed):
+    """Rank 1 sends in 2-slot chunks (12 slots: 6 rounds of its one CTA), rank 0 would cut 8:
+    the receive maps slots to rounds with the sender's chunk size from the count block. With
+    the last round missing (and no whole-send word) it must time out; mapped by its own
+    8-slot chunks it would think 2 rounds enough and read a chunk that has not landed."""
+    world, quant = 2, QuantConfig("bf16")
+    gen = torch.Generator().manual_seed(seed)
+    lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
+                               options=SymmOptions(num_sms=1, timeout_s=0.02, chunk_rows=8))
+    comms[1].options = SymmOptions(num_sms=1, timeout_s=0.02, chunk_rows=2)
+    xs, ids, ws = case_inputs("full", world, gen)
+    ids[1][:, 0] = 0  # all 12 tokens of rank 1 go to rank 0
+    comms[1].dispatch_send(xs[1], ids[1], ws[1])
+    cnt = lw.rank(0).words("ht_counts").view(2, world, -1)
+    e_l = CFG.num_experts // world
+    assert cnt[1, 1, 1 + e_l].item() == 1 and cnt[1, 1, 2 + e_l].item() == 2  # G, CK
+    prog = lw.rank(0).words("ht_prog", torch.int64).view(world, -1)
+    prog[1, 0] = (1 << 32) | 5
+    prog[1, -1] = 0
+    comms[0].dispatch_recv(comms[0].dispatch_send(xs[0], ids[0], ws[0]))
+    with pytest.raises(SymmTimeoutError, match="rank 0 timed out on peer 1 in ht-dispatch "
+                                               "receive"):
+        comms[0].check_errors()
+
+
 def test_ht_combine_done_words_count_every_block_each_call(seed):
     """The combine's reduce counts NC (column chunks) per call into every done word (a token
     block's, or one no block uses this call), so after each call all words hold the same sum,

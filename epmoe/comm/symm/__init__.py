@@ -39,7 +39,7 @@ rows of one [W, bytes] tensor). Kernels are identical for both.
     |        ready[4][W] ack[4][W]         |  | ll_slots  [E_l] rows taken per expert |
     | ht_rows   [2][W][T] data|scale words |  | ll_data   [E_l][C][D] fp8 | bf16      |
     | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
-    | ht_counts [2][W] n, pairs/expert, G  |  | ll_meta   [E_l][C] (src*T + t)*K + k  |
+    | ht_counts [2][W] n, pairs/expert,G,CK|  | ll_meta   [E_l][C] (src*T + t)*K + k  |
     | ht_prog   [W][1024] i64 chunk rounds |  | ll_msg    [W][T] epoch, row_k, w_k    |
     | ht_comb   [2][W][T] bf16 [D] partial |  | ll_comb   [2][W][T] bf16 [D] partial  |
     +--------------------------------------+  +---------------------------------------+

@@ -5,7 +5,8 @@ tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffe
 
   ht_rows   [2][W][TMAX] rows of ROW_W int32 words: data words, then scale words
   ht_meta   [2][W][TMAX] MW words: source token t, local expert e_k (-1: not here), pos_k, w_k
-  ht_counts [2][W] CW words: tokens s sent me, pairs per local expert, s's send CTAs
+  ht_counts [2][W] CW words: tokens s sent me, pairs per local expert, s's send CTAs and
+            slots per chunk
   ht_prog   [W][GMAX] int64: epoch << 32 | rounds of chunks send CTA c of rank s has landed
   ht_comb   [2][W][TMAX] bf16 [D]: rank s's fp32-reduced partial sum for my token t
 

@@ -63,6 +63,7 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
             tl.load(total_ptr + me * E_L + ee[None, :] + 0 * s[:, None],
                     mask=own[:, None] & em[None, :], other=0)
         g_s = tl.maximum(tl.load(cnt_p + 1 + E_L, mask=far, other=1), 1)
+        ck_s = tl.maximum(tl.load(cnt_p + 2 + E_L, mask=far, other=CK), 1)  # senders' chunks
         tot = tl.sum(cnt, axis=0)
         aligned = (tot + align - 1) // align * align
         offs_incl = tl.cumsum(aligned, axis=0)
@@ -123,13 +124,14 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
             src = i % W
             ns = _pick(nmsg, s, src)
             if m0 < ns:
-                q = m0 // CK
                 go = tl.full((), 1, dtype=tl.int32)
                 if (src != me) & (_pick(landed, s, src) == 0):
+                    # every chunk of the sender's (its CTAs, its chunk size) the step touches
                     g = _pick(g_s, s, src)
-                    flag = progw + src * GMAX + q % g
-                    go = wait_geq(flag, progress(e, q // g + 1), arena_ptr, 2 * OP_D + 1, src,
-                                  limit, USE_TIMER)
+                    ck = _pick(ck_s, s, src)
+                    for q in range(m0 // ck, (tl.minimum(m0 + BT, ns) - 1) // ck + 1):
+                        go = go & wait_geq(progw + src * GMAX + q % g, progress(e, q // g + 1),
+                                           arena_ptr, 2 * OP_D + 1, src, limit, USE_TIMER)
                 first = _pick(excl_s, s, src)
                 if src == me:
                     _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS,

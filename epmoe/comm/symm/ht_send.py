@@ -88,6 +88,7 @@ def send_rows(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_p
                     tl.store(cnt + 1 + ee, tl.load(total_ptr + d * E_L + ee, mask=ee < E_L),
                              mask=ee < E_L)
                     tl.store(cnt + 1 + E_L, G)
+                    tl.store(cnt + 2 + E_L, CK)
             tl.debug_barrier()
             publish(arena_ptr, delta_ptr, C_READY + OP_D * W + me, e, W)
         n_far = tl.max(tl.where((dd < W) & (dd != me), n_d, 0), axis=0)

@@ -89,8 +89,9 @@ class HTShape:
 
     @property
     def count_words(self) -> int:
-        """n, pairs per local expert, the sender's CTAs (its chunk -> CTA map)."""
-        return _align(2 + self.num_local_experts, 4)
+        """n, pairs per local expert, the sender's CTAs and slots per chunk (its chunk -> CTA
+        and round map: a receive follows the sender's, whatever its own options)."""
+        return _align(3 + self.num_local_experts, 4)
 
     def layout(self) -> ArenaLayout:
         w, t = self.world, max(1, self.max_tokens)
