@@ -10,8 +10,8 @@ Steps (each a subprocess with its own deadline; a failing step is recorded, the 
   gpu_moe      python -m epmoe.bench.gpu_moe (DeepGEMM / DeepEP cases)
   comm         python -m epmoe.bench.comm --world N (every comm backend on N real ranks, ratios
                to DeepEP in the same run; one GPU: the loopback world)
-  launch       python -m epmoe.launch --ep N with deepep-ht, deepep-ll, all2all (auto picks the
-               experts backend), and --eplb on Zipf routing
+  launch       python -m epmoe.launch --ep N with deepep-ht, symm-ht, deepep-ll, symm-ll,
+               all2all (auto picks the experts backend), and --eplb on Zipf routing
 On a machine without CUDA the GPU benchmarks are skipped with that reason and the launch runs
 use gloo: the script itself is exercised by the CPU test suite.
 """
@@ -57,8 +57,12 @@ def _launch_cases(ep: int, model: str, tokens: int, gpu: bool) -> list[tuple[str
         # DeepEP's low-latency kernels take hidden >= 2048: a small real preset, one layer
         ll = common if get_preset(model).hidden >= 2048 else \
             [*common[:2], "--model", "qwen3-30b-a3b", "--layers", "1", *common[4:]]
+        # ours beside DeepEP's on the same model and tokens (each run its own processes:
+        # symm-* and DeepEP's low-latency mode each own NVSHMEM in a process)
         cases += [("deepep-ht", [*common, *fp8, "--backend", "deepep-ht"]),
-                  ("deepep-ll", [*ll, *fp8, "--backend", "deepep-ll"])]
+                  ("symm-ht", [*common, *fp8, "--backend", "symm-ht"]),
+                  ("deepep-ll", [*ll, *fp8, "--backend", "deepep-ll"]),
+                  ("symm-ll", [*ll, *fp8, "--backend", "symm-ll"])]
     cases.append(("eplb-zipf", [*common, "--eplb", "--redundant-experts", str(ep),
                                 "--routing", "zipf:1.2", "--rebalance-every", "3",
                                 "--steps", "8"]))
