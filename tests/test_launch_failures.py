@@ -129,6 +129,10 @@ def _trace_cases(tmp_path):
     cases.append(("empty.pt", r"cannot be read \("))
     (tmp_path / "corrupt.pt").write_bytes(os.urandom(200))
     cases.append(("corrupt.pt", r"cannot be read \("))
+    # a pickle string that is not UTF-8: torch.load raises UnicodeDecodeError, a ValueError
+    # (random bytes hit it now and then: the flake this case pins down)
+    (tmp_path / "notutf8.pt").write_bytes(b"U\x02\xbb\xbb." + bytes(64))
+    cases.append(("notutf8.pt", r"cannot be read \(UnicodeDecodeError"))
     (tmp_path / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     cases.append(("corrupt.safetensors", r"cannot be read \("))
     with open(tmp_path / "pickled.pt", "wb") as f:  # a pickle of a non-tensor object

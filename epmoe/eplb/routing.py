@@ -79,12 +79,18 @@ def load_trace(path) -> torch.Tensor:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"trace file {str(p)!r} does not exist; record one with save_trace")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        d = load_file(str(p))
-    else:
-        d = torch.load(p, map_location="cpu", weights_only=True)
+            d = load_file(str(p))
+        else:
+            d = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt, empty, a pickle of something else (some are ValueErrors)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"trace file {str(p)!r} cannot be read ({type(e).__name__}: {first}); "
+                         f"write it with epmoe.eplb.routing.save_trace: a .pt or .safetensors "
+                         f"file holding 'topk_ids' [steps, layers, tokens, top_k]") from None
     if not isinstance(d, dict) or "topk_ids" not in d:
         raise ValueError(f"trace file {str(p)!r} must hold a tensor named 'topk_ids' "
                          f"[steps, layers, tokens, top_k]")

@@ -70,8 +70,11 @@ rest receive, and the layout writes overlap the link. Its two roles count their 
 (send_seq, seq): the receive may finish first.
 Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; by default symm-ht 24,
 symm-ll every SM); the receive halves (local copies after their wait) run `recv_sms` CTAs
-(default: every SM, or num_sms when that is given). No kernel waits on another CTA of its own
-grid, so a CTA that is not resident yet only delays (the grid need not fit at once).
+(default: every SM, or num_sms when that is given). symm-ht's combine send is one kernel too:
+its push CTAs copy each token block as soon as its reduce CTAs finish it (done words, see
+`ht_combine.py`). The only CTAs that wait on CTAs of their own grid (that push) took their
+role after those (arrival order), so what they wait for is running: a CTA that is not
+resident yet only delays (the grid need not fit at once).
 Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
 
 ## NVSHMEM in one process
