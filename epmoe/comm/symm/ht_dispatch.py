@@ -20,12 +20,11 @@ The roles run as two launches (SPLIT_SEND then SPLIT_RECV: the loopback world, r
 rank) or as one (PIPELINED: the first send CTAs to start send, the rest receive; on real
 ranks the receive then overlaps the link). Epochs: the send counts its own calls (send_seq),
 the receive its own (seq): in one launch the receive may finish first.
-  combine_send   (ht_combine.py, two kernels) per received token: fp32 sum_k w_k * y[row_k]
-                 (the K row loads independent: in flight together), one bf16 cast, on every
-                 SM into the own ht_comb slot or a staging row; then on num_sms CTAs: wait
-                 ack >= e-2, staged rows to their sources' ht_comb[b][me][t] -> ready
-  combine_recv   (sum_back.py) wait ready -> per token: fp32 sum over the ranks it went to,
-                 in rank order, one cast -> seq, ack
+The combine (ht_combine.py, one kernel, two roles): reduce CTAs sum a received token's K
+rows in fp32 (one bf16 cast) into the own ht_comb slot or a staging row, counting each block
+done; push CTAs wait ack >= e-2, then copy each finished block's staged rows to their sources'
+ht_comb[b][me][t] -> ready. Its receive (sum_back.py): wait ready -> per token an fp32 sum
+over the ranks it went to, in rank order, one cast -> seq, ack.
 """
 
 from __future__ import annotations
@@ -143,7 +142,6 @@ class HTDispatchArgs:
     ids_TK: torch.Tensor
     w_TK: torch.Tensor
     route: SendRoute
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -164,7 +162,7 @@ def prepare(shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
                          f"({shape.max_tokens}); size the CommContext for the run's worst case")
     data, scale = _words(x)
     return HTDispatchArgs(data, scale, topk_ids_TK.contiguous(),
-                          topk_weights_TK.float().contiguous(), rt, t)
+                          topk_weights_TK.float().contiguous(), rt)
 
 
 def allocate(arena: RankArena, shape: HTShape, alignment: int) -> HTOutputs:
