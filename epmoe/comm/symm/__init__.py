@@ -88,10 +88,10 @@ NVSHMEM_SYMMETRIC_SIZE when the arena is large (HT at 4096 tokens x 7168 bf16, 2
 about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
-(sender's routing table), ht_dispatch.py (+ ht_send.py, ht_recv.py: its roles) / ht_combine.py, ll_dispatch.py / ll_combine.py
-(kernels + wrappers), sum_back.py (both combines' receive), tiles.py (row tiles,
-`ksum`), options.py (knobs), ht.py / ll.py (the backends), loopback.py (W ranks in one
-process).
+(sender's routing table), ht_dispatch.py (+ ht_send.py, ht_recv.py: its roles) /
+ht_combine.py, ll_dispatch.py / ll_combine.py (kernels + wrappers), sum_back.py (both
+combines' receive), tiles.py (row tiles, `ksum`), options.py (knobs), ht.py / ll.py (the
+backends), loopback.py (W ranks in one process).
 """
 
 from epmoe.comm.symm.options import SymmOptions  # noqa: F401

@@ -86,8 +86,8 @@ def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, target, n_
                BT: tl.constexpr, USE_TIMER: tl.constexpr):
     """The push role, CTA c of G: wait for the peers' acks, then per reduce block (BTR rows,
     in order) wait until its NC items are done (acquire, GPU scope; the block's word reaches
-    `target`: what every word held before this call, + NC), and copy its staged partial rows of other ranks' tokens to their sources in steps
-    of BT whole rows."""
+    `target`: what every word held before this call, + NC), and copy its staged partial rows
+    of other ranks' tokens to their sources in steps of BT whole rows."""
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
