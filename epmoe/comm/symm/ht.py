@@ -62,12 +62,11 @@ def cuda_unsupported(device) -> str | None:
 @dataclass(frozen=True)
 class SymmHTPending:
     """Between dispatch_send and dispatch_recv: this rank's routing table (msg_TW: the ranks
-    each token went to; combine reads it), token count, the kernel's inputs (the receive reads
-    the rank's own rows from its wire rows: the input must not change until dispatch_recv),
-    and the receive's outputs when the pipelined kernel already wrote them."""
+    each token went to; combine reads it), the kernel's inputs (the receive reads the rank's
+    own rows from its wire rows: the input must not change until dispatch_recv), and the
+    receive's outputs when the pipelined kernel already wrote them."""
 
     msg_TW: torch.Tensor
-    num_tokens: int
     args: ht_dispatch.HTDispatchArgs
     outputs: ht_dispatch.HTOutputs | None
 
@@ -154,7 +153,7 @@ class SymmHighThroughputComm(Comm):
         else:
             ht_dispatch.launch(view, self.shape, self.alignment, args, None,
                                ht_dispatch.SPLIT_SEND, self.options)
-        return SymmHTPending(rt.msg_TW, x_TD.shape[0], args, out)
+        return SymmHTPending(rt.msg_TW, args, out)
 
     def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
         self.arena.end(HT_DISPATCH)
@@ -166,7 +165,8 @@ class SymmHighThroughputComm(Comm):
         x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out)
         if self.options.exact_rows:
             x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
-        return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW, pending.num_tokens)
+        return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW,
+                                                     pending.msg_TW.shape[0])
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))

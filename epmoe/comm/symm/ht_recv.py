@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_DISPATCH  # noqa: E402
 from epmoe.comm.symm.ht_send import ALL_ROUNDS, progress  # noqa: E402
-from epmoe.comm.symm.sync import C_READY, ctrl_ptr, wait_geq  # noqa: E402
+from epmoe.comm.symm.sync import C_READY, ctrl_ptr, ld_acquire, wait_geq  # noqa: E402
 
 OP_D = tl.constexpr(HT_DISPATCH)
 ALL = tl.constexpr(ALL_ROUNDS)
@@ -108,16 +108,16 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
         for r0 in range(m_used + c * BR, M_MAX, G * BR):
             r = r0 + tail
             tl.store(row_expert_ptr + r, -1, mask=r < M_MAX)
-        # items: one step of BT slots of one source, step-major (the order the senders fill
-        # them), each waiting for the round of the chunk it lies in
         # sources whose whole send already landed (the last send CTA's word): no waits
         progw = (arena_ptr + PROG).to(tl.pointer_type(tl.int64))
         landed = tl.zeros((WP,), dtype=tl.int32)
         every = progress(e, tl.full((), ALL, dtype=tl.int32))
         for d in tl.static_range(W):
             if d != me:
-                v = tl.atomic_add(progw + d * GMAX + GMAX - 1, 0, sem="acquire", scope="sys")
+                v = ld_acquire(progw + d * GMAX + GMAX - 1)
                 landed = tl.where(s == d, (v >= every).to(tl.int32), landed)
+        # items: one step of BT slots of one source, step-major (the order the senders fill
+        # them), each waiting for the rounds of the chunks it lies in
         nst = (tl.max(nmsg, axis=0) + BT - 1) // BT
         for i in range(c, nst * W, G):
             m0 = (i // W) * BT

@@ -8,7 +8,8 @@ c + jG of every peer), and after each round releases its progress word at every 
 whole send landed). A receiver that needs chunk
 q of source s waits for `ht_prog[s][q % G] >= epoch << 32 | q // G + 1`, so it can place the
 first chunks in the experts' layout while later ones are still on the link. CTA 0 first
-writes the counts (with G) and releases ready[me] = epoch: the receivers size the layout from
+writes the counts (with G and CK: a receive follows the sender's) and releases
+ready[me] = epoch: the receivers size the layout from
 them before any row lands. Values are epoch-tagged and only grow: nothing is reset, a CUDA
 graph replays them.
 """

@@ -76,6 +76,7 @@ class SymmOptions:
 
 
     def chunk_rows_or_default(self) -> int:
+        """Slots per symm-ht dispatch chunk: the override, else 16 (4 when interpreting)."""
         return self.chunk_rows or (4 if INTERPRET else 16)
 
     def chunk(self, row: int) -> int:
