@@ -91,7 +91,7 @@ def load_trace(path) -> torch.Tensor:
         raise ValueError(f"trace file {str(p)!r} cannot be read ({type(e).__name__}: {first}); "
                          f"write it with epmoe.eplb.routing.save_trace: a .pt or .safetensors "
                          f"file holding 'topk_ids' [steps, layers, tokens, top_k]") from None
-    if not isinstance(d, dict) or "topk_ids" not in d:
+    if not isinstance(d, dict) or not isinstance(d.get("topk_ids"), torch.Tensor):
         raise ValueError(f"trace file {str(p)!r} must hold a tensor named 'topk_ids' "
                          f"[steps, layers, tokens, top_k]")
     t = d["topk_ids"]
