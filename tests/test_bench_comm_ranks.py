@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from epmoe.bench.comm import main
-from epmoe.bench.comm_ranks import (RankJob, identity_experts, plan_jobs, run_job, sent_rows,
-                                    with_ratios)
+from epmoe.bench.comm_ranks import (RankJob, identity_experts, plan_jobs, rank_device, run_job,
+                                    sent_rows, with_ratios)
 from epmoe.comm.base import LayoutBatch, TokenBatch
 from epmoe.quant import QTensor
 
@@ -39,6 +39,26 @@ def test_jobs_keep_nvshmem_owners_apart():
         ("fp8_block", ("all2all", "deepep-ll")), ("fp8_block", ("symm-ll",))]
     with pytest.raises(ValueError, match=r"each start NVSHMEM: they need separate jobs"):
         RankJob("ll", ("deepep-ll", "symm-ll"), "bf16", (8,), **KW)
+
+
+def test_ranks_sharing_one_gpu_run_symm_only_on_cuda0():
+    kw = dict(KW, device="cuda-shared")
+    assert RankJob("ht", ("symm-ht",), "bf16", (64,), **kw).device == "cuda-shared"
+    with pytest.raises(ValueError, match=r"\['all2all'\] need one GPU per rank"):
+        RankJob("ht", ("all2all", "symm-ht"), "bf16", (64,), **kw)
+    with pytest.raises(ValueError, match=r"must be cuda, cuda-shared or cpu"):
+        RankJob("ht", ("symm-ht",), "bf16", (64,), **dict(KW, device="gpu"))
+    assert [str(rank_device(d, 1)) for d in ("cuda", "cuda-shared", "cpu")] == [
+        "cuda:1", "cuda:0", "cpu"]
+
+
+def test_shared_device_needs_cuda_and_symm_backends(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--device", "shared"]) == 2
+    assert "--device shared but no CUDA device is visible" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["--device", "shared", "--backends", "all2all,deepep-ht"]) == 2
+    assert "runs symm-* only" in capsys.readouterr().err
 
 
 def test_ratios_are_to_deepep_of_the_same_mode_recipe_and_tokens():
@@ -77,3 +97,16 @@ def test_a_failing_job_becomes_failed_rows():
     (row,) = run_job(job, timeout_s=90)
     assert row["status"] == "failed" and row["backend"] == "all2all"
     assert "128" in row["error"]  # fp8 1x128 groups need hidden % 128 == 0
+
+
+def test_auto_table_takes_real_link_rows_only():
+    from epmoe.bench.comm import auto_table, make_row
+
+    def row(backend, where, us):
+        return make_row(dict(backend=backend, recipe="bf16", tokens=4096, world=2, where=where,
+                             dispatch_us=us, combine_us=us, rows=100, link_rows=50, sms=None))
+
+    table = auto_table([row("deepep-ht", "2 ranks, one GPU each", 300.0),
+                        row("symm-ht", "loopback: 2 ranks on one GPU", 100.0),
+                        row("symm-ht", "shared: 2 ranks on one GPU (time-sliced)", 900.0)])
+    assert table["entries"] == {"deepep-ht": {"bf16": [[4096, 600.0]]}}

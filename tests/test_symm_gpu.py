@@ -1,6 +1,8 @@
 """symm-ht / symm-ll compiled on CUDA: the loopback world on one GPU (rank by rank, and ranks on
 concurrent streams so the spins really wait), CUDA-graph capture with 1,000 replays on fresh
-routing, the NVSHMEM arena on one PE, and two real ranks on two GPUs (`multigpu`).
+routing, the NVSHMEM arena on one PE, two real ranks sharing one GPU (two processes, two PEs,
+time-sliced by the driver: the real-rank path without a second GPU), and two real ranks on
+two GPUs (`multigpu`).
 
 The checks are the CPU loopback tests' (tests/test_symm_ht.py, test_symm_ll.py): rows byte for
 byte against all2all's payloads, layouts against `make_contiguous_layout`, combines bit for bit
@@ -179,20 +181,24 @@ def test_ht_cuda_graph_replays_match_reference(pipelined, seed):
         c.check_errors()
 
 
-def _real_ranks(rank, world, group, cls_name, recipe, seed):
-    """One real rank: NVSHMEM arena through the CommContext, 3 rounds, checked locally."""
-    torch.cuda.set_device(rank)
+def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False):
+    """One real rank: NVSHMEM arena through the CommContext, 3 rounds, checked locally (on
+    cuda:rank, or cuda:0 when the ranks share one GPU). symm-ht dispatches pipelined (real
+    ranks' default) in 4-slot chunks: several rounds of progress words per call."""
+    dev = torch.device("cuda", 0 if shared else rank)
+    torch.cuda.set_device(dev)
     quant = QuantConfig(recipe)
     cls = {"symm-ht": SymmHighThroughputComm, "symm-ll": SymmLowLatencyComm}[cls_name]
     e_l = CFG.num_experts // world
-    ctx = CommContext(group, rank, world, torch.device("cuda", rank), max_tokens_per_rank=MAX_T)
+    ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=MAX_T)
     expert_map = torch.full((CFG.num_experts,), -1, dtype=torch.int32)
     expert_map[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
-    comm = cls(CFG, quant, expert_map.cuda(), ctx, options=OPTS)
+    comm = cls(CFG, quant, expert_map.cuda(), ctx, options=dataclasses.replace(OPTS,
+                                                                                chunk_rows=4))
     gen = torch.Generator().manual_seed(seed)
     try:
         for _ in range(3):
-            xs, ids, ws = on("cuda", *case_inputs("uneven", world, gen))
+            xs, ids, ws = on(dev, *case_inputs("uneven", world, gen))
             batch, h = comm.dispatch(xs[rank], ids[rank], ws[rank])
             out = comm.combine(_scaled_identity(batch, rank, e_l), h)
             comm.check_errors()
@@ -212,8 +218,18 @@ def test_nvshmem_arena_on_one_pe(world, seed):
         assert run_ranks(_real_ranks, world, name, recipe, seed, timeout=120) == [True]
 
 
+REAL_CASES = [("symm-ht", "fp8_block"), ("symm-ll", "fp8_block"), ("symm-ht", "bf16")]
+
+
+@pytest.mark.parametrize("name,recipe", REAL_CASES)
+def test_two_real_ranks_sharing_one_gpu(name, recipe, seed):
+    """Two processes on cuda:0, two NVSHMEM PEs (gloo process group): the UID bootstrap, peer
+    views of the other process's heap and the pipelined dispatch's spins on another process,
+    with the driver time-slicing the two (a spin runs until its slice ends, then the peer)."""
+    assert run_ranks(_real_ranks, 2, name, recipe, seed, True, timeout=180) == [True, True]
+
+
 @pytest.mark.multigpu
-@pytest.mark.parametrize("name,recipe", [("symm-ht", "fp8_block"), ("symm-ll", "fp8_block"),
-                                         ("symm-ht", "bf16")])
+@pytest.mark.parametrize("name,recipe", REAL_CASES)
 def test_two_real_ranks(name, recipe, seed):
     assert run_ranks(_real_ranks, 2, name, recipe, seed, timeout=180) == [True, True]

@@ -12,7 +12,9 @@ to DeepEP's time in the same run and a round-trip check through identity experts
 symm-ht / symm-ll run in the loopback world (W ranks' arenas on one GPU, rank by rank): the
 kernels' cost without a link, per rank (phase time / W); the others need >= 2 GPUs and are
 listed as not run. `--device cpu`: the portable backends on gloo ranks (a check of the
-harness, not a benchmark). GB/s in two conventions: "all" = every received row incl. the
+harness, not a benchmark). `--device shared`: symm-* on W real ranks that share the one GPU
+(processes time-sliced by the driver): the real-rank path (NVSHMEM arena, peer views, the
+pipelined dispatch) checked end to end on one GPU; its times are not link speeds. GB/s in two conventions: "all" = every received row incl. the
 rank's own (DeepEP's tests; LL: every (token, k)), "link" = only rows that cross to another
 rank. SMs: the persistent grid of the symm kernels (DeepEP HT: its SM count). Times: median
 of CUDA-event timings (real ranks: the slowest rank's per iteration).
@@ -74,7 +76,7 @@ def auto_table(rows: list[Row]) -> dict:
     """The table `--backend auto` reads: per backend and recipe, (tokens, dispatch + combine
     us) measured on real links. Loopback rows are not comparable with other backends' link
     times, so they are left out."""
-    real = [r for r in rows if not r.where.startswith("loopback")]
+    real = [r for r in rows if not r.where.startswith(("loopback", "shared"))]
     table: dict = {}
     for r in real:
         table.setdefault(r.backend, {}).setdefault(r.recipe, []).append(
@@ -124,8 +126,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipes")
     p.add_argument("--backends", default=",".join(dict.fromkeys(HT_BACKENDS + LL_BACKENDS)),
                    help="real ranks: comma-separated backends (each runs in its modes)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cpu: the portable backends on gloo ranks (a harness check)")
+    p.add_argument("--device", choices=("auto", "cuda", "shared", "cpu"), default="auto",
+                   help="cpu: the portable backends on gloo ranks (a harness check); shared: "
+                        "symm-* on --world real ranks sharing one GPU (a check of the "
+                        "real-rank path; time-sliced, so not a speed)")
     p.add_argument("--loopback", action="store_true",
                    help="with >= 2 GPUs: also run symm-* in the loopback world")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="real ranks: hidden size")
@@ -139,8 +143,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     cuda = torch.cuda.is_available() and a.device != "cpu"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
+    if a.device in ("cuda", "shared") and not torch.cuda.is_available():
+        print(f"error: --device {a.device} but no CUDA device is visible", file=sys.stderr)
         return 2
     ht, ll = ((4096,), (128,)) if a.quick else (HT_TOKENS, LL_TOKENS)
     ht = tuple(int(v) for v in a.ht_tokens.split(",")) if a.ht_tokens else ht
@@ -154,6 +158,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     notes = []
+    if a.device == "shared":
+        return _shared(a, backends, ht, ll, sink=_sink(a))
     if cuda and gpus < 2:
         notes.append(f"{gpus} GPU: all2all, deepep-ht and deepep-ll need >= 2 GPUs (one rank "
                      f"per GPU) and were not run; symm-* ran in the loopback world, so there "
@@ -163,11 +169,7 @@ def main(argv=None) -> int:
         notes.append("CPU: gloo ranks run the portable backend only (a check of the harness, "
                      "not a benchmark); DeepEP and symm-* need CUDA")
 
-    def sink(row: dict) -> None:
-        if a.jsonl:
-            with open(a.jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
+    sink = _sink(a)
     rows: list[Row] = []
     if real:
         world = a.world if not cuda else min(a.world, gpus)
@@ -188,6 +190,36 @@ def main(argv=None) -> int:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": gpus,
                        "notes": notes, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 1 if any(r.passed is False for r in rows) else 0
+
+
+def _sink(a):
+    """-> a function that appends a row as a JSON line to --jsonl (if given)."""
+    def sink(row: dict) -> None:
+        if a.jsonl:
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return sink
+
+
+def _shared(a, backends, ht, ll, sink) -> int:
+    """--device shared: symm-* on real ranks sharing one GPU; exit 1 if a round trip failed
+    or a job did not finish."""
+    ours = tuple(b for b in backends if b.startswith("symm"))
+    if not ours:
+        print(f"error: --device shared runs symm-* only (--backends {','.join(backends)})",
+              file=sys.stderr)
+        return 2
+    rows = bench_ranks(a, ours, ht, ll, a.world, "cuda-shared", sink)
+    print("note: ranks shared one GPU (time-sliced): a check of the real-rank path; the times "
+          "are not link speeds")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "gpus": 1, "shared": True,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    want = sum(len(ht if b.endswith("ht") else ll) for b in ours
+               if a.only in (None, b[-2:])) * len(a.recipes.split(","))
+    ok = len(rows) == want and all(r.passed for r in rows)
+    return 0 if ok else 1
 
 
 def _loopback_all(a, ht, ll, sink) -> list[Row]:
@@ -226,7 +258,8 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
         print(f"[{i + 1}/{len(jobs)}] {job.mode} {job.recipe}: {', '.join(job.backends)} on "
               f"{world} {device} ranks", file=sys.stderr, flush=True)
         merged += run_job(job, a.job_timeout)
-    where = f"{world} ranks, one GPU each" if device == "cuda" else f"{world} gloo ranks (CPU)"
+    where = {"cuda": f"{world} ranks, one GPU each", "cpu": f"{world} gloo ranks (CPU)",
+             "cuda-shared": f"shared: {world} ranks on one GPU (time-sliced)"}[device]
     rows = []
     for r in with_ratios(merged):
         if r["status"] != "ok":

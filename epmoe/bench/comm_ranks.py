@@ -39,7 +39,8 @@ class RankJob:
     recipe: str
     tokens: tuple[int, ...]
     world: int
-    device: str  # cuda (one GPU per rank, NCCL) | cpu (gloo)
+    device: str  # cuda (one GPU per rank, NCCL) | cuda-shared (every rank on cuda:0, gloo;
+    # symm-* only: the real-rank path on one GPU, time-sliced) | cpu (gloo)
     iters: int
     hidden: int
     num_experts: int
@@ -50,6 +51,12 @@ class RankJob:
     def __post_init__(self):
         if self.mode not in ("ht", "ll"):
             raise ValueError(f"mode ({self.mode!r}) must be ht or ll")
+        if self.device not in ("cuda", "cuda-shared", "cpu"):
+            raise ValueError(f"device ({self.device!r}) must be cuda, cuda-shared or cpu")
+        theirs = [b for b in self.backends if not b.startswith("symm")]
+        if self.device == "cuda-shared" and theirs:
+            raise ValueError(f"backends {theirs} need one GPU per rank; ranks sharing one GPU "
+                             f"run symm-* only")
         owners = [b for b in self.backends if b in NVSHMEM_OWNERS]
         if "deepep-ll" in owners and len(owners) > 1:
             raise ValueError(f"backends {owners} each start NVSHMEM: they need separate jobs")
@@ -106,6 +113,15 @@ def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool) -> tuple[i
     return all_rows, link
 
 
+def rank_device(device: str, rank: int):
+    """A job's device for `rank`: cuda:rank, cuda:0 when the ranks share one GPU, or the CPU."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank if device == "cuda" else 0)
+
+
 def _kwargs(name: str, job: RankJob) -> dict:
     if name.startswith("symm"):
         from epmoe.comm.symm.options import SymmOptions
@@ -128,7 +144,7 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
     from epmoe.quant import dequantize_act
     from epmoe.reference import TOLERANCE, max_rel_err
 
-    dev = torch.device("cuda", rank) if job.device == "cuda" else torch.device("cpu")
+    dev = rank_device(job.device, rank)
     cuda = dev.type == "cuda"
     cfg = MoEConfig("bench-comm", hidden=job.hidden, moe_intermediate=2048,
                     num_experts=job.num_experts, top_k=job.top_k)
