@@ -65,7 +65,19 @@ BAD_FLAGS = [
                                                        r"ranks, which form ep on 2 rank"),
     (["--routing", "zipf"], r"routing spec 'zipf'"),
     (["--quant", "bf16", "--scale-fmt", "ue8m0_packed"], r"scale_fmt \('ue8m0_packed'\) applies "
-                                                         r"to fp8_block only"),
+                                                         r"to fp8_block only"),    (["--ranks-per-gpu", "0"], r"--ranks-per-gpu \(0\) must be >= 1"),
+    (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "all2all"],
+     r"--ranks-per-gpu 2 runs --ep > 1 with --backend symm-ht or symm-ll \(NCCL refuses two "
+     r"ranks on one GPU"),
+    (["--ranks-per-gpu", "2", "--backend", "symm-ht"], r"this run has form ep_dp, 1 rank"),
+    (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ll", "--device", "cpu"],
+     r"with --device cpu every rank is a CPU process already"),
+    (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ht", "--eplb"],
+     r"--eplb with --ranks-per-gpu > 1 is not supported"),
+    (["--ep", "2", "--ranks-per-gpu", "2", "--plan", "auto"],
+     r"--ranks-per-gpu 2 with --plan auto: ranks sharing a GPU run one named backend"),
+    (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ht"],
+     r"backend 'symm-ht' cannot run here"),
 ]
 
 
@@ -74,8 +86,8 @@ BAD_FLAGS = [
 def test_bad_flags_exit_2_before_any_worker(flags, message, capsys, monkeypatch):
     if "--device" in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    if "deep" in " ".join(flags) and torch.cuda.is_available():
-        pytest.skip("checked by the ranks on a CUDA machine")
+    if re.search(r"backend '(deepep|symm)-", message) and torch.cuda.is_available():
+        pytest.skip("a backend this CUDA machine may run: checked by the ranks")
     import epmoe.launch.driver as driver
 
     def no_driver(*a, **k):
@@ -89,6 +101,14 @@ def test_bad_flags_exit_2_before_any_worker(flags, message, capsys, monkeypatch)
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
     assert time.monotonic() - t0 < 5
+
+
+def test_ranks_sharing_a_gpu_take_a_fraction_of_it_over_gloo():
+    from epmoe.launch.driver import rank_resources
+
+    assert rank_resources(True) == ({"GPU": 1, "CPU": 1}, "nccl")
+    assert rank_resources(True, 4) == ({"GPU": 0.25, "CPU": 1}, "gloo")
+    assert rank_resources(False, 2) == ({"CPU": 1}, "gloo")
 
 
 def test_unknown_choice_is_argparse_exit_2(capsys):

@@ -93,6 +93,16 @@ def test_a_failed_check_says_fail_greater_than_tol(eplb_run):
     assert "PASS" not in text and "<= tol" not in text
 
 
+def test_ranks_sharing_a_gpu_say_their_times_are_not_speeds(eplb_run):
+    s = copy.deepcopy(eplb_run[0])
+    assert s["world"]["ranks_per_gpu"] == 1
+    assert "ranks per GPU" not in rendered(s)
+    s["world"]["ranks_per_gpu"] = 2
+    text = rendered(s)
+    assert "2 ranks per GPU, time-sliced: the times are not speeds" in " ".join(text.split())
+    assert all(len(ln) <= 80 for ln in text.splitlines())
+
+
 def test_help_shows_every_default():
     text = parser().format_help()
     text = text[text.index("options:"):]  # past the usage line

@@ -69,13 +69,16 @@ def build_run(a: argparse.Namespace):
                          f"({world}), each rank holding the same number; choose "
                          f"--redundant-experts so that {cfg.num_experts} + R is a multiple of "
                          f"{world}")
+    rpg = getattr(a, "ranks_per_gpu", 1)
+    if rpg != 1:
+        _check_shared_gpus(a, rpg, form, world)
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
                     eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
                     micro_batches=getattr(a, "micro_batches", 1),
-                    timing=getattr(a, "timing", "launched"))
+                    timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg)
     run.validate()
     if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
         raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "
@@ -83,6 +86,30 @@ def build_run(a: argparse.Namespace):
                          f"--backend auto")
     _check_routing(run)
     return run
+
+
+SHARED_GPU_BACKENDS = ("symm-ht", "symm-ll")  # NCCL and DeepEP need a GPU per rank
+
+
+def _check_shared_gpus(a: argparse.Namespace, rpg: int, form: str, world: int) -> None:
+    """--ranks-per-gpu N > 1: ranks time-slice a GPU over a gloo group; only our symm backends
+    run there (NCCL refuses two ranks on one GPU, DeepEP wants a GPU per rank)."""
+    if rpg < 1:
+        raise ValueError(f"--ranks-per-gpu ({rpg}) must be >= 1")
+    if a.device == "cpu":
+        raise ValueError("--ranks-per-gpu shares GPUs; with --device cpu every rank is a CPU "
+                         "process already: drop --ranks-per-gpu")
+    if getattr(a, "plan", None) is not None:
+        raise ValueError(f"--ranks-per-gpu {rpg} with --plan {a.plan}: ranks sharing a GPU "
+                         f"run one named backend; drop --plan and give --ep and --backend")
+    if form != "ep_dp" or world < 2 or a.backend not in SHARED_GPU_BACKENDS:
+        raise ValueError(f"--ranks-per-gpu {rpg} runs --ep > 1 with --backend "
+                         f"{' or '.join(SHARED_GPU_BACKENDS)} (NCCL refuses two ranks on one "
+                         f"GPU and DeepEP needs a GPU per rank); this run has form {form}, "
+                         f"{world} rank(s), --backend {a.backend}")
+    if a.eplb:
+        raise ValueError("--eplb with --ranks-per-gpu > 1 is not supported (its collectives "
+                         "run on NCCL): drop one of them")
 
 
 def _check_routing(run) -> None:

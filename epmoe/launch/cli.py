@@ -73,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
                         "with its own authentication; None: a private local cluster")
     r.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the ranks run (auto: CUDA if the machine/cluster has GPUs)")
+    r.add_argument("--ranks-per-gpu", type=int, default=1,
+                   help="ranks sharing each GPU (time-sliced by the driver; gloo process "
+                        "group; --backend symm-ht or symm-ll): checks a multi-rank run on "
+                        "fewer GPUs; its times are not speeds")
     r.add_argument("--timeout", type=float, default=120.0,
                    help="seconds any stage (connecting, start, build, a step, a rebalance) may "
                         "take before the run is declared hung")

@@ -40,6 +40,15 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
+def rank_resources(gpu: bool, ranks_per_gpu: int = 1) -> tuple[dict, str]:
+    """-> (the Ray resources of one rank, its process group backend): a GPU rank takes
+    1 / ranks_per_gpu of a GPU and joins NCCL, unless ranks share GPUs (NCCL refuses two ranks
+    on one device: gloo then, as for CPU ranks)."""
+    if not gpu:
+        return {"CPU": 1}, "gloo"
+    return {"GPU": 1 / ranks_per_gpu, "CPU": 1}, "nccl" if ranks_per_gpu == 1 else "gloo"
+
+
 class InProcessDriver:
     """One rank, no Ray, no process group (--timeout does not apply: nothing to wait for)."""
 
@@ -136,7 +145,7 @@ class RayDriver:
         total = ray.cluster_resources()
         for res, amount in per_rank.items():
             have = total.get(res, 0)
-            if have < amount * self.run.world:
+            if have < amount * self.run.world - 1e-6:  # fractions of a GPU: float sums
                 raise ClusterTooSmall(
                     f"the cluster has {have:g} {res}, but {self.run.world} ranks need "
                     f"{amount * self.run.world:g} ({amount:g} each): lower --ep/--tp or add nodes")
@@ -284,7 +293,7 @@ class RayDriver:
             gpu = ray.cluster_resources().get("GPU", 0) > 0
         if self.precheck is not None:
             self.precheck("cuda" if gpu else "cpu")
-        per_rank = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        per_rank, group = rank_resources(gpu, self.run.ranks_per_gpu)
         self._check_capacity(ray, per_rank)
         n = self.run.world
         self.phases(f"starting {n} ranks as Ray actors")
@@ -297,16 +306,17 @@ class RayDriver:
                               f"`ray status`)") from None
         actor_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Worker)
         for r in range(n):
-            opts = dict(num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": self.env},
+            opts = dict(num_cpus=1, num_gpus=per_rank.get("GPU", 0),
+                        runtime_env={"env_vars": self.env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=r))
             self.actors.append(actor_cls.options(**opts).remote(r, n, self.env))
         where = self._all("start", "where")
         if self.on_where is not None:  # the planner may re-plan for where the ranks landed
             self.run = self.on_where(where)
-        self.phases(f"connecting the ranks ({'nccl' if gpu else 'gloo'} process group)")
+        self.phases(f"connecting the ranks ({group} process group)")
         addr, port = self._wait("start", "open_store", [self.actors[0].open_store.remote()])[0]
-        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s)
+        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s, group)
         self.phases("building the layers (weights, comm, experts)")
         self._all("build", "build", self.run)
         return where

@@ -57,7 +57,9 @@ def run_table(s: dict):
     c, w, t, ld, cfg = s["correctness"], s["world"], s["timing"], s["load"], s["config"]
     rows = [["backend", escape(f"{w['backend']} ({w['backend_reason']})")],
             ["experts", escape(str(w["experts"]))],
-            ["device", escape(w["device"])],
+            ["device", escape(w["device"]) + (
+                f" ({w['ranks_per_gpu']} ranks per GPU, time-sliced: the times are not speeds)"
+                if w.get("ranks_per_gpu", 1) > 1 else "")],
             ["correctness", correctness_line(c)],
             *([["router", router_line(c["router"])]] if c.get("router") else []),
             ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "

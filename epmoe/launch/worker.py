@@ -115,14 +115,14 @@ class Worker:
         self._listen = s
         return ip, s.getsockname()[1]
 
-    def init_group(self, addr: str, port: int, timeout_s: float) -> str:
-        return self._run("init_process_group", self._init_group, addr, port, timeout_s)
+    def init_group(self, addr: str, port: int, timeout_s: float, backend: str) -> str:
+        return self._run("init_process_group", self._init_group, addr, port, timeout_s, backend)
 
-    def _init_group(self, addr: str, port: int, timeout_s: float) -> str:
+    def _init_group(self, addr: str, port: int, timeout_s: float, backend: str) -> str:
+        """backend: nccl (one rank per GPU) or gloo (CPU ranks, or ranks sharing a GPU)."""
         import torch
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each actor one GPU, visible as device 0
         timeout = timedelta(seconds=timeout_s)

@@ -48,6 +48,9 @@ class RunConfig:
     # its stages are GPU time, and the host's issue time is reported beside them
     timing: str = "launched"
     eplb_link_gbps: float | None = None  # rebalance cost model; None: NVLink / RDMA figures
+    # ranks sharing each GPU (> 1: time-sliced by the driver, a gloo process group, symm-*
+    # only): a check of a multi-rank run on fewer GPUs, never a speed
+    ranks_per_gpu: int = 1
 
     @property
     def cfg(self) -> MoEConfig:
@@ -116,6 +119,8 @@ class RunConfig:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
         if self.timing not in ("launched", "device"):
             raise ValueError(f"timing ({self.timing!r}) must be 'launched' or 'device'")
+        if self.ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu ({self.ranks_per_gpu}) must be >= 1")
         if self.micro_batches not in (1, 2):
             raise ValueError(f"micro_batches ({self.micro_batches}) must be 1 or 2")
         n = self.num_layers
