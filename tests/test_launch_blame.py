@@ -71,6 +71,23 @@ def test_a_hang_with_everyone_in_the_same_place_falls_back_to_fewest_stages():
     assert f.ranks == (0, 1) and f.message().startswith("ranks 0, 1 stopped in step 0 at stage")
 
 
+SYMM_TIMEOUT = ("symm comm: rank 0 timed out on peer 1 in ht-dispatch receive, waiting for the "
+                "peer's data (flag 0, expected >= 1); the peer never reached this call")
+
+
+def test_a_symm_timeout_blames_the_peer_that_stopped_not_the_rank_that_waited():
+    """Rank 1 hangs before its dispatch; rank 0's receive times out on the device, finishes
+    its step on an empty layout and raises at the step's sync: rank 1 is the one named."""
+    states = [RankState(0, "error", error=f"SymmTimeoutError: {SYMM_TIMEOUT}", collective=True,
+                        order=0, where="step 0"),
+              RankState(1, "pending", heartbeat=beat(1, "dispatch", 12))]
+    f = attribute("step 0", states, timeout_s=60)
+    assert (f.kind, f.ranks, f.waiting) == ("stopped", (1,), (0,))
+    assert f.message() == (f"rank 1 stopped in step 0 at stage dispatch (rank 0 gave up "
+                           f"waiting: SymmTimeoutError: {SYMM_TIMEOUT}); rank 0 was waiting in "
+                           f"step 0")
+
+
 def test_a_rank_that_does_not_answer_is_the_one_stopped():
     states = [RankState(0, "ok"), RankState(1, "pending", answered=False),
               RankState(2, "pending", heartbeat=beat(2, None, 3, call="start", calls=1))]
@@ -92,7 +109,8 @@ def test_failure_json_round_trip():
     (RESET, True), ("RuntimeError: Connection reset by peer", True),
     ("DistBackendError: NCCL error in: ...", True), ("RuntimeError: Socket Timeout", True),
     ("ValueError: trace expert ids span [0, 17]", False),
-    ("InjectedFault: injected fault on rank 1 at step", False)])
+    ("InjectedFault: injected fault on rank 1 at step", False),
+    (f"SymmTimeoutError: {SYMM_TIMEOUT}", True)])
 def test_collective_errors_are_told_apart(text, collective):
     kind, _, msg = text.partition(": ")
     e = type(kind, (Exception,), {})(msg)

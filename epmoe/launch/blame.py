@@ -7,7 +7,9 @@ it raised, its last heartbeat) and `attribute()` turns them into a `Failure`:
 2. else a rank that raised an error of its own (not a collective's error);
 3. else (a deadline passed, or only collective errors) the rank(s) that stopped: a rank that
    does not answer its heartbeat, else one that is not blocked in a collective while others
-   are, else the one(s) behind the others (fewest stages entered).
+   are, else the one(s) behind the others (fewest stages entered). A rank that stopped while
+   its peers gave up waiting for it (their collective or symm-* timeouts) is "stopped", with
+   the first peer's error as the detail.
 Every other rank that had not finished is "waiting".
 """
 
@@ -115,7 +117,8 @@ class RankState:
 
 @dataclass(frozen=True)
 class Failure:
-    """kind: died | failed | hung. `ranks`: the blamed ranks, first to fail first."""
+    """kind: died | failed | hung | stopped (pending while its peers' waits for it failed).
+    `ranks`: the blamed ranks, first to fail first."""
 
     stage: str
     kind: str
@@ -140,6 +143,8 @@ class Failure:
             text += self.detail
         elif self.kind == "failed":
             text = f"{head} failed in {at}: {self.detail}"
+        elif self.kind == "stopped":
+            text = f"{head} stopped in {at} ({self.detail})"
         else:
             text = (f"{head} stopped in {at} and did not finish {self.stage} within "
                     f"{self.timeout_s:g} s")
@@ -191,7 +196,8 @@ def attribute(stage: str, states: list[RankState], timeout_s: float | None = Non
     elif own:
         kind, blamed = "failed", own
     elif any(s.outcome == "error" for s in by_order):
-        kind, blamed = "failed", _behind(unfinished)
+        blamed = _behind(unfinished)
+        kind = "stopped" if all(s.outcome == "pending" for s in blamed) else "failed"
     else:
         kind, blamed = "hung", _behind(unfinished)
     blamed_ranks = tuple(s.rank for s in blamed)
@@ -204,6 +210,9 @@ def attribute(stage: str, states: list[RankState], timeout_s: float | None = Non
     detail = first.error
     if kind == "hung" and not first.answered:
         detail = "it does not answer heartbeats"
+    if kind == "stopped":
+        waiter = next(s for s in by_order if s.outcome == "error")
+        detail = f"rank {waiter.rank} gave up waiting: {waiter.error}"
     return Failure(
         stage=stage, kind=kind, ranks=blamed_ranks,
         waiting=tuple(sorted(s.rank for s in states

@@ -60,7 +60,10 @@ replays correctly). Every spin is bounded (`SymmOptions.timeout_s`: %globaltimer
 under the interpreter); the first timeout writes (phase, peer, flag, expected) to the arena's
 error record, later waits give up at once, and `check_errors()` raises `SymmTimeoutError`
 naming rank, peer and phase (the loopback driver checks after every phase; the Runtime at a
-sync point it already has). An arena that timed out stays failed: close the context.
+sync point it already has). Until that point a timed-out receive's outputs are well formed
+and in bounds (LL: zero counts; HT: an empty layout, or the steps that never landed dropped),
+so no kernel after it reads or writes out of bounds (a rank that faulted there would die and
+be blamed for its peer's stall). An arena that timed out stays failed: close the context.
 symm-ht's dispatch publishes finer: the counts first (ready), then after each round of
 CK-slot chunks a send CTA releases `ht_prog[me][cta] = epoch << 32 | rounds` at every peer,
 and the receive places each chunk once its round has landed (`ht_send.py`, `ht_recv.py`). On

@@ -64,7 +64,8 @@ def _reduce_items(arena_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, part_ptr, done_
         n, cols, cm = work_item(it, BT, CK, NC, D)
         nm = n < n_total
         n64 = n.to(tl.int64)
-        st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
+        st = tl.load(src_tok_ptr + n64, mask=nm, other=-1)
+        nm = nm & (st >= 0)  # -1: a token whose rows timed out (no source to send back to)
         acc = ksum(y_ptr, inv_ptr, w_ptr, n64, nm, n64, 0, cols, cm, D, K, K, True, True,
                    PRE_ROUND)
         own = own_p + ((buf * W + me) * TMAX + st % TMAX).to(tl.int64) * D
@@ -100,8 +101,8 @@ def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, target, n_
                 n = n0 + tl.arange(0, BT)
                 n64 = n.to(tl.int64)
                 nm = n < n_total
-                st = tl.load(src_tok_ptr + n64, mask=nm, other=0)
-                nm = nm & (st // TMAX != me)
+                st = tl.load(src_tok_ptr + n64, mask=nm, other=-1)
+                nm = nm & (st >= 0) & (st // TMAX != me)
                 m2 = nm[:, None] & cm[None, :]
                 row = tl.load(part_ptr + n64[:, None] * D + cols[None, :], mask=m2)
                 peer = arena_ptr + tl.multiple_of(

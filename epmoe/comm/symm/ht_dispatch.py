@@ -98,7 +98,8 @@ class HTReceived:
 
     inv_NK     int32 [W*TMAX, K] layout row of (received token n, slot k); -1: not here / n >= N
     w_NK       fp32 [W*TMAX, K] the top-k weights of those slots (0 where -1)
-    src_tok_N  int32 [W*TMAX] source rank * TMAX + source token of received token n (-1 past N)
+    src_tok_N  int32 [W*TMAX] source rank * TMAX + source token of received token n (-1 past N,
+               and for a token whose rows timed out)
     info_I     int32: N, M used, counts_E [E_L], offsets_E1 [E_L + 1], row bases [W][E_L],
                tokens received up to each source [W]
     """
