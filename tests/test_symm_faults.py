@@ -144,3 +144,34 @@ def test_ht_receive_waits_for_each_chunk_and_drops_the_ones_that_never_land(seed
     assert int(own.sum()) == int((ids[0] // (CFG.num_experts // world) == 0).any(1).sum())
     _combine_after_timeout(comms[0], batch, h, gen, lw)
     del p1
+
+
+VARYING = ("me", "T", "TS", "limit", "chunks")  # differ between ranks or between calls
+
+
+def _unspecialized(fn) -> set[str]:
+    """Names of fn's arguments Triton does not specialize on (JIT or interpreted kernel)."""
+    names = getattr(fn, "kwargs", {}).get("do_not_specialize")
+    if names is None:
+        names = getattr(fn, "do_not_specialize", ())
+    return {fn.arg_names[a] if isinstance(a, int) else a for a in names}
+
+
+def test_no_symm_kernel_specializes_on_a_value_that_differs_between_ranks_or_calls():
+    """Triton compiles a new variant for an int equal to 1 or a multiple of 16: a rank whose
+    `me` or token count picks another variant would compile mid-run while its peers spin (the
+    loopback world's rank 1 did, and rank 0's receive timed out on a cold cache)."""
+    import importlib
+    import pkgutil
+
+    import epmoe.comm.symm as symm
+
+    kernels = []
+    for info in pkgutil.iter_modules(symm.__path__):
+        mod = importlib.import_module(f"epmoe.comm.symm.{info.name}")
+        kernels += [getattr(mod, n) for n in dir(mod) if n.endswith("_kernel")
+                    and hasattr(getattr(mod, n), "arg_names")]
+    assert len(kernels) >= 9, kernels
+    for k in kernels:
+        varying = {a for a in k.arg_names if a in VARYING}
+        assert varying <= _unspecialized(k), (k.arg_names[:3], varying - _unspecialized(k))

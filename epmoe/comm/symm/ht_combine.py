@@ -112,7 +112,7 @@ def _push_rows(arena_ptr, delta_ptr, part_ptr, src_tok_ptr, done_ptr, target, n_
                 tl.store(dst[:, None] + cols[None, :], row, mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["me", "limit"])
 def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, info_ptr,
                          part_ptr, me, limit, G_RED, G_PUSH, COMB: tl.constexpr,
                          DONE: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,

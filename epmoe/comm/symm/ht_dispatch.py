@@ -53,8 +53,8 @@ OP_D = tl.constexpr(HT_DISPATCH)
 SPLIT_SEND, SPLIT_RECV, PIPELINED = 1, 2, 0  # the kernel's MODE
 
 
-# one compile for every rank (the ranks wait on each other: none may compile late)
-@triton.jit(do_not_specialize=["TS", "me"])
+# one compile for every rank and call (the ranks wait on each other: none may compile late)
+@triton.jit(do_not_specialize=["TS", "me", "limit"])
 def _dispatch_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr,
                      total_ptr, TS, xo_ptr, so_ptr, row_expert_ptr, inv_ptr, wo_ptr,
                      src_tok_ptr, info_ptr, align, me, limit, G_SEND, G_RECV,

@@ -27,7 +27,7 @@ OP_D = tl.constexpr(LL_DISPATCH)
 OP_C = tl.constexpr(LL_COMBINE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["me", "limit"])
 def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, me, limit, SLOTS: tl.constexpr,
                          MSG: tl.constexpr, MW: tl.constexpr, NTOK: tl.constexpr,
                          COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,

@@ -104,7 +104,7 @@ def _quantize_rows(x, P: tl.constexpr, CH: tl.constexpr, POW2: tl.constexpr,
     return tl.reshape(q, (P, CH)), s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "me", "limit"])
 def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, ids_ptr, w_ptr, slot_ptr, msg_ptr, T,
                           me, limit, SLOTS: tl.constexpr, DATA: tl.constexpr,
                           SCALE: tl.constexpr, META: tl.constexpr, MSG: tl.constexpr,
@@ -212,7 +212,7 @@ def _dispatch_send_kernel(arena_ptr, delta_ptr, x_ptr, ids_ptr, w_ptr, slot_ptr,
     finish_send(arena_ptr, delta_ptr, OP_D, e, me, W)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["limit"])
 def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: tl.constexpr,
                           E_L: tl.constexpr, EP: tl.constexpr, C: tl.constexpr,
                           USE_TIMER: tl.constexpr):

@@ -44,7 +44,7 @@ def _hits(ids_ptr, t, tm, K: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr,
     return hit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_count_kernel(ids_ptr, cnt_ptr, T, K: tl.constexpr, E: tl.constexpr,
                         E_L: tl.constexpr, COLS: tl.constexpr, COLSP: tl.constexpr,
                         BT: tl.constexpr):
@@ -55,7 +55,7 @@ def _route_count_kernel(ids_ptr, cnt_ptr, T, K: tl.constexpr, E: tl.constexpr,
     tl.store(cnt_ptr + pid * COLS + c, tl.sum(hit, axis=0), mask=c < COLS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _route_scan_kernel(cnt_ptr, incl_ptr, chunks, COLS: tl.constexpr, BC: tl.constexpr,
                        RB: tl.constexpr):
     """incl[c] = sum of cnt[0..c] over chunks (inclusive), BC columns per program."""
@@ -71,7 +71,7 @@ def _route_scan_kernel(cnt_ptr, incl_ptr, chunks, COLS: tl.constexpr, BC: tl.con
         carry += tl.sum(x, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_pos_kernel(ids_ptr, incl_ptr, cnt_ptr, pos_ptr, msg_ptr, tok_ptr, T,
                       K: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, W: tl.constexpr,
                       COLS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):

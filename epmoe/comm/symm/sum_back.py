@@ -21,7 +21,7 @@ from epmoe.comm.symm.sync import USE_TIMER, epoch, finish_recv, wait_ready  # no
 from epmoe.comm.symm.tiles import ksum, num_items, work_item  # noqa: E402
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "me", "limit"])
 def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, limit,
                      OP: tl.constexpr, COMB: tl.constexpr, TMAX: tl.constexpr,
                      W: tl.constexpr, S: tl.constexpr,

@@ -10,6 +10,10 @@ expected) to the arena's error record and every later wait gives up at once, so 
 peer never hangs a rank; Python raises from the record.
 Flags hold epochs (monotonic call numbers kept on the device), so nothing is reset between
 calls and a CUDA graph replays them correctly.
+Kernels whose peers spin on them never specialize on a value that differs between ranks or
+calls (`me`, token counts, `limit`: `do_not_specialize`): Triton compiles a variant per int
+equal to 1 or multiple of 16, and a rank compiling one mid-run stalls its peers' spins past
+their bound.
 """
 
 from __future__ import annotations
