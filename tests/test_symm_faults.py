@@ -175,3 +175,42 @@ def test_no_symm_kernel_specializes_on_a_value_that_differs_between_ranks_or_cal
     for k in kernels:
         varying = {a for a in k.arg_names if a in VARYING}
         assert varying <= _unspecialized(k), (k.arg_names[:3], varying - _unspecialized(k))
+
+
+def test_each_ops_first_call_on_gpu_waits_for_peers_still_compiling(monkeypatch, seed):
+    """first_timeout_s bounds the spins of each op's first call on an arena (GPU only: the
+    interpreter compiles nothing); later calls wait timeout_s."""
+    from epmoe.comm.symm import options as options_mod
+    from epmoe.comm.symm.arena import ArenaResource
+
+    o = SymmOptions(timeout_s=2.0, first_timeout_s=30.0)
+    monkeypatch.setattr(options_mod, "INTERPRET", False)
+    assert o.for_call(True).timeout_s == 30.0 and o.for_call(False) is o
+    assert SymmOptions(timeout_s=60.0, first_timeout_s=30.0).for_call(True).timeout_s == 60.0
+    monkeypatch.setattr(options_mod, "INTERPRET", True)
+    assert o.for_call(True) is o
+    with pytest.raises(ValueError, match=r"first_timeout_s \(0\) must be > 0"):
+        SymmOptions(first_timeout_s=0)
+    res = ArenaResource(view=None)
+    assert [res.begin(0), res.end(0), res.begin(0), res.end(0), res.begin(1)] == [
+        True, True, False, False, True]
+
+    flags = []
+    real = SymmOptions.for_call
+
+    def spy(self, first):
+        flags.append(first)
+        return real(self, first)
+
+    monkeypatch.setattr(SymmOptions, "for_call", spy)
+    world, quant = 2, QuantConfig("bf16")
+    gen = torch.Generator().manual_seed(seed)
+    _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T)
+    from epmoe.comm.symm.loopback import loopback_combine, loopback_dispatch
+
+    for _ in range(2):
+        xs, ids, ws = case_inputs("uneven", world, gen)
+        outs = loopback_dispatch(comms, xs, ids, ws)
+        ys = [torch.zeros(b.num_rows, CFG.hidden, dtype=torch.bfloat16) for b, _ in outs]
+        loopback_combine(comms, ys, [h for _, h in outs])
+    assert flags == [True] * 8 + [False] * 8  # 2 ranks x (send, receive) x (dispatch, combine)

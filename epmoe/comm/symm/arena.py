@@ -182,19 +182,25 @@ class ArenaResource:
         self.view = view
         self._closer = closer
         self._sent = [False] * NUM_OPS
+        self._done = [0] * NUM_OPS  # calls of each op completed on this rank
 
-    def begin(self, op: int) -> None:
+    def begin(self, op: int) -> bool:
+        """Start a send; -> True on the op's first call on this arena."""
         if self._sent[op]:
             raise RuntimeError(f"{OP_NAMES[op]}: send called twice without the receive in "
                                f"between on rank {self.view.rank}; every send must be followed "
                                f"by its receive (dispatch_recv / combine_recv) before the next")
         self._sent[op] = True
+        return self._done[op] == 0
 
-    def end(self, op: int) -> None:
+    def end(self, op: int) -> bool:
+        """Start the receive that ends the call; -> True if it ends the op's first call."""
         if not self._sent[op]:
             raise RuntimeError(f"{OP_NAMES[op]}: receive called without a send on rank "
                                f"{self.view.rank}; call the send half first")
         self._sent[op] = False
+        self._done[op] += 1
+        return self._done[op] == 1
 
     def close(self) -> None:
         if self._closer is not None:

@@ -141,7 +141,7 @@ class SymmHighThroughputComm(Comm):
         return (not self.arena.view.loopback) if p is None else p
 
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmHTPending:
-        self.arena.begin(HT_DISPATCH)
+        opts = self.options.for_call(self.arena.begin(HT_DISPATCH))
         xq = self._quantize(x_TD)
         rt = route(topk_ids_TK, self.num_experts, self.world)
         args = ht_dispatch.prepare(self.shape, xq, topk_ids_TK, topk_weights_TK, rt)
@@ -149,19 +149,19 @@ class SymmHighThroughputComm(Comm):
         if self.pipelined:  # both roles now: the receive overlaps the link
             out = ht_dispatch.allocate(view, self.shape, self.alignment)
             ht_dispatch.launch(view, self.shape, self.alignment, args, out,
-                               ht_dispatch.PIPELINED, self.options)
+                               ht_dispatch.PIPELINED, opts)
         else:
             ht_dispatch.launch(view, self.shape, self.alignment, args, None,
-                               ht_dispatch.SPLIT_SEND, self.options)
+                               ht_dispatch.SPLIT_SEND, opts)
         return SymmHTPending(rt.msg_TW, args, out)
 
     def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
-        self.arena.end(HT_DISPATCH)
+        opts = self.options.for_call(self.arena.end(HT_DISPATCH))
         view, out = self.arena.view, pending.outputs
         if out is None:
             out = ht_dispatch.allocate(view, self.shape, self.alignment)
             ht_dispatch.launch(view, self.shape, self.alignment, pending.args, out,
-                               ht_dispatch.SPLIT_RECV, self.options)
+                               ht_dispatch.SPLIT_RECV, opts)
         x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out)
         if self.options.exact_rows:
             x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
@@ -173,13 +173,13 @@ class SymmHighThroughputComm(Comm):
 
     # -------------------------------------------------------------- combine
     def combine_send(self, expert_out: torch.Tensor, handle: SymmHTHandle) -> None:
-        self.arena.begin(HT_COMBINE)
+        opts = self.options.for_call(self.arena.begin(HT_COMBINE))
         ht_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
-                                handle.recv, self.options)
+                                handle.recv, opts)
 
     def combine_recv(self, handle: SymmHTHandle) -> torch.Tensor:
-        self.arena.end(HT_COMBINE)
-        return ht_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, self.options)
+        opts = self.options.for_call(self.arena.end(HT_COMBINE))
+        return ht_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, opts)
 
     def combine(self, expert_out, handle: SymmHTHandle) -> torch.Tensor:
         self.combine_send(expert_out, handle)

@@ -91,15 +91,14 @@ class SymmLowLatencyComm(Comm):
     # -------------------------------------------------------------- dispatch
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
         """Quantize (fused into the send kernel) and send every (token, k) row."""
-        self.arena.begin(LL_DISPATCH)
+        opts = self.options.for_call(self.arena.begin(LL_DISPATCH))
         return SymmLLPending(ll_dispatch.dispatch_send(self.arena.view, self.shape, self.quant,
                                                        x_TD, topk_ids_TK, topk_weights_TK,
-                                                       self.options))
+                                                       opts))
 
     def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
-        self.arena.end(LL_DISPATCH)
-        x, counts = ll_dispatch.dispatch_recv(self.arena.view, self.shape, self.quant,
-                                              self.options)
+        opts = self.options.for_call(self.arena.end(LL_DISPATCH))
+        x, counts = ll_dispatch.dispatch_recv(self.arena.view, self.shape, self.quant, opts)
         return MaskedBatch(x, counts), SymmLLHandle(counts, pending.msg_TW)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
@@ -107,14 +106,13 @@ class SymmLowLatencyComm(Comm):
 
     # -------------------------------------------------------------- combine
     def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> None:
-        self.arena.begin(LL_COMBINE)
+        opts = self.options.for_call(self.arena.begin(LL_COMBINE))
         ll_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
-                                self.options)
+                                opts)
 
     def combine_recv(self, handle: SymmLLHandle) -> torch.Tensor:
-        self.arena.end(LL_COMBINE)
-        return ll_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW,
-                                       self.options)
+        opts = self.options.for_call(self.arena.end(LL_COMBINE))
+        return ll_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, opts)
 
     def combine(self, expert_out, handle: SymmLLHandle) -> torch.Tensor:
         self.combine_send(expert_out, handle)

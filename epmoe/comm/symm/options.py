@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epmoe.kernels._common import INTERPRET
 
@@ -25,6 +25,9 @@ class SymmOptions:
                 interpreting)
     timeout_s   bound of every spin-wait; a timeout raises naming rank, peer and phase (under
                 the interpreter it bounds polls: 1000 per second)
+    first_timeout_s  the bound instead in each op's first call on an arena, on GPU (when it is
+                longer): a peer may still be compiling its kernels, or the experts' GEMMs
+                between dispatch and combine (Triton, DeepGEMM's JIT) for the first time
     exact_rows  symm-ht: sync once after the receive and return only the used rows (M exact)
                 instead of the worst-case row count (no host sync, CUDA-graph safe)
     pipelined   symm-ht dispatch as one kernel whose first CTAs send and the rest receive,
@@ -41,6 +44,7 @@ class SymmOptions:
     chunk_cols: int = 0
     num_warps: int = 0
     timeout_s: float = 10.0
+    first_timeout_s: float = 120.0
     exact_rows: bool = False
     pipelined: bool | None = None
     chunk_rows: int = 0
@@ -61,8 +65,15 @@ class SymmOptions:
         if self.chunk_rows < 0 or self.chunk_rows & (self.chunk_rows - 1):
             raise ValueError(f"chunk_rows ({self.chunk_rows}) must be 0 (the default) or a "
                              f"power of two")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+        if not (self.timeout_s > 0 and self.first_timeout_s > 0):
+            raise ValueError(f"timeout_s ({self.timeout_s}) and first_timeout_s "
+                             f"({self.first_timeout_s}) must be > 0")
+
+    def for_call(self, first: bool) -> "SymmOptions":
+        """The options of one call: a first call on GPU waits up to first_timeout_s."""
+        if first and not INTERPRET and self.first_timeout_s > self.timeout_s:
+            return replace(self, timeout_s=self.first_timeout_s)
+        return self
 
     @property
     def spin_limit(self) -> int:
