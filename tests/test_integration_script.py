@@ -34,3 +34,38 @@ def test_comm_step_is_part_of_the_run_and_skips_without_cuda(tmp_path):
     assert main(["--only", "comm", "--out", str(tmp_path)]) == 0
     (step,) = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert step == dict(step="comm", ok=None, skipped="needs CUDA")
+
+
+def test_fewer_gpus_than_ranks_share_them_for_our_backends():
+    from epmoe.bench.integration import _launch_cases
+    from epmoe.launch.checks import build_run
+    from epmoe.launch.cli import parser
+
+    for ep, gpus, share in ((2, 1, 2), (4, 3, 2), (8, 1, 8)):
+        cases = dict(_launch_cases(ep, "deepseek-v3-tiny", 128, gpus))
+        assert set(cases) == {"symm-ht-shared", "symm-ll-shared"}
+        for flags in cases.values():  # flags the launcher accepts, as the run they name
+            run = build_run(parser().parse_args(flags))
+            assert (run.world, run.ranks_per_gpu, run.backend) == (ep, share, flags[-5])
+    assert {"deepep-ht", "symm-ht", "all2all"} <= set(dict(_launch_cases(2, "deepseek-v3-tiny",
+                                                                         128, 2)))
+
+
+def test_one_gpu_runs_the_shared_rank_steps_and_says_what_it_skipped(tmp_path, monkeypatch):
+    import epmoe.bench.integration as integration
+
+    calls = []
+
+    def fake_run(name, cmd, timeout, log_dir):
+        calls.append((name, cmd))
+        return dict(step=name, cmd=" ".join(cmd), rc=0, ok=True, seconds=0.0, log="")
+
+    monkeypatch.setattr(integration, "_cuda_count", lambda: 1)
+    monkeypatch.setattr(integration, "_run", fake_run)
+    assert main(["--only", "comm,launch", "--out", str(tmp_path)]) == 0
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert [r["step"] for r in steps] == ["comm", "comm_shared", "launch_deepep_all2all",
+                                          "launch_symm-ht-shared", "launch_symm-ll-shared"]
+    assert steps[2]["ok"] is None and "DeepEP and NCCL need a GPU per rank" in steps[2]["skipped"]
+    shared = dict(calls)["comm_shared"]
+    assert shared[shared.index("--device") + 1] == "shared" and "--world" in shared

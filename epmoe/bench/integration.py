@@ -12,6 +12,10 @@ Steps (each a subprocess with its own deadline; a failing step is recorded, the 
                to DeepEP in the same run; one GPU: the loopback world)
   launch       python -m epmoe.launch --ep N with deepep-ht, symm-ht, deepep-ll, symm-ll,
                all2all (auto picks the experts backend), and --eplb on Zipf routing
+With fewer GPUs than ranks (one lent GPU), the ranks share them: comm adds symm-* on real
+ranks sharing the GPU (`bench.comm --device shared`), and launch runs symm-ht / symm-ll with
+--ranks-per-gpu (checked against the oracle; their times are time slices); the cases that
+need a GPU per rank are recorded as skipped, with that reason.
 On a machine without CUDA the GPU benchmarks are skipped with that reason and the launch runs
 use gloo: the script itself is exercised by the CPU test suite.
 """
@@ -47,11 +51,16 @@ def _run(name: str, cmd: list[str], timeout: float, log_dir: str) -> dict:
                 log=log)
 
 
-def _launch_cases(ep: int, model: str, tokens: int, gpu: bool) -> list[tuple[str, list[str]]]:
+def _launch_cases(ep: int, model: str, tokens: int, gpus: int) -> list[tuple[str, list[str]]]:
+    """(name, launch flags) per case at `ep` ranks on `gpus` GPUs (0: CPU, gloo)."""
     common = ["--ep", str(ep), "--model", model, "--tokens", str(tokens), "--quiet"]
     fp8 = ["--quant", "fp8_block"]
+    if 0 < gpus < ep:  # ranks share the GPUs: our backends only (launch --ranks-per-gpu)
+        share = ["--ranks-per-gpu", str(-(-ep // gpus)), "--device", "cuda"]
+        return [(f"{b}-shared", [*common, *fp8, "--backend", b, *share])
+                for b in ("symm-ht", "symm-ll")]
     cases = [("all2all", [*common, "--backend", "all2all"])]
-    if gpu:
+    if gpus:
         from epmoe.config import get_preset
 
         # DeepEP's low-latency kernels take hidden >= 2048: a small real preset, one layer
@@ -105,8 +114,19 @@ def main(argv=None) -> int:
                      a.step_timeout, a.out)
             r["json"] = js
             results.append(r)
+            if bench == "comm" and gpus < ep:  # real ranks sharing the GPU(s) as well
+                js = os.path.join(a.out, "comm_shared.json")
+                r = _run("comm_shared", [py, "-m", "epmoe.bench.comm", "--device", "shared",
+                                         "--world", str(ep), "--quick", "--json", js],
+                         a.step_timeout, a.out)
+                r["json"] = js
+                results.append(r)
     if "launch" in only:
-        for name, args in _launch_cases(ep, a.model, a.tokens, gpus > 0):
+        if 0 < gpus < ep:
+            results.append(dict(step="launch_deepep_all2all", ok=None,
+                                skipped=f"{gpus} GPU(s) for ep {ep}: DeepEP and NCCL need a GPU "
+                                        f"per rank"))
+        for name, args in _launch_cases(ep, a.model, a.tokens, gpus):
             js = os.path.join(a.out, f"launch_{name}.json")
             r = _run(f"launch_{name}", [py, "-m", "epmoe.launch", *args, "--out", js],
                      a.step_timeout, a.out)
