@@ -14,10 +14,11 @@ kernels' cost without a link, per rank (phase time / W); the others need >= 2 GP
 listed as not run. `--device cpu`: the portable backends on gloo ranks (a check of the
 harness, not a benchmark). `--device shared`: symm-* on W real ranks that share the one GPU
 (processes time-sliced by the driver): the real-rank path (NVSHMEM arena, peer views, the
-pipelined dispatch) checked end to end on one GPU; its times are not link speeds. GB/s in two conventions: "all" = every received row incl. the
-rank's own (DeepEP's tests; LL: every (token, k)), "link" = only rows that cross to another
-rank. SMs: the persistent grid of the symm kernels (DeepEP HT: its SM count). Times: median
-of CUDA-event timings (real ranks: the slowest rank's per iteration).
+pipelined dispatch) checked end to end on one GPU; its times are not link speeds. GB/s in two
+conventions: "all" = every received row incl. the rank's own (DeepEP's tests; LL: every
+(token, k)), "link" = only rows that cross to another rank. SMs: the persistent grid of the
+symm kernels (DeepEP HT: its SM count). Times: median of CUDA-event timings (real ranks: the
+slowest rank's per iteration).
 `--auto-table` writes the per-token-count table `--backend auto` reads (only figures that
 compare backends on real links belong in it: a loopback run writes none, and says so).
 """

@@ -108,8 +108,9 @@ def _check_shared_gpus(a: argparse.Namespace, rpg: int, form: str, world: int) -
                          f"GPU and DeepEP needs a GPU per rank); this run has form {form}, "
                          f"{world} rank(s), --backend {a.backend}")
     if a.eplb:
-        raise ValueError("--eplb with --ranks-per-gpu > 1 is not supported (its collectives "
-                         "run on NCCL): drop one of them")
+        raise ValueError("--eplb with --ranks-per-gpu > 1 is not supported (its weight "
+                         "moves were never checked over a gloo group on a shared GPU): drop "
+                         "one of them")
 
 
 def _check_routing(run) -> None:
