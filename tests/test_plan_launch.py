@@ -301,3 +301,16 @@ def test_run_config_and_layer_plans_live_in_epmoe_plan():
                                               LayerSpec("tp", "local", "torch")))
     run.validate()
     assert run.layer_plan(1, 1, "local") == LayerPlan("tp", 1, 2, "local", "torch", 16)
+
+
+def test_ranks_sharing_a_gpu_get_no_prediction():
+    """Their times are time slices of one GPU: a predicted/measured ratio would mislead."""
+    from epmoe.launch.cli import build_run
+    from epmoe.launch.plan_report import predict_run
+
+    launch = prepare(_args("--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ht",
+                           "--device", "cuda", "--tokens", "8", "--profile", "h200"), build_run)
+    pred = predict_run(launch.run, [{}], launch.planning)
+    assert pred["predicted_ms"] is None and pred["predicted_step_ms"] is None
+    assert pred["prediction"]["error"] == ("2 ranks share each GPU (time-sliced), which the "
+                                           "cost model does not describe")

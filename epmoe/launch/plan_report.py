@@ -77,6 +77,10 @@ def predict_run(run, reports: list[dict], planning) -> dict:
     tokens = run.tokens if own else max(run.tokens // world, 1)
     info = dict(profile=prof.name, topology=topo.describe(), tokens_per_rank=tokens,
                 notes=list(planning.notes), ratio=RATIO)
+    if run.ranks_per_gpu > 1:  # the measured times are time slices of one GPU
+        info["error"] = (f"{run.ranks_per_gpu} ranks share each GPU (time-sliced), which the "
+                         f"cost model does not describe")
+        return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
     if not own and run.tokens % world:
         info["notes"].append(f"{run.tokens} replicated tokens over {world} ranks modelled as "
                              f"{tokens} per rank")
