@@ -1,5 +1,5 @@
 """The simulator against published tables (predicted from the spec profiles): DeepEP's own
-H800 tables and a third party's DeepEP run on H100, and the table-file format."""
+H800 tables and third parties' DeepEP runs on 8xH100 and 8xH200, and the table-file format."""
 
 import json
 
@@ -23,6 +23,19 @@ def test_deepep_ep8_rows_within_20_percent():
         assert abs(res.error) < 0.20, (r.name, res.predicted, r.published)
 
 
+def test_held_out_h200_ep8_rows_within_20_percent():
+    """A third party's DeepEP run on 8xH200 (nothing in the h200 profile came from it):
+    every figure within 20%, and bound by NVLink at 24 SMs, as on H800."""
+    rows = _rows("deepep-v1-h200-p5en")
+    assert {(r.direction, r.dispatch, r.unit) for r in rows} == {
+        (d, q, u) for d, q in (("dispatch", "bf16"), ("dispatch", "fp8_block"),
+                               ("combine", "bf16")) for u in ("us", "GB/s")}
+    for r in rows:
+        res = predict(r)
+        assert abs(res.error) < 0.20, (r.name, r.dispatch, res.predicted, r.published)
+        assert res.limit == "nvlink"
+
+
 def test_every_row_is_predicted_and_printed(capsys):
     res = validate()
     n = sum(len(load_table(p).rows) for p in shipped_tables())
@@ -42,13 +55,15 @@ def test_every_row_is_predicted_and_printed(capsys):
     assert len(doc) == n and {"error", "predicted", "published", "limit"} <= set(doc[0])
 
 
-def test_a_table_of_microseconds_and_one_of_bandwidth_agree():
-    """The H100 table gives each figure as time and as DeepEP's GB/s: the model's two
-    predictions must be the same kernel time (bandwidth = DeepEP's bytes / that time)."""
-    rows = _rows("deepep-v1-h100-tilescale")
-    for d in ("dispatch", "combine"):
-        us, gbs = (predict(next(r for r in rows if r.direction == d and r.unit == u))
-                   for u in ("us", "GB/s"))
+@pytest.mark.parametrize("name", ["deepep-v1-h100-tilescale", "deepep-v1-h200-p5en"])
+def test_a_table_of_microseconds_and_one_of_bandwidth_agree(name):
+    """These tables give each figure as time and as DeepEP's GB/s: the model's two
+    predictions must be the same kernel time, and its bytes (received rows x row bytes, from
+    our hit statistics) the publisher's GB/s x time."""
+    rows = _rows(name)
+    for d, q in {(r.direction, r.dispatch) for r in rows}:
+        us, gbs = (predict(next(r for r in rows if (r.direction, r.dispatch, r.unit) ==
+                                (d, q, u))) for u in ("us", "GB/s"))
         assert us.kernel_us == gbs.kernel_us
         published_bytes = gbs.row.published * us.row.published  # GB/s x us = kB
         assert gbs.predicted * us.predicted == pytest.approx(published_bytes, rel=0.01)
