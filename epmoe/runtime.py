@@ -87,6 +87,21 @@ class Runtime:
         self.load_LS = torch.zeros(run.num_layers, slots, dtype=torch.long, device=self.device)
         self.load_LE = torch.zeros(run.num_layers, self.cfg.num_experts, dtype=torch.long,
                                    device=self.device)
+        self.graph = None  # run.cuda_graph: the captured step (epmoe/graph.py)
+        if run.cuda_graph:
+            self._check_capturable()
+
+    def _check_capturable(self) -> None:
+        """--cuda-graph with the backends this rank resolved ("auto" included)."""
+        from epmoe.graph import capture_violation
+
+        if self.device.type != "cuda":
+            raise ValueError(f"--cuda-graph needs CUDA; this rank runs on {self.device}")
+        for l, layer in enumerate(self.layers):
+            why = capture_violation(self.plans[l].form, self.layer_backends[l][0],
+                                    layer.experts.name)
+            if why:
+                raise ValueError(f"--cuda-graph: layer {l}: {why}")
 
     @property
     def plan(self) -> LayerPlan:
@@ -176,11 +191,16 @@ class Runtime:
             return x[self.rank * n:(self.rank + 1) * n]
 
     def step(self, step: int) -> float:
-        """Run all layers once; returns this rank's step time in ms."""
-        run = self.run
+        """Run all layers once; returns this rank's step time in ms. With run.cuda_graph,
+        steps after the first are replayed from one captured graph (epmoe/graph.py)."""
         x = self.tokens_for(step)
-        gathered = not run.own_tokens  # x holds every rank's rows (replicated forms)
-        keep = []
+        routes = [self.routing_for(step, l) for l in range(len(self.layers))]
+        graphed = self.run.cuda_graph and step > 0
+        if graphed and self.graph is None:  # captured before the timed step: nothing runs
+            from epmoe.graph import StepGraph
+
+            with self.timer.stage("capture", record=False):
+                self.graph = StepGraph.capture(self._issue, x, routes, self.timer)
         self.rebalancer.begin_step(self.layers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -195,13 +215,38 @@ class Runtime:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
         t0 = time.perf_counter()
+        if graphed:
+            with self.timer.stage("graph replay", record=False):
+                keep = self.graph.replay(x, routes)
+        else:
+            keep = self._issue(x, routes)
+        self.host_ms.append((time.perf_counter() - t0) * 1e3)
+        if self.device_timed:
+            end.record()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ms = start.elapsed_time(end) if self.device_timed else (time.perf_counter() - t0) * 1e3
+        if graphed:
+            self.timer.replayed()
+        for layer in self.layers:  # after the sync the step already has: device-side timeouts
+            layer.comm.check_errors()
+        self.step_ms.append(ms)
+        self._last = keep if self.run.check else []
+        self._last_host = None
+        return ms
+
+    def _issue(self, x: torch.Tensor, routes: list) -> list[dict]:
+        """Issue every layer on x with the given routings (None: the layer's router); returns
+        the per-layer records the oracle checks (empty lists unless run.check)."""
+        run = self.run
+        gathered = not run.own_tokens  # x holds every rank's rows (replicated forms)
+        keep = []
         for l, layer in enumerate(self.layers):
             want = not run.holds_own_rows(l)
             if self.world > 1 and want != gathered:
                 x, gathered = self._relayout(x, want), want
-            r = self.routing_for(step, l)
-            offset = run.token_offset(l, self.rank)
-            out = layer.forward(x, r, token_offset=offset)
+            r = routes[l]
+            out = layer.forward(x, r, token_offset=run.token_offset(l, self.rank))
             self.rebalancer.record(l, layer.last_routing.topk_ids_TK, layer.last_physical_ids)
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
@@ -213,18 +258,7 @@ class Runtime:
                                  routed=torch.tensor(r is None),
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
-        self.host_ms.append((time.perf_counter() - t0) * 1e3)
-        if self.device_timed:
-            end.record()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ms = start.elapsed_time(end) if self.device_timed else (time.perf_counter() - t0) * 1e3
-        for layer in self.layers:  # after the sync the step already has: device-side timeouts
-            layer.comm.check_errors()
-        self.step_ms.append(ms)
-        self._last = keep
-        self._last_host = None
-        return ms
+        return keep
 
     # ---------------------------------------------------------------- reporting
     @property

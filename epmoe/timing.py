@@ -33,7 +33,9 @@ class StageTimer:
     `record=False` marks a stage for `where()` and the hook without timing it (waits outside
     the timed step, e.g. the barrier before a step). Disabled timers still track position.
     `host=True` also times each stage on the host's clock (`collect_host()`): on a GPU that is
-    the time the host spends issuing the stage, next to the events' time on the stream."""
+    the time the host spends issuing the stage, next to the events' time on the stream.
+    Inside `capturing()` (a CUDA graph capture) each stage records external events, nodes of
+    the graph that fire on every replay; `replayed()` reads them after each replay."""
 
     def __init__(self, enabled: bool = True, device: torch.device | str = "cpu",
                  host: bool = False):
@@ -48,6 +50,8 @@ class StageTimer:
         self._since = time.monotonic()
         self.on_enter: Callable[[str], None] | None = None
         self.failed_in: str | None = None  # the innermost stage an exception left (if any)
+        self._capture: list | None = None  # the events of a capture under way
+        self._graph_events: list[tuple[str, object, object]] = []
 
     @contextmanager
     def stage(self, name: str, record: bool = True):
@@ -59,6 +63,12 @@ class StageTimer:
                 self.on_enter(name)
             if not (self.enabled and record):
                 yield
+            elif self._capture is not None:  # graph nodes: no host time (nothing runs now)
+                a, b = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+                a.record()
+                yield
+                b.record()
+                self._capture.append((name, a, b))
             elif self.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
@@ -81,6 +91,21 @@ class StageTimer:
         finally:
             self._open.pop()
             self._since = time.monotonic()
+
+    @contextmanager
+    def capturing(self):
+        """Stages entered inside are timed by the graph being captured (see the class)."""
+        self._capture = []
+        try:
+            yield
+        finally:
+            self._graph_events, self._capture = self._capture, None
+
+    def replayed(self) -> None:
+        """After a replay of the captured graph has finished (synchronized): its stage times.
+        Each replay re-records the same events, so they are read now, before the next."""
+        for name, a, b in self._graph_events:
+            self._ms[name].append(a.elapsed_time(b))
 
     def where(self) -> StagePosition:
         """The innermost open stage; safe to call from another thread while a step runs."""

@@ -65,7 +65,8 @@ BAD_FLAGS = [
                                                        r"ranks, which form ep on 2 rank"),
     (["--routing", "zipf"], r"routing spec 'zipf'"),
     (["--quant", "bf16", "--scale-fmt", "ue8m0_packed"], r"scale_fmt \('ue8m0_packed'\) applies "
-                                                         r"to fp8_block only"),    (["--ranks-per-gpu", "0"], r"--ranks-per-gpu \(0\) must be >= 1"),
+                                                         r"to fp8_block only"),
+    (["--ranks-per-gpu", "0"], r"--ranks-per-gpu \(0\) must be >= 1"),
     (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "all2all"],
      r"--ranks-per-gpu 2 runs --ep > 1 with --backend symm-ht or symm-ll \(NCCL refuses two "
      r"ranks on one GPU"),
@@ -78,13 +79,24 @@ BAD_FLAGS = [
      r"--ranks-per-gpu 2 with --plan auto: ranks sharing a GPU run one named backend"),
     (["--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ht"],
      r"backend 'symm-ht' cannot run here"),
+    (["--cuda-graph", "--device", "cpu"], r"--cuda-graph captures CUDA work; drop it with "
+                                          r"--device cpu"),
+    (["--cuda-graph"], r"--cuda-graph captures CUDA work, but the ranks run on cpu"),
+    (["--cuda-graph", "--experts", "torch"], r"layer 0: experts backend torch waits on the host "
+                                             r"inside the step \(a loop over experts\)"),
+    (["--cuda-graph", "--ep", "2", "--backend", "all2all"],
+     r"comm backend all2all waits on the host inside the step \(its counts\); --cuda-graph "
+     r"needs one of local, symm-ht, symm-ll"),
+    (["--cuda-graph", "--ep", "2", "--no-dp"], r"form ep runs collectives inside the step"),
+    (["--cuda-graph", "--ep", "2", "--eplb"], r"--cuda-graph cannot run with --eplb"),
+    (["--cuda-graph", "--ep", "2", "--plan", "auto"], r"--cuda-graph with --plan auto"),
 ]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flags_exit_2_before_any_worker(flags, message, capsys, monkeypatch):
-    if "--device" in flags and torch.cuda.is_available():
+    if ("--device" in flags or "ranks run on cpu" in message) and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     if re.search(r"backend '(deepep|symm)-", message) and torch.cuda.is_available():
         pytest.skip("a backend this CUDA machine may run: checked by the ranks")

@@ -72,13 +72,20 @@ def build_run(a: argparse.Namespace):
     rpg = getattr(a, "ranks_per_gpu", 1)
     if rpg != 1:
         _check_shared_gpus(a, rpg, form, world)
+    graph = getattr(a, "cuda_graph", False)
+    if graph and a.device == "cpu":
+        raise ValueError("--cuda-graph captures CUDA work; drop it with --device cpu")
+    if graph and getattr(a, "plan", None) is not None:
+        raise ValueError(f"--cuda-graph with --plan {a.plan}: a captured step runs the named "
+                         f"--backend and --experts; drop one of them")
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
                     eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
                     micro_batches=getattr(a, "micro_batches", 1),
-                    timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg)
+                    timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,
+                    cuda_graph=graph)
     run.validate()
     if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
         raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "
@@ -170,14 +177,23 @@ def check_runnable(run, device: str) -> None:
     machine can tell: always for cpu, for cuda only on a CUDA machine)."""
     import torch
 
+    if run.cuda_graph and device != "cuda":
+        raise InputError(f"--cuda-graph captures CUDA work, but the ranks run on {device}: "
+                         f"drop it, or run on a GPU (--device cuda)")
     if device == "cuda" and not torch.cuda.is_available():
         return  # the ranks' machines decide; they fail with the reason (exit 3)
     from epmoe.comm import resolve_backend
     from epmoe.experts.select import resolve_experts
 
     dev = torch.device(device)
-    resolve_backend(run.backend, run, dev)
-    resolve_experts(run.experts, run.cfg, run.quant, dev)
+    backend, _ = resolve_backend(run.backend, run, dev)
+    experts, _ = resolve_experts(run.experts, run.cfg, run.quant, dev)
+    if run.cuda_graph:  # what "auto" picked here must be capturable too
+        from epmoe.graph import capture_violation
+
+        why = capture_violation(run.form, backend, experts.name)
+        if why:
+            raise InputError(f"--cuda-graph: {why}")
 
 
 def _check_writable_file(path: str | None, flag: str) -> None:

@@ -46,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
                    help="launched: step and stages as a synchronized step runs them (the "
                         "host's launch time included); device: the GPU's time, the host "
                         "issuing the step ahead of it (its issue time reported beside)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay steps 1.. from one CUDA graph per rank, captured after the "
+                        "eager step 0 (ep_dp layers; --backend local, symm-ht or symm-ll; "
+                        "--experts triton or deepgemm; no --eplb)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default=DEFAULT_PRESET, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")

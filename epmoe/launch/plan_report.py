@@ -81,6 +81,10 @@ def predict_run(run, reports: list[dict], planning) -> dict:
         info["error"] = (f"{run.ranks_per_gpu} ranks share each GPU (time-sliced), which the "
                          f"cost model does not describe")
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
+    if run.cuda_graph:
+        info["notes"].append("steps 1.. replayed from a CUDA graph: the host issues no "
+                             "launches, so a device-timed profile (GPU time) is the one to "
+                             "compare with")
     if not own and run.tokens % world:
         info["notes"].append(f"{run.tokens} replicated tokens over {world} ranks modelled as "
                              f"{tokens} per rank")

@@ -65,7 +65,8 @@ def run_table(s: dict):
             ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "
                           f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"
                           + ("" if t.get("overlap") is None else
-                             f"; overlap {t['overlap']:.2f}")],
+                             f"; overlap {t['overlap']:.2f}")
+                          + ("; replayed from a CUDA graph" if t.get("cuda_graph") else "")],
             *([["host issue", f"{t['host_issue_ms_median']:.2f} ms to issue a step; the step "
                               f"and stages above are GPU time (--timing device)"]]
               if t.get("mode") == "device" and t.get("host_issue_ms_median") else []),

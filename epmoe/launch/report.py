@@ -206,6 +206,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
                     overlap=_overlap(stages, _median(timed)),
                     mode=reports[0].get("timing", "launched"),
+                    cuda_graph=run.cuda_graph,  # steps 1.. replayed from one graph per rank
                     host_issue_ms_median=_median(  # steps 1.., the slowest rank's each
                         [max(r["host_ms"][s] for r in reports) for s in range(1, steps)]
                         if all(len(r.get("host_ms", ())) == steps for r in reports) else []),

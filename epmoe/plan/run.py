@@ -51,6 +51,8 @@ class RunConfig:
     # ranks sharing each GPU (> 1: time-sliced by the driver, a gloo process group, symm-*
     # only): a check of a multi-rank run on fewer GPUs, never a speed
     ranks_per_gpu: int = 1
+    # steps 1.. replayed from one CUDA graph per rank (epmoe/graph.py: capturable paths only)
+    cuda_graph: bool = False
 
     @property
     def cfg(self) -> MoEConfig:
@@ -136,6 +138,20 @@ class RunConfig:
                                  "layers; plan those layers as ep or ep_dp")
         for l in range(n):
             self.layer_plan(l, 0, "local").validate(self.cfg, self.quant)
+        if self.cuda_graph:
+            self._validate_cuda_graph()
+
+    def _validate_cuda_graph(self) -> None:
+        from epmoe.graph import capture_violation
+
+        if self.eplb:
+            raise ValueError("--cuda-graph cannot run with --eplb: a rebalance swaps the "
+                             "weights and maps a captured step holds by address")
+        for l in range(self.num_layers):
+            spec = self.layer_spec(l)
+            why = capture_violation(spec.form, spec.backend, spec.experts)
+            if why:
+                raise ValueError(f"layer {l}: {why}")
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)

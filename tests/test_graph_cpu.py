@@ -1,0 +1,83 @@
+"""--cuda-graph without a GPU: which paths may be captured, the stage timer's bookkeeping for
+replayed graphs (with stand-in events), and the benchmark's input errors. The capture itself
+is tested on the GPU (test_graph_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.bench.graph_step import main as bench_main
+from epmoe.graph import capture_violation
+from epmoe.plan.run import RunConfig
+from epmoe.timing import StageTimer
+
+
+@pytest.mark.parametrize("form,backend,experts,ok", [
+    ("ep_dp", "local", "triton", True), ("ep_dp", "symm-ll", "deepgemm", True),
+    ("ep_dp", "symm-ht", "auto", True), ("ep_dp", "auto", "auto", True),
+    ("ep_dp", "deepep-ht", "triton", False), ("ep_dp", "all2all", "triton", False),
+    ("ep_dp", "local", "torch", False), ("tp", "local", "triton", False),
+    ("ep", "auto", "auto", False)])
+def test_which_layers_can_be_captured(form, backend, experts, ok):
+    assert (capture_violation(form, backend, experts) is None) == ok
+
+
+def test_run_config_refuses_what_cannot_be_captured():
+    with pytest.raises(ValueError, match="--cuda-graph cannot run with --eplb"):
+        RunConfig(world=2, eplb=True, cuda_graph=True).validate()
+    with pytest.raises(ValueError, match="layer 0: form tp runs collectives"):
+        RunConfig(form="tp", world=2, cuda_graph=True).validate()
+    RunConfig(world=2, backend="symm-ll", experts="triton", cuda_graph=True).validate()
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: each record stamps the next tick of a shared clock."""
+
+    clock = [0.0]
+    made = []
+
+    def __init__(self, enable_timing=False, external=False):
+        assert enable_timing and external, "stages in a capture need external timing events"
+        self.t = None
+        _Event.made.append(self)
+
+    def record(self):
+        _Event.clock[0] += 1.0
+        self.t = _Event.clock[0]
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_stages_captured_once_are_timed_at_every_replay(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    timer = StageTimer(device="cpu")
+    with timer.capturing():
+        with timer.stage("dispatch"):
+            pass
+        with timer.stage("experts"):
+            with timer.stage("experts.gemm1"):
+                pass
+    assert timer.collect() == {} and len(_Event.made) == 6  # nothing ran while capturing
+    for replay in range(3):  # a replay re-records the same events: read after each one
+        for ev in _Event.made:
+            ev.t = 10.0 * replay + {0: 0, 1: 1, 2: 2, 3: 5, 4: 3, 5: 4}[_Event.made.index(ev)]
+        timer.replayed()
+    got = timer.collect()
+    assert got == {"dispatch": [1.0] * 3, "experts": [3.0] * 3, "experts.gemm1": [1.0] * 3}
+
+
+@pytest.mark.parametrize("argv,msg", [(["--recipes", "fp9"], "--recipes ['fp9']"),
+                                      (["--tokens", "1,x"], "--tokens must be"),
+                                      (["--steps", "2"], "--steps >= 3")])
+def test_bench_input_errors_exit_2(argv, msg, capsys):
+    assert bench_main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_bench_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert bench_main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
