@@ -47,8 +47,9 @@ def test_fewer_gpus_than_ranks_share_them_for_our_backends():
         for flags in cases.values():  # flags the launcher accepts, as the run they name
             run = build_run(parser().parse_args(flags))
             assert (run.world, run.ranks_per_gpu, run.backend) == (ep, share, flags[-5])
-    assert {"deepep-ht", "symm-ht", "all2all"} <= set(dict(_launch_cases(2, "deepseek-v3-tiny",
-                                                                         128, 2)))
+    two = dict(_launch_cases(2, "deepseek-v3-tiny", 128, 2))
+    assert {"deepep-ht", "symm-ht", "all2all", "symm-ll-graph"} <= set(two)
+    assert build_run(parser().parse_args(two["symm-ll-graph"])).cuda_graph
 
 
 def test_one_gpu_runs_the_shared_rank_steps_and_says_what_it_skipped(tmp_path, monkeypatch):

@@ -71,7 +71,9 @@ def _launch_cases(ep: int, model: str, tokens: int, gpus: int) -> list[tuple[str
         cases += [("deepep-ht", [*common, *fp8, "--backend", "deepep-ht"]),
                   ("symm-ht", [*common, *fp8, "--backend", "symm-ht"]),
                   ("deepep-ll", [*ll, *fp8, "--backend", "deepep-ll"]),
-                  ("symm-ll", [*ll, *fp8, "--backend", "symm-ll"])]
+                  ("symm-ll", [*ll, *fp8, "--backend", "symm-ll"]),
+                  # the decode step with the host out of it (steps replayed from a graph)
+                  ("symm-ll-graph", [*ll, *fp8, "--backend", "symm-ll", "--cuda-graph"])]
     cases.append(("eplb-zipf", [*common, "--eplb", "--redundant-experts", str(ep),
                                 "--routing", "zipf:1.2", "--rebalance-every", "3",
                                 "--steps", "8"]))
