@@ -81,3 +81,12 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("this machine has CUDA")
     assert bench_main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_plan_accuracy_with_graphs_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from epmoe.bench.plan_accuracy import main as accuracy_main
+
+    assert accuracy_main(["--cuda-graph"]) == 2
+    assert "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err

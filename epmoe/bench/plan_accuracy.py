@@ -31,7 +31,9 @@ The report (stdout and JSON "profile") names the profile used and its provenance
 launched judges the stages as a synchronized step shows them (a small stage measures the host's
 launch time, BENCHMARKS.md 6e); device judges the GPU's time per stage (the host issuing the
 step ahead of the GPU), which is what the cost model predicts; the host's issue time per step
-is reported next to it (JSON "host_issue_ms" per launch).
+is reported next to it (JSON "host_issue_ms" per launch). --cuda-graph (CUDA) replays every
+launch's steps 1.. from a CUDA graph (launch --cuda-graph): the host issues no launches, so the
+stages are GPU time under either timing; judge them with a device-timed profile.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
                     help="no new launch after this many seconds (default 240)")
     ap.add_argument("--timing", default="launched", choices=("launched", "device"),
                     help="how the launches (and --calibrate) time steps (see launch --timing)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="launches replay steps 1.. from a CUDA graph (launch --cuda-graph)")
     ap.add_argument("--calibrate", nargs="?", const="full", default=None,
                     choices=("full", "quick"), help="calibrate this machine first (full unless "
                     "'quick') and predict with that profile")
@@ -142,6 +146,9 @@ def main(argv=None) -> int:
     from epmoe.launch.sweep import run_sweep
 
     cuda = torch.cuda.is_available()
+    if args.cuda_graph and not cuda:
+        print("error: --cuda-graph needs a CUDA GPU (it captures CUDA graphs)", file=sys.stderr)
+        return 2
     if not cuda:
         torch.set_num_threads(1)  # in-process ranks as the Ray workers: one thread each
     layers = args.layers or (1 if cuda else 2)
@@ -163,7 +170,8 @@ def main(argv=None) -> int:
             continue
         a = parser().parse_args(g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left),
                                               "--timing", args.timing]
-                                + (["--profile", args.profile] if args.profile else []))
+                                + (["--profile", args.profile] if args.profile else [])
+                                + (["--cuda-graph"] if args.cuda_graph else []))
         try:
             s = run_sweep(a, build_run, experts=g["experts"])
         except ValueError as exc:
@@ -194,7 +202,8 @@ def main(argv=None) -> int:
                            if cuda else "cpu", cpus=os.cpu_count(),
                            load_avg=os.getloadavg()[0],
                            date=datetime.date.today().isoformat(), command=sys.argv,
-                           profile=used, timing=args.timing, summary=summary,
+                           profile=used, timing=args.timing, cuda_graph=args.cuda_graph,
+                           summary=summary,
                            groups=results), f, indent=1)
     return 0
 
