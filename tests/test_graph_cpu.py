@@ -90,3 +90,18 @@ def test_plan_accuracy_with_graphs_needs_a_gpu(capsys):
 
     assert accuracy_main(["--cuda-graph"]) == 2
     assert "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_planner_keeps_to_what_a_graph_captures():
+    from epmoe.launch.planning import _capturable
+
+    assert _capturable("auto", None, None, None) == (
+        ("ep_dp",), ("local", "symm-ht", "symm-ll"), ("triton", "deepgemm"))
+    # the flags' and the machine's restrictions stay: only their capturable part is kept
+    assert _capturable("auto", ("ep", "ep_dp"), ("symm-ll", "local"), ("torch", "triton")) == (
+        ("ep_dp",), ("symm-ll", "local"), ("triton",))
+    assert _capturable("ep_dp", ("ep_dp",), ("deepep-ll", "local"), None)[1] == ("local",)
+    for mode in ("tp", "ep"):
+        with pytest.raises(ValueError, match=f"--plan {mode} with --cuda-graph: a captured "
+                                             f"step runs ep_dp layers only"):
+            _capturable(mode, (mode,), None, None)

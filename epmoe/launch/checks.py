@@ -75,9 +75,6 @@ def build_run(a: argparse.Namespace):
     graph = getattr(a, "cuda_graph", False)
     if graph and a.device == "cpu":
         raise ValueError("--cuda-graph captures CUDA work; drop it with --device cpu")
-    if graph and getattr(a, "plan", None) is not None:
-        raise ValueError(f"--cuda-graph with --plan {a.plan}: a captured step runs the named "
-                         f"--backend and --experts; drop one of them")
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
@@ -87,6 +84,10 @@ def build_run(a: argparse.Namespace):
                     timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,
                     cuda_graph=graph)
     run.validate()
+    if graph and local_device(a) == "cpu":
+        raise ValueError("--cuda-graph captures CUDA work, but the ranks run on cpu (this "
+                         "machine has no CUDA device): drop it, or give --address of a GPU "
+                         "cluster")
     if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):
         raise ValueError(f"--backend {a.backend} moves tokens between ranks, which form {form} "
                          f"on {world} rank(s) does not do: use --ep > 1 with --dp, or "

@@ -259,6 +259,8 @@ def planner_scope(a, run: RunConfig, mode: str) -> dict:
     forms = (mode,) if mode in ("tp", "ep", "ep_dp") else ("ep", "ep_dp") if run.eplb else None
     backends = None if a.backend == "auto" else (a.backend, "local")
     experts = None if a.experts == "auto" else (a.experts,)
+    if run.cuda_graph:  # only what a captured step can run (epmoe/graph.py)
+        forms, backends, experts = _capturable(mode, forms, backends, experts)
     available = None
     if getattr(a, "address", None) is None:
         available, runnable = runnable_here(run)
@@ -269,6 +271,18 @@ def planner_scope(a, run: RunConfig, mode: str) -> dict:
                                  f"{', '.join(runnable)}): pick one of those or auto")
             experts = keep
     return dict(forms=forms, backends=backends, experts=experts, available=available)
+
+
+def _capturable(mode: str, forms, backends, experts):
+    """The planner's choices narrowed to what --cuda-graph captures; ValueError if none."""
+    from epmoe.graph import CAPTURABLE_BACKENDS, CAPTURABLE_EXPERTS
+
+    if forms is not None and "ep_dp" not in forms:
+        raise ValueError(f"--plan {mode} with --cuda-graph: a captured step runs ep_dp layers "
+                         f"only; use --plan auto or ep_dp")
+    return (("ep_dp",), tuple(b for b in backends or CAPTURABLE_BACKENDS
+                              if b in CAPTURABLE_BACKENDS),
+            tuple(e for e in experts or CAPTURABLE_EXPERTS if e in CAPTURABLE_EXPERTS))
 
 
 def runnable_here(run: RunConfig):
