@@ -18,8 +18,10 @@ checks are the graph's own outputs.
 What can be captured: paths that never wait on the host and keep their shapes (the symm
 backends' counts and epochs live on the device; the Triton and DeepGEMM experts size their
 layouts for the worst case), in ep_dp layers (the replicated forms' all-reduce and the
-relayout's all-gather are collectives this module does not capture), without EPLB (a
-rebalance swaps the weights and maps the graph holds by address).
+relayout's all-gather are collectives this module does not capture). With EPLB the Runtime
+captures again after every placement switch (a switch swaps the experts' weights and the
+replica maps the old graph holds by address); the load recorder counts into one buffer that
+lives as long as the run, so replays record every step's load.
 """
 
 from __future__ import annotations

@@ -87,7 +87,9 @@ class Runtime:
         self.load_LS = torch.zeros(run.num_layers, slots, dtype=torch.long, device=self.device)
         self.load_LE = torch.zeros(run.num_layers, self.cfg.num_experts, dtype=torch.long,
                                    device=self.device)
-        self.graph = None  # run.cuda_graph: the captured step (epmoe/graph.py)
+        # run.cuda_graph: the captured step (epmoe/graph.py), the placement it was captured
+        # with, and how many captures the run made (one, plus one per placement switch)
+        self.graph, self.graph_placement, self.captures = None, None, 0
         if run.cuda_graph:
             self._check_capturable()
 
@@ -195,13 +197,19 @@ class Runtime:
         steps after the first are replayed from one captured graph (epmoe/graph.py)."""
         x = self.tokens_for(step)
         routes = [self.routing_for(step, l) for l in range(len(self.layers))]
+        self.rebalancer.begin_step(self.layers)  # (may switch to a staged EPLB placement)
         graphed = self.run.cuda_graph and step > 0
-        if graphed and self.graph is None:  # captured before the timed step: nothing runs
+        placement = tuple(map(tuple, self.rebalancer.phy2log))
+        if graphed and (self.graph is None or self.graph_placement != placement):
+            # captured before the timed step (nothing runs); again after a rebalance, whose
+            # new experts and replica maps the old graph does not hold
             from epmoe.graph import StepGraph
 
+            self.graph = None
             with self.timer.stage("capture", record=False):
                 self.graph = StepGraph.capture(self._issue, x, routes, self.timer)
-        self.rebalancer.begin_step(self.layers)
+            self.graph_placement = placement
+            self.captures += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:

@@ -78,7 +78,7 @@ def _with_topology(rt, topology):
 
 
 def _sync_case(rank, group, run, topology=None):
-    rt = Runtime(run, rank=rank, group=group)
+    rt = Runtime(run, rank=rank, group=group, device="cpu")  # gloo ranks: CPU tensors
     if topology is not None:
         _with_topology(rt, topology)
     phy_before = _phy(rt)
@@ -103,7 +103,7 @@ def _async_case(rank, group, run, fail: bool):
 
     from epmoe.eplb import background
 
-    rt = Runtime(run, rank=rank, group=group)
+    rt = Runtime(run, rank=rank, group=group, device="cpu")  # gloo ranks: CPU tensors
     for s in range(2):
         rt.step(s)
     before, phy_before = rt.report()["last"], _phy(rt)
@@ -308,7 +308,8 @@ def test_cli_eplb_run_on_8_ranks_rebalances_async(tmp_path):
     out = tmp_path / "eplb.json"
     rc = main(["--ep", "8", "--eplb", "--redundant-experts", "8", "--routing", "zipf:1.2",
                "--rebalance-every", "3", "--steps", "8", "--tokens", "128", "--quiet",
-               "--eplb-migration", "async", "--timeout", "300", "--out", str(out)])
+               "--eplb-migration", "async", "--timeout", "300", "--out", str(out),
+               "--device", "cpu"])  # 8 gloo ranks, on any machine
     s = json.loads(out.read_text())
     assert rc == 0, s["correctness"]
     e = s["eplb"]

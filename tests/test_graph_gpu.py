@@ -58,3 +58,42 @@ def test_a_captured_step_refuses_other_shapes():
     routes = [rt.routing_for(5, l) for l in range(len(rt.layers))]
     with pytest.raises(ValueError, match="a captured step takes tokens"):
         rt.graph.replay(x[:-1], routes)
+
+
+def _switch(rt: Runtime, new_LR: list[list[int]]) -> None:
+    """Apply a placement the way a synchronous rebalance does (move the weights, then switch
+    each layer's experts and replica map). One rank has nothing to balance, so a rebalance
+    there never moves replicas; this applies one to see what a switch does to a graph."""
+    from epmoe.eplb.migrate import migrate_layer
+
+    for l, layer in enumerate(rt.layers):
+        migrate_layer(layer.weights.experts, rt.rebalancer.phy2log[l], new_LR[l], 0, 1, None)
+        rt.rebalancer._switch_layer(layer, l, new_LR[l])
+
+
+def test_an_eplb_switch_is_captured_again():
+    """A placement switch between replayed steps: the next step captures again (the new
+    experts and replica maps), and the run stays equal to the eager one, switch included."""
+    rts = []
+    for graph in (False, True):
+        run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), tokens=96,
+                        layers=2, steps=6, routing="zipf:1.5", backend="local",
+                        experts="triton", cuda_graph=graph, eplb=True, redundant_experts=4)
+        rt = Runtime(run)
+        e = rt.cfg.num_experts
+        for s in range(run.steps):
+            rt.step(s)
+            if s == 2:  # replicas of experts 5..8 instead of 0..3
+                _switch(rt, [[*range(e), 5, 6, 7, 8] for _ in rt.layers])
+        rts.append(rt)
+    eager, graph = rts
+    assert graph.rebalancer.phy2log == eager.rebalancer.phy2log
+    assert graph.rebalancer.phy2log[0][-4:] == [5, 6, 7, 8]
+    assert graph.captures == 2 and eager.captures == 0
+    assert torch.equal(graph.load_LS, eager.load_LS)  # every replayed step's load recorded
+    assert torch.equal(graph.rebalancer.recorder.window_load(),
+                       eager.rebalancer.recorder.window_load())
+    for a, b in zip(eager.last, graph.last):
+        assert torch.equal(a["out"], b["out"]) and torch.equal(a["phys"], b["phys"])
+    assert bool((graph.last[0]["phys"] >= e).any())  # the new replicas took tokens
+    assert check_correctness(graph.run, [graph.report()])["passed"]

@@ -88,7 +88,6 @@ BAD_FLAGS = [
      r"comm backend all2all waits on the host inside the step \(its counts\); --cuda-graph "
      r"needs one of local, symm-ht, symm-ll"),
     (["--cuda-graph", "--ep", "2", "--no-dp"], r"form ep runs collectives inside the step"),
-    (["--cuda-graph", "--ep", "2", "--eplb"], r"--cuda-graph cannot run with --eplb"),
     (["--cuda-graph", "--ep", "2", "--plan", "auto"],
      r"--cuda-graph captures CUDA work, but the ranks run on cpu \(this machine has no CUDA"),
 ]

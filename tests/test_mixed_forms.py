@@ -49,7 +49,7 @@ def cases(world: int) -> dict[str, RunConfig]:
 def _mixed_rank(rank: int, world: int, group, runs: dict[str, RunConfig]) -> dict:
     res = {}
     for name, run in runs.items():
-        rt = Runtime(run, rank=rank, group=group)
+        rt = Runtime(run, rank=rank, group=group, device="cpu")  # gloo ranks: CPU tensors
         rt.step(0)
         res[name] = dict(layers=[(d["x"], d["out"]) for d in rt.last],
                          backends=[b for b, _ in rt.layer_backends],

@@ -61,7 +61,7 @@ def _forms_rank(rank: int, world: int, group, runs: dict[str, RunConfig]) -> dic
     """Every case on this rank: name -> [(x, out, physical ids) per layer] of step 0."""
     res = {}
     for name, run in runs.items():
-        rt = Runtime(run, rank=rank, group=group)
+        rt = Runtime(run, rank=rank, group=group, device="cpu")  # gloo ranks: CPU tensors
         assert rt.backend == run.backend, (name, rt.backend, rt.backend_reason)
         rt.step(0)
         res[name] = [(d["x"], d["out"], d["phys"]) for d in rt.last]

@@ -23,11 +23,15 @@ class LoadRecorder:
         self.num_layers, self.num_slots, self.window = num_layers, num_slots, window
         self.device = torch.device(device)
         self._steps: deque[torch.Tensor] = deque(maxlen=window)
-        self._cur: torch.Tensor | None = None
+        # the step under way counts into one buffer that lives as long as the recorder (a
+        # step replayed from a CUDA graph writes where the capture saw it); a finished step
+        # is kept in the window as a copy
+        self._cur = torch.zeros(num_layers, num_slots, dtype=torch.long, device=self.device)
 
     def begin_step(self) -> None:
-        self._cur = torch.zeros(self.num_layers, self.num_slots, dtype=torch.long,
-                                device=self.device)
+        if self._steps and self._steps[-1] is self._cur:
+            self._steps[-1] = self._cur.clone()
+        self._cur.zero_()
         self._steps.append(self._cur)
 
     def record(self, layer: int, physical_ids: torch.Tensor) -> None:
@@ -36,7 +40,6 @@ class LoadRecorder:
 
     def clear(self) -> None:
         self._steps.clear()
-        self._cur = None
 
     @property
     def num_steps(self) -> int:

@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay steps 1.. from one CUDA graph per rank, captured after the "
                         "eager step 0 (ep_dp layers; --backend local, symm-ht or symm-ll; "
-                        "--experts triton or deepgemm; no --eplb; --plan keeps to those)")
+                        "--experts triton or deepgemm; --plan keeps to those; with --eplb "
+                        "captured again after each placement switch)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default=DEFAULT_PRESET, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")
