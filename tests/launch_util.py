@@ -25,7 +25,11 @@ from contextlib import contextmanager
 
 import pytest
 
-RAY_BIN = os.path.join(os.path.dirname(sys.executable), "ray")
+# Ray's CLI: its console script beside this Python, else its module (Ray installed without
+# entry points, e.g. unpacked onto PYTHONPATH)
+_RAY_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ray")
+RAY_CLI = [_RAY_SCRIPT] if os.path.exists(_RAY_SCRIPT) else \
+    [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def new_tag() -> str:
@@ -219,7 +223,7 @@ class RayNodes:
                 "--min-worker-port", str(lo), "--max-worker-port", str(lo + 99)]
 
     def _start(self, args: list[str]) -> None:
-        r = subprocess.run([RAY_BIN, "start", *args, "--disable-usage-stats"],
+        r = subprocess.run([*RAY_CLI, "start", *args, "--disable-usage-stats"],
                            env=launch_env(self.tag, self.auth), capture_output=True, text=True,
                            timeout=180)
         if r.returncode != 0:

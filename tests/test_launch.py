@@ -16,8 +16,11 @@ TINY = dict(model="deepseek-v3-tiny", experts=16, top_k=4, layers=2)
 
 
 def run_cli(tmp_path, *flags: str) -> tuple[int, dict]:
+    """A launch of these CPU tests: on the CPU (gloo ranks) whatever the machine has, unless
+    the flags say otherwise."""
     out = tmp_path / "summary.json"
-    rc = main([*flags, "--quiet", "--out", str(out)])
+    where = () if "--device" in flags else ("--device", "cpu")
+    rc = main([*flags, *where, "--quiet", "--out", str(out)])
     return rc, json.loads(out.read_text())
 
 

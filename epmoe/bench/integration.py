@@ -53,7 +53,8 @@ def _run(name: str, cmd: list[str], timeout: float, log_dir: str) -> dict:
 
 def _launch_cases(ep: int, model: str, tokens: int, gpus: int) -> list[tuple[str, list[str]]]:
     """(name, launch flags) per case at `ep` ranks on `gpus` GPUs (0: CPU, gloo)."""
-    common = ["--ep", str(ep), "--model", model, "--tokens", str(tokens), "--quiet"]
+    common = ["--ep", str(ep), "--model", model, "--tokens", str(tokens), "--quiet",
+              *(() if gpus else ("--device", "cpu"))]
     fp8 = ["--quant", "fp8_block"]
     if 0 < gpus < ep:  # ranks share the GPUs: our backends only (launch --ranks-per-gpu)
         share = ["--ranks-per-gpu", str(-(-ep // gpus)), "--device", "cuda"]
