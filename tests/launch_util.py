@@ -6,7 +6,8 @@ forwards every EPMOE_* variable to its ranks; locally started Ray daemons inheri
 checks never confuse them with other Ray clusters on the machine. Clusters these tests start
 with `ray start` are stopped by killing exactly their tagged processes (never `ray stop`, which
 would stop every Ray cluster of the user on this machine). They use token authentication and
-loopback addresses, as README "Security" tells users to.
+loopback addresses, as README "Security" tells users to, and no GPUs (--num-gpus=0: the
+launches these CPU tests make stay CPU runs on a machine with GPUs).
 """
 
 from __future__ import annotations
@@ -232,14 +233,14 @@ class RayNodes:
 
     def start_head(self, num_cpus: int) -> str:
         (port,) = free_ports(1)
-        self._start(["--head", f"--port={port}", f"--num-cpus={num_cpus}",
+        self._start(["--head", f"--port={port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
                      "--node-ip-address=127.0.0.1", "--include-dashboard=false",
                      f"--temp-dir={self.temp_dir}/ray", *self._node_ports()])
         self.address = f"127.0.0.1:{port}"
         return self.address
 
     def add_node(self, num_cpus: int) -> None:
-        self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
+        self._start([f"--address={self.address}", f"--num-cpus={num_cpus}", "--num-gpus=0",
                      "--node-ip-address=127.0.0.1", *self._node_ports()])
 
     def stop(self) -> None:
