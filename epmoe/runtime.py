@@ -199,7 +199,7 @@ class Runtime:
         routes = [self.routing_for(step, l) for l in range(len(self.layers))]
         self.rebalancer.begin_step(self.layers)  # (may switch to a staged EPLB placement)
         graphed = self.run.cuda_graph and step > 0
-        placement = tuple(map(tuple, self.rebalancer.phy2log))
+        placement = tuple(map(tuple, self.rebalancer.phy2log)) if graphed else None
         if graphed and (self.graph is None or self.graph_placement != placement):
             # captured before the timed step (nothing runs); again after a rebalance, whose
             # new experts and replica maps the old graph does not hold
@@ -239,7 +239,7 @@ class Runtime:
         for layer in self.layers:  # after the sync the step already has: device-side timeouts
             layer.comm.check_errors()
         self.step_ms.append(ms)
-        self._last = keep if self.run.check else []
+        self._last = keep
         self._last_host = None
         return ms
 
