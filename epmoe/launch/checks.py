@@ -73,8 +73,6 @@ def build_run(a: argparse.Namespace):
     if rpg != 1:
         _check_shared_gpus(a, rpg, form, world)
     graph = getattr(a, "cuda_graph", False)
-    if graph and a.device == "cpu":
-        raise ValueError("--cuda-graph captures CUDA work; drop it with --device cpu")
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
@@ -84,8 +82,10 @@ def build_run(a: argparse.Namespace):
                     timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,
                     cuda_graph=graph)
     run.validate()
-    if graph and local_device(a) == "cpu":
-        raise ValueError("--cuda-graph captures CUDA work, but the ranks run on cpu (this "
+    if graph and local_device(a) == "cpu":  # (a cluster's device: check_runnable)
+        raise ValueError("--cuda-graph captures CUDA work; drop it with --device cpu"
+                         if a.device == "cpu" else
+                         "--cuda-graph captures CUDA work, but the ranks run on cpu (this "
                          "machine has no CUDA device): drop it, or give --address of a GPU "
                          "cluster")
     if (form != "ep_dp" or world == 1) and a.backend not in ("auto", "local"):

@@ -274,7 +274,8 @@ def planner_scope(a, run: RunConfig, mode: str) -> dict:
 
 
 def _capturable(mode: str, forms, backends, experts):
-    """The planner's choices narrowed to what --cuda-graph captures; ValueError if none."""
+    """The planner's choices narrowed to what --cuda-graph captures; ValueError when the
+    mode allows no form that can be captured."""
     from epmoe.graph import CAPTURABLE_BACKENDS, CAPTURABLE_EXPERTS
 
     if forms is not None and "ep_dp" not in forms:
