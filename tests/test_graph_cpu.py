@@ -28,6 +28,8 @@ def test_run_config_refuses_what_cannot_be_captured():
     with pytest.raises(ValueError, match="layer 0: form tp runs collectives"):
         RunConfig(form="tp", world=2, cuda_graph=True).validate()
     RunConfig(world=2, backend="symm-ll", experts="triton", cuda_graph=True).validate()
+    with pytest.raises(ValueError, match="with --steps 1 no step would be replayed"):
+        RunConfig(world=2, steps=1, cuda_graph=True).validate()
 
 
 class _Event:

@@ -90,6 +90,8 @@ BAD_FLAGS = [
     (["--cuda-graph", "--ep", "2", "--no-dp"], r"form ep runs collectives inside the step"),
     (["--cuda-graph", "--ep", "2", "--plan", "auto"],
      r"--cuda-graph captures CUDA work, but the ranks run on cpu \(this machine has no CUDA"),
+    (["--cuda-graph", "--steps", "1"], r"--cuda-graph replays steps 1\.\.; with --steps 1 no "
+                                       r"step would be replayed"),
 ]
 
 

@@ -144,6 +144,9 @@ class RunConfig:
     def _validate_cuda_graph(self) -> None:
         from epmoe.graph import capture_violation
 
+        if self.steps < 2:  # step 0 runs eagerly (it compiles); steps 1.. are replayed
+            raise ValueError(f"--cuda-graph replays steps 1..; with --steps {self.steps} no "
+                             f"step would be replayed: give --steps 2 or more")
         for l in range(self.num_layers):
             spec = self.layer_spec(l)
             why = capture_violation(spec.form, spec.backend, spec.experts)
