@@ -239,6 +239,8 @@ class Runtime:
         for layer in self.layers:  # after the sync the step already has: device-side timeouts
             layer.comm.check_errors()
         self.step_ms.append(ms)
+        if step == 0 and self.run.steps > 1:  # warm-up (compiles, first arena calls): its
+            self.timer.reset()                # stages would skew the per-stage medians
         self._last = keep
         self._last_host = None
         return ms

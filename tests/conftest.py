@@ -11,10 +11,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+INTERPRETER_SKIP = ("Triton kernels on CPU tensors need Triton's interpreter, which is off "
+                    "where CUDA is (the GPU tests run these kernels compiled); run these with "
+                    "CUDA hidden: CUDA_VISIBLE_DEVICES= pytest -m interpreter")
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     n = torch.cuda.device_count() if has_cuda else 0
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(pytest.mark.skip(reason=INTERPRETER_SKIP))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "multigpu" in item.keywords and n < 2:

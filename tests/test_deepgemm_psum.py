@@ -13,6 +13,8 @@ from epmoe.experts.base import ExpertWeights
 from epmoe.quant import dequantize_weight, quantize_weight
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 
+pytestmark = pytest.mark.interpreter  # Triton kernels on the CPU tensors of the model
+
 ALIGN = 128
 CFG = MoEConfig("psum", hidden=256, moe_intermediate=128, num_experts=4, top_k=2)
 
@@ -73,11 +75,8 @@ class _TorchDeepGemm:
 
 @pytest.fixture
 def model_dg(monkeypatch):
-    # the CPU tensors go through Triton kernels, which run CPU tensors only under Triton's
-    # interpreter (set where there is no CUDA)
-    if torch.cuda.is_available():
-        pytest.skip("a CPU model of DeepGEMM's calls; with CUDA the real DeepGEMM runs in the "
-                    "GPU tests")
+    # a CPU model of DeepGEMM's calls (with CUDA the real DeepGEMM runs in the GPU tests); the
+    # CPU tensors go through Triton kernels: tests using it are marked interpreter
     monkeypatch.setattr(dgx, "_deep_gemm", lambda: _TorchDeepGemm)
     monkeypatch.setattr(dgx, "_arch_major", lambda device: 9)
     monkeypatch.setattr(dgx.DeepGemmExperts, "supports",

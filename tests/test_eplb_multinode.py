@@ -6,6 +6,7 @@ ranks of one node."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def test_hierarchical_placement_keeps_groups_on_nodes(two_nodes, tmp_path):
         ["--ep", "4", "--eplb", "--redundant-experts", "4", "--routing", "zipf:1.2",
          "--rebalance-every", "2", "--steps", "4", "--tokens", "16", "--address",
          two_nodes.address, "--timeout", "200", "--out", str(out)], tag, timeout=400,
-        auth=two_nodes.auth, PYTHONPATH=str(ROOT))
+        auth=two_nodes.auth,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     print(f"{wall=:.1f}s rc={rc} {err[-500:]}")
     assert rc == 0, err
     s = json.loads(out.read_text())

@@ -162,7 +162,7 @@ def test_a_failing_ray_run_prints_phases_and_one_error_without_ansi():
     """Ray forwards its raylet's "worker died" lines to the driver's output, coloured: not in a
     pipe. The phases show what the launcher was doing; the last line names the rank."""
     r = run_process("--ep", "2", "--tokens", "4", "--steps", "2", "--layers", "1",
-                    "--timeout", "60", env={"EPMOE_FAULT": "1:step:exit"})
+                    "--timeout", "60", "--device", "cpu", env={"EPMOE_FAULT": "1:step:exit"})
     assert r.returncode == 3, r.stderr
     assert "\x1b[" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     names = re.findall(r"^\[ +\d+\.\d s\] (.*)$", r.stderr, re.M)

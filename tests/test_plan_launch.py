@@ -21,7 +21,8 @@ TINY = ["--model", "deepseek-v3-tiny"]
 
 def run_cli(tmp_path, *flags: str, name="summary.json") -> tuple[int, dict]:
     out = tmp_path / name
-    rc = main([*flags, "--quiet", "--out", str(out)])
+    cpu = [] if "--device" in flags else ["--device", "cpu"]  # CPU tests, GPU machine or not
+    rc = main([*flags, *cpu, "--quiet", "--out", str(out)])
     return rc, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -146,7 +147,8 @@ MIXED = (("ep_dp", "all2all", "torch"), ("tp", "local", "torch"), ("ep", "local"
     ("form", [], r"layer 1, bucket 8: form \('dp'\) must be one of"),
     ("ranks", [], r"layer 0, bucket 8: ep_dp/all2all/torch cannot run here: experts \(16\) "
                   r"must be divisible by ep \(3\)"),
-    ("cuda", [], r"ep_dp/deepep-ll/torch cannot run here: deepep-ll needs CUDA GPUs"),
+    ("cuda", ["--device", "cpu"], r"ep_dp/deepep-ll/torch cannot run here: deepep-ll needs "
+                                  r"CUDA GPUs"),
     ("model", ["--model", "mixtral-tiny"], r"--model mixtral-tiny disagrees with the plan "
                                             r"file .* \(deepseek-v3-tiny\): drop --model"),
     ("world", ["--ep", "4"], r"--ep 4 disagrees with the plan file .* \(2\)"),
@@ -245,7 +247,7 @@ def test_ray_sweep_ep2(joined, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = main([*TINY, "--plan", "sweep", "--ep", "2", "--tokens", "8", "--steps", "2",
                "--layers", "1", "--no-check", "--out", str(out), "--sweep-budget-s", "300",
-               "--address", joined[0].address])
+               "--address", joined[0].address, "--device", "cpu"])
     text = capsys.readouterr().out
     assert rc == 0, text
     s = json.loads(out.read_text())["sweep"]

@@ -229,6 +229,7 @@ def _compare_routings(got, want, ok, tol):
         assert all(abs(g[e] - w[e]) <= tol for e in g), f"token {n}: {g} vs {w}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", sorted(KERNEL_CASES))
 def test_triton_route_logits_matches_torch(kind, seed):
     cfg = _kcfg(kind)
@@ -241,6 +242,7 @@ def test_triton_route_logits_matches_torch(kind, seed):
     _compare_routings(got, want, _separated(logits, cfg, bias), 1e-5)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["sigmoid_grouped", "dsv3_like", "softmax_renorm",
                                   "sqrtsoftplus"])
 def test_fused_gate_route_matches_float64_logits(kind, seed):

@@ -20,6 +20,8 @@ from epmoe.comm.symm.options import SymmOptions
 from epmoe.config import QuantConfig
 from test_symm_ht import CFG, MAX_T, case_inputs
 
+pytestmark = pytest.mark.interpreter  # the loopback world on CPU tensors
+
 POISON = 0x3EADBEEF
 DATA = r"rank 0 timed out on peer 1 in ht-dispatch receive, waiting for the peer's data"
 

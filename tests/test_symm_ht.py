@@ -28,6 +28,8 @@ from epmoe.layout import make_contiguous_layout, permute_rows
 from epmoe.quant import quantize_act
 from epmoe.comm.wire import wire_quant
 
+pytestmark = pytest.mark.interpreter  # the loopback world on CPU tensors
+
 CFG = get_preset("deepseek-v3-tiny")  # E=16, K=4, D=256
 OPTS = SymmOptions(num_sms=1, timeout_s=1.0)
 MAX_T = 12

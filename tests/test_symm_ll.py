@@ -24,6 +24,8 @@ from epmoe.config import QuantConfig
 from epmoe.quant import quantize_act
 from test_symm_ht import CFG, MAX_T, case_inputs, on, to_cpu
 
+pytestmark = pytest.mark.interpreter  # the loopback world on CPU tensors
+
 OPTS = SymmOptions(num_sms=1, timeout_s=1.0)
 
 

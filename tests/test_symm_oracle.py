@@ -17,6 +17,8 @@ from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.weights import dequantized_full_layer, synthetic_layer
 from test_symm_ht import CFG, MAX_T, case_inputs
 
+pytestmark = pytest.mark.interpreter  # the loopback world on CPU tensors
+
 
 @pytest.mark.parametrize("cls,recipe,fmt", [
     (SymmHighThroughputComm, "fp8_block", "fp32"),

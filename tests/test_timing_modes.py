@@ -93,3 +93,25 @@ def test_device_hold_keeps_the_stream_busy_for_about_the_time_asked():
     b.record()
     b.synchronize()
     assert 3.0 <= a.elapsed_time(b) <= 8.0, a.elapsed_time(b)
+
+
+def test_stages_skip_the_warm_up_step_too():
+    """Step 0 compiles and makes the first arena calls: its stage times would pull the medians
+    of a short run (two steps: the median of two calls is their mean) far up."""
+    from epmoe.launch.report import summarize
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(world=1, tokens=4, layers=2, steps=3, check=False)
+    rt = Runtime(run, device="cpu")
+    rt.step(0)
+    assert rt.timer.collect() == {}  # the warm-up step's stages are gone once it ends
+    for s in range(1, run.steps):
+        rt.step(s)
+    rep = rt.report()
+    assert len(rep["stages_ms"]["router"]) == 2 * (run.steps - 1)  # 2 layers, steps 1..
+    rep["stages_ms"]["router"] = [1.0, 3.0, 1.0, 3.0]  # ms per call
+    s = summarize(run, [rep], [dict(node_id="n0", rank=0, host="h", device="cpu")])
+    assert s["timing"]["stages_ms"]["router"] == 2.0 * 2  # median 2 x 2 calls per step
+    one = Runtime(run.replace(steps=1), device="cpu")
+    one.step(0)  # a one-step run keeps its only step
+    assert len(one.report()["stages_ms"]["router"]) == 2

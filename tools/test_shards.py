@@ -2,12 +2,13 @@
 
 A lent GPU machine gives one command at most 600 s; the whole suite takes longer than that one
 file after another. This splits it: the GPU tests (`-m gpu`) in one shard (they share the one
-device, and the symm tests start NVSHMEM), the rest over N shards by test file, each file's
-weight its number of tests plus a surcharge for the files that start Ray clusters. Every shard
-is its own pytest process with its own JUnit XML; the summary says which shard failed what,
-and the XMLs give each file's time for a better split next time.
+device, and the symm tests start NVSHMEM), the tests that run Triton kernels on CPU tensors
+(`-m interpreter`) in one with CUDA hidden (Triton's interpreter is off where CUDA is), the
+rest over N shards by test file, each file's weight its number of tests plus a surcharge for
+the files that start Ray clusters. Every shard is its own pytest process with its own log and
+JUnit XML; the summary names each failed test and shard, and the XMLs give each file's time.
 
-    python tools/test_shards.py --shards 6 --out $OUT [-- extra pytest args]
+    python tools/test_shards.py --shards 5 --out $OUT --xml-dir /tmp/x [-- extra pytest args]
 
 Exit status: 0 when every shard passed, 1 otherwise (a shard that hit --timeout counts as
 failed and is named).
@@ -25,19 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RAY_WEIGHT = 40  # a file that starts Ray clusters: ~40 quick tests' worth per file
+CPU = "not gpu and not interpreter"
 
 
 @dataclass
 class Shard:
     name: str
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
     weight: int = 0
     files: list[str] = field(default_factory=list)
 
 
 def _collect(root: Path) -> dict[str, tuple[int, bool]]:
     """test file -> (number of tests that are not GPU tests, starts Ray)."""
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not gpu"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", CPU],
                        cwd=root, capture_output=True, text=True)
     counts: dict[str, int] = {}
     for line in r.stdout.splitlines():
@@ -49,7 +52,7 @@ def _collect(root: Path) -> dict[str, tuple[int, bool]]:
 
 def plan(files: dict[str, tuple[int, bool]], shards: int) -> list[Shard]:
     """Largest first onto the lightest shard (LPT)."""
-    out = [Shard(f"cpu{i}", ["-m", "not gpu"]) for i in range(shards)]
+    out = [Shard(f"cpu{i}", ["-m", CPU]) for i in range(shards)]
     weight = {f: n + (RAY_WEIGHT if ray else 0) for f, (n, ray) in files.items()}
     for f in sorted(weight, key=lambda f: (-weight[f], f)):
         s = min(out, key=lambda s: s.weight)
@@ -70,22 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shards", type=int, default=max(1, (os.cpu_count() or 2) // 3),
                    help="CPU shards besides the GPU one (default: cores / 3)")
-    p.add_argument("--out", type=Path, required=True, help="folder for logs and JUnit XML")
+    p.add_argument("--out", type=Path, required=True, help="folder for the shards' logs")
+    p.add_argument("--xml-dir", type=Path, help="folder for JUnit XML (default: --out)")
     p.add_argument("--timeout", type=float, default=560.0, help="seconds for the whole run")
     p.add_argument("pytest_args", nargs="*", help="after --: passed to every shard")
     a = p.parse_args(argv)
     if a.shards < 1:
         p.error("--shards must be >= 1")
     root = Path(__file__).resolve().parents[1]
-    a.out.mkdir(parents=True, exist_ok=True)
-    shards = [Shard("gpu", ["-m", "gpu"]), *plan(_collect(root), a.shards)]
+    xml_dir = a.xml_dir or a.out
+    for d in (a.out, xml_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    shards = [Shard("gpu", ["-m", "gpu"]),
+              Shard("interp", ["-m", "interpreter"], dict(CUDA_VISIBLE_DEVICES="")),
+              *plan(_collect(root), a.shards)]
     threads = str(max(1, (os.cpu_count() or 2) // len(shards)))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     procs = {}
     for s in shards:
         log = a.out / f"{s.name}.log"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={a.out / (s.name + '.xml')}", *s.args, *s.files, *a.pytest_args]
+               f"--junitxml={xml_dir / (s.name + '.xml')}", *s.args, *s.files, *a.pytest_args]
+        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **s.env)
         procs[s.name] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=log.open("w"),
                                           stderr=subprocess.STDOUT, start_new_session=True), log)
         print(f"{s.name}: {len(s.files) or 'all'} file(s), weight {s.weight}", flush=True)
@@ -100,17 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: rc {rc} after {time.monotonic() - t0:.0f} s: {_summary(log)}", flush=True)
         if rc not in (0, 5):  # 5: nothing collected (no GPU tests selected)
             failed.append(name)
-    slowest = []
+            for ln in log.read_text(errors="replace").splitlines():
+                if ln.startswith(("FAILED ", "ERROR ")):
+                    print(f"  {ln[:200]}")
+    per_file: dict[str, float] = {}  # over all shards
     for s in shards:
-        xml = a.out / f"{s.name}.xml"
+        xml = xml_dir / f"{s.name}.xml"
         if xml.exists():
-            per_file: dict[str, float] = {}
             for case in ET.parse(xml).getroot().iter("testcase"):
-                f = case.get("classname", "").split(".")[:2]
-                key = "/".join(f) + ".py"
+                key = "/".join(case.get("classname", "").split(".")[:2]) + ".py"
                 per_file[key] = per_file.get(key, 0.0) + float(case.get("time", 0))
-            slowest += per_file.items()
-    for f, sec in sorted(slowest, key=lambda x: -x[1])[:10]:
+    for f, sec in sorted(per_file.items(), key=lambda x: -x[1])[:10]:
         print(f"  {sec:7.1f} s  {f}")
     print("FAILED shards: " + ", ".join(failed) if failed else "every shard passed")
     return 1 if failed else 0

@@ -305,12 +305,15 @@ class RayDriver:
                               f"{self.run.timeout_s:g} s: the cluster lacks resources (check "
                               f"`ray status`)") from None
         actor_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Worker)
+        # CPU ranks see no GPU, whatever the node has: their tensors, gloo group and Triton
+        # interpreter must agree (Ray leaves a GPU-less actor's visible devices alone)
+        env = self.env if gpu else dict(self.env, CUDA_VISIBLE_DEVICES="")
         for r in range(n):
             opts = dict(num_cpus=1, num_gpus=per_rank.get("GPU", 0),
-                        runtime_env={"env_vars": self.env},
+                        runtime_env={"env_vars": env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=r))
-            self.actors.append(actor_cls.options(**opts).remote(r, n, self.env))
+            self.actors.append(actor_cls.options(**opts).remote(r, n, env))
         where = self._all("start", "where")
         if self.on_where is not None:  # the planner may re-plan for where the ranks landed
             self.run = self.on_where(where)

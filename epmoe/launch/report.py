@@ -163,8 +163,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     timed = step_ms[1:] if steps > 1 else step_ms  # step 0 warms up
     names = {k for r in reports for k in r["stages_ms"]}
     names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
-    stages = _stage_ms_per_step(names, reports, steps)
-    stages_per_rank = [_stage_ms_per_step(names, [r], steps) for r in reports]
+    stages = _stage_ms_per_step(names, reports, len(timed))  # ranks time steps 1.. only
+    stages_per_rank = [_stage_ms_per_step(names, [r], len(timed)) for r in reports]
     tokens_step = run.global_tokens
     cfg = run.cfg
     per_rank = [0] * world
@@ -212,7 +212,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                         if all(len(r.get("host_ms", ())) == steps for r in reports) else []),
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median per call x calls per "
-                         "step, over all ranks; stages_ms_per_rank: the same per rank)"),
+                         "step, over all ranks and steps 1..; stages_ms_per_rank: the same per "
+                         "rank)"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
                   tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
                   unit="(token, k) pairs routed, summed over layers and steps (per layer for "
