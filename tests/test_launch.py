@@ -152,6 +152,7 @@ def test_ray_ep2_allgather_fp8_block(joined, tmp_path):
 # ---------------------------------------------------------------------------------- choices
 
 
+@pytest.mark.interpreter  # auto picks triton on CPU tensors
 @pytest.mark.timeout(240)
 def test_auto_experts_run_packed_ue8m0_scales(tmp_path):
     """The plain-torch experts cannot reorder packed UE8M0 scales: auto picks one that can."""

@@ -60,7 +60,7 @@ def test_local_run_is_private_loopback_and_token_auth(other_cluster, tmp_path):
     out = tmp_path / "s.json"
     rc, stdout, err, wall, seen = run_launch(
         ["--ep", "2", "--tokens", "4", "--steps", "3", "--layers", "1", "--out", str(out),
-         "--timeout", "120"], tag, timeout=280, watch=watch,
+         "--timeout", "120", "--device", "cpu"], tag, timeout=280, watch=watch,
         RAY_ADDRESS="127.0.0.1:1", EPMOE_RAY_TMPDIR=str(stale))
     shutil.rmtree(stale, ignore_errors=True)
     print(f"{wall=:.1f}s rc={rc} listeners={sorted(seen_listen)}")

@@ -39,7 +39,7 @@ def _check(path):
 
 def test_quick_cpu_one_rank(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    assert main(["--quick", "--ranks", "1", "--out", str(out), "--name", "t"]) == 0
+    assert main(["--quick", "--ranks", "1", "--out", str(out), "--name", "t", "--device", "cpu"]) == 0
     assert "not measured: comm" in capsys.readouterr().out
     _check(out)
 
@@ -47,7 +47,7 @@ def test_quick_cpu_one_rank(tmp_path, capsys):
 @pytest.mark.slow
 def test_quick_cpu_two_ranks_measures_gloo(tmp_path):
     out = tmp_path / "cpu.json"
-    assert main(["--quick", "--out", str(out)]) == 0
+    assert main(["--quick", "--out", str(out), "--device", "cpu"]) == 0
     prof = _check(out)
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
         assert prof.collective(kind, "tcp").prov.source == "measured"
