@@ -5,9 +5,10 @@ file after another. This splits it: the GPU tests (`-m gpu`) in one shard (they 
 device, and the symm tests start NVSHMEM), with --interpreter the tests that run Triton
 kernels on CPU tensors (`-m interpreter`, skipped where CUDA is) in one with CUDA hidden (their
 Triton must interpret scalar loops: the lent GPU image's Triton 3.6 does not, CI's 3.7 does), the
-rest over N shards by test file, each file's weight its number of tests plus a surcharge for
-the files that start Ray clusters. Every shard is its own pytest process with its own log and
-JUnit XML; the summary names each failed test and shard, and the XMLs give each file's time.
+rest over N shards by test file, each file's weight its number of tests (a test of a file that
+starts Ray clusters counts as four, plus the cluster). Every shard is its own pytest process
+with its own log and JUnit XML; the summary names each failed test and shard, and the XMLs
+give each file's time.
 
     python tools/test_shards.py --shards 5 --out $OUT --xml-dir /tmp/x [-- extra pytest args]
 
@@ -26,7 +27,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RAY_WEIGHT = 40  # a file that starts Ray clusters: ~40 quick tests' worth per file
+# weights in quick tests' worth: a file that starts Ray clusters pays for the cluster and
+# launches a run per test (the GPU image's first run: ~4 s a test against ~0.3 s elsewhere)
+RAY_FILE, RAY_TEST = 20, 4
 CPU = "not gpu and not interpreter"
 
 
@@ -54,7 +57,7 @@ def _collect(root: Path) -> dict[str, tuple[int, bool]]:
 def plan(files: dict[str, tuple[int, bool]], shards: int) -> list[Shard]:
     """Largest first onto the lightest shard (LPT)."""
     out = [Shard(f"cpu{i}", ["-m", CPU]) for i in range(shards)]
-    weight = {f: n + (RAY_WEIGHT if ray else 0) for f, (n, ray) in files.items()}
+    weight = {f: RAY_FILE + RAY_TEST * n if ray else n for f, (n, ray) in files.items()}
     for f in sorted(weight, key=lambda f: (-weight[f], f)):
         s = min(out, key=lambda s: s.weight)
         s.files.append(f)
