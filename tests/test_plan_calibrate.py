@@ -39,7 +39,8 @@ def _check(path):
 
 def test_quick_cpu_one_rank(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    assert main(["--quick", "--ranks", "1", "--out", str(out), "--name", "t", "--device", "cpu"]) == 0
+    assert main(["--quick", "--ranks", "1", "--out", str(out), "--name", "t",
+                 "--device", "cpu"]) == 0
     assert "not measured: comm" in capsys.readouterr().out
     _check(out)
 

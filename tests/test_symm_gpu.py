@@ -1,8 +1,8 @@
-"""symm-ht / symm-ll compiled on CUDA: the loopback world on one GPU (rank by rank, and ranks on
-concurrent streams so the spins really wait), CUDA-graph capture with 1,000 replays on fresh
-routing, the NVSHMEM arena on one PE, two real ranks sharing one GPU (two processes, two PEs,
-time-sliced by the driver: the real-rank path without a second GPU), and two real ranks on
-two GPUs (`multigpu`).
+"""symm-ht / symm-ll compiled on CUDA: the loopback world of 2, 4 and 8 ranks on one GPU (rank by
+rank, and ranks on concurrent streams so the spins really wait), CUDA-graph capture with 1,000
+replays on fresh routing, the NVSHMEM arena on one PE, two real ranks sharing one GPU (two
+processes, two PEs, time-sliced by the driver: the real-rank path without a second GPU), and
+two real ranks on two GPUs (`multigpu`).
 
 The checks are the CPU loopback tests' (tests/test_symm_ht.py, test_symm_ll.py): rows byte for
 byte against all2all's payloads, layouts against `make_contiguous_layout`, combines bit for bit
@@ -36,7 +36,8 @@ CHUNKED = SymmOptions(num_sms=4, timeout_s=5.0, chunk_cols=128)  # D = 256: 2 ch
 @pytest.mark.parametrize("streams,pipelined", [(False, None), (True, None), (True, True)])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "bf16", "fp32", "uneven"), (4, "fp8_block", "ue8m0_packed", "full"),
-    (2, "fp8_block", "fp32", "empty")])
+    (2, "fp8_block", "fp32", "empty"), (8, "bf16", "fp32", "uneven"),
+    (8, "fp8_block", "fp32", "all_to_one")])
 def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, seed):
     """pipelined: each rank's dispatch is one kernel (send and receive roles) on its own
     stream, its receive waiting chunk by chunk on the other ranks' sends as they run."""
@@ -55,7 +56,7 @@ def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, 
 @pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "fp8_block", "fp32", "uneven"), (4, "fp8_block", "ue8m0_fp32", "all_to_one"),
-    (2, "bf16", "fp32", "full")])
+    (2, "bf16", "fp32", "full"), (8, "fp8_block", "fp32", "uneven"), (8, "bf16", "fp32", "full")])
 def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
