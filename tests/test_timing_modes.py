@@ -115,3 +115,12 @@ def test_stages_skip_the_warm_up_step_too():
     one = Runtime(run.replace(steps=1), device="cpu")
     one.step(0)  # a one-step run keeps its only step
     assert len(one.report()["stages_ms"]["router"]) == 2
+
+
+def test_a_negative_overlap_reads_as_time_outside_the_stages(cpu_run):
+    s = copy.deepcopy(cpu_run)
+    s["timing"]["overlap"] = -0.25  # step = 1.25 x the stages' sum: 20% of it in gaps
+    text = " ".join(_rendered(s).split())
+    assert "20% of the step outside the timed stages" in text and "overlap -" not in text
+    s["timing"]["overlap"] = 0.31
+    assert "overlap 0.31" in " ".join(_rendered(s).split())

@@ -64,8 +64,7 @@ def run_table(s: dict):
             *([["router", router_line(c["router"])]] if c.get("router") else []),
             ["step time", f"{t['step_ms_median']:.2f} ms median over steps 1.. (all layers, "
                           f"slowest rank); {t['tokens_per_s']:.0f} tokens/s"
-                          + ("" if t.get("overlap") is None else
-                             f"; overlap {t['overlap']:.2f}")
+                          + _overlap_words(t.get("overlap"))
                           + ("; replayed from a CUDA graph" if t.get("cuda_graph") else "")],
             *([["host issue", f"{t['host_issue_ms_median']:.2f} ms to issue a step; the step "
                               f"and stages above are GPU time (--timing device)"]]
@@ -74,6 +73,15 @@ def run_table(s: dict):
     title = (f"epmoe: {cfg['model']}, {cfg['layers']} layer(s), {cfg['recipe']}, form "
              f"{w['form']} on {len(w['ranks'])} rank(s), {w['nodes']} node(s)")
     return table(title, [("", "left"), ("", "left")], rows, show_header=False)
+
+
+def _overlap_words(ov: float | None) -> str:
+    """The overlap fraction in words; negative: the stages leave gaps (barriers, host time)."""
+    if ov is None:
+        return ""
+    if ov < 0:  # step = sum x (1 - ov): the gaps' share of the step is -ov / (1 - ov)
+        return f"; {-ov / (1 - ov):.0%} of the step outside the timed stages"
+    return f"; overlap {ov:.2f}"
 
 
 def stage_table(s: dict):
