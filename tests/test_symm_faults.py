@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from epmoe.comm.symm import ht_dispatch
-from epmoe.comm.symm.arena import CTRL_SEQ, CTRL_SEQ_SEND, HT_DISPATCH, SymmTimeoutError, ctrl_ack
+from epmoe.comm.symm.arena import (CTRL_SEQ, CTRL_SEQ_SEND, HT_COMBINE, HT_DISPATCH,
+                                   SymmTimeoutError, ctrl_ack)
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.loopback import loopback_comms
 from epmoe.comm.symm.options import SymmOptions
@@ -72,8 +73,7 @@ def _combine_after_timeout(comm, batch, h, gen, lw):
     comb = lw.rank(0).words("ht_comb", torch.int16).view(2, world, MAX_T, -1)
     before = comb.clone()
     y = torch.randn(batch.num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
-    comm.combine_send(y, h)
-    out = comm.combine_recv(h)
+    out = comm.combine_recv(comm.combine_send(y, h))
     mine = torch.zeros(2, world, dtype=torch.bool)
     mine[1, 0] = True  # epoch 1: buffer 1, rank 0's own tokens
     assert torch.equal(comb[~mine], before[~mine])
@@ -157,6 +157,32 @@ def _unspecialized(fn) -> set[str]:
     if names is None:
         names = getattr(fn, "do_not_specialize", ())
     return {fn.arg_names[a] if isinstance(a, int) else a for a in names}
+
+
+def test_ht_pipelined_combine_names_a_peer_that_never_pushes(seed):
+    """Rank 0's one combine kernel (reduce, push, sum) while rank 1 never combines: its sum
+    waits for the rows rank 1 owes each of its token blocks, times out naming rank 1 in the
+    combine's receive, and still ends the call (the own rows were pushed: the landing
+    counters it waited on are zeroed for the next call on that buffer)."""
+    world, quant = 2, QuantConfig("bf16")
+    gen = torch.Generator().manual_seed(seed)
+    lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
+                               options=SymmOptions(num_sms=1, timeout_s=0.02))
+    comms[0].options = SymmOptions(num_sms=1, timeout_s=0.02, pipelined=True)
+    xs, ids, ws = case_inputs("full", world, gen)  # every token goes to both ranks
+    p1 = comms[1].dispatch_send(xs[1], ids[1], ws[1])
+    p0 = comms[0].dispatch_send(xs[0], ids[0], ws[0])
+    outs = [comms[0].dispatch_recv(p0), comms[1].dispatch_recv(p1)]
+    for c in comms:
+        c.check_errors()
+    y = torch.randn(outs[0][0].num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
+    out = comms[0].combine_recv(comms[0].combine_send(y, outs[0][1]))
+    assert out.shape == (MAX_T, CFG.hidden)
+    with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 1 in ht-combine "
+                                               r"receive, waiting for the peer's data"):
+        comms[0].check_errors()
+    assert not lw.rank(0).words("ht_csum").any()
+    assert int(lw.rank(0).ctrl()[CTRL_SEQ + HT_COMBINE]) == 1  # the call ended
 
 
 def test_no_symm_kernel_specializes_on_a_value_that_differs_between_ranks_or_calls():

@@ -122,9 +122,8 @@ def _graph_round(comms, static, e_l, streams=False):
                 outs = [c.dispatch_send(x, i, w) for c, x, i, w in zip(comms, *static)]
                 outs = [c.dispatch_recv(p) for c, p in zip(comms, outs)]
                 ys = [_scaled_identity(b, r, e_l) for r, (b, _) in enumerate(outs)]
-                for c, y, (_, h) in zip(comms, ys, outs):
-                    c.combine_send(y, h)
-                graph_out = [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
+                sent = [c.combine_send(y, h) for c, y, (_, h) in zip(comms, ys, outs)]
+                graph_out = [c.combine_recv(s_) for c, s_ in zip(comms, sent)]
     torch.cuda.current_stream().wait_stream(s)
     return step, g, graph_out
 

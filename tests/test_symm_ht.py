@@ -18,8 +18,8 @@ import dataclasses
 import pytest
 import torch
 
-from epmoe.comm.symm.arena import (CTRL_CDONE_SUM, CTRL_ROLE, CTRL_SEQ_SEND, HT_DISPATCH,
-                                   SymmTimeoutError)
+from epmoe.comm.symm.arena import (CTRL_CDONE_SUM, CTRL_ROLE, CTRL_SEQ_SEND, HT_COMBINE,
+                                   HT_DISPATCH, SymmTimeoutError)
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
@@ -272,10 +272,11 @@ def test_ht_exact_rows_returns_only_the_used_rows(seed):
 
 
 def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
-    """Rank 0 runs the pipelined dispatch (one launch: its first CTAs to start send, the rest
-    receive), rank 1 the two split launches; the roles' protocol is the same, so they mix.
-    Order: rank 1 sends, rank 0's one kernel (its receivers find rank 1's rows), rank 1
-    receives. Three rounds: both buffers, the per-half epochs and the role counter's reset."""
+    """Rank 0 runs the pipelined dispatch and combine (one launch each: its first CTAs to
+    start send, the rest receive; reduce, push, then sum), rank 1 the split launches; the
+    roles' protocol is the same, so they mix. Order: rank 1 sends, rank 0's one kernel (its
+    receivers find rank 1's rows), rank 1 receives. Three rounds: both buffers, the per-half
+    epochs and the role counters' reset."""
     world, quant = 2, QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
     lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
@@ -303,9 +304,18 @@ def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
         check_received(comms, outs, world, quant, xs, ids, ws)
         ys = [torch.randn(b.num_rows, CFG.hidden, generator=gen).to(torch.bfloat16)
               for b, _ in outs]
-        res = loopback_combine(comms, ys, [h for _, h in outs])
+        # the combine likewise: rank 1 reduces and pushes, rank 0's one kernel (its sum
+        # role finds rank 1's rows counted in), rank 1 sums
+        sent1 = comms[1].combine_send(ys[1], outs[1][1])
+        res = [comms[0].combine_recv(comms[0].combine_send(ys[0], outs[0][1])),
+               comms[1].combine_recv(sent1)]
+        for c in comms:
+            c.check_errors()
+        assert int(lw.rank(0).ctrl()[CTRL_ROLE + HT_COMBINE]) == 0
         want = a2a_combine(world, outs, ys, [x.shape[0] for x in xs])
         assert all(torch.equal(a, b) for a, b in zip(res, want))
+        for r in range(world):  # every landing counter zeroed by its sum, for the next call
+            assert not lw.rank(r).words("ht_csum").any()
 
 
 def test_ht_receive_follows_the_senders_chunks_not_its_own(seed):

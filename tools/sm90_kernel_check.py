@@ -61,12 +61,15 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
             tokens: int = 4096) -> list[tuple]:
     """(name, jit fn, signature, constexprs, fp fusion) at the backends' default tiles."""
     from epmoe.comm.symm import ht_combine, ht_dispatch, ll_combine, ll_dispatch, sum_back
-    from epmoe.comm.symm.arena import HT_COMBINE, LL_COMBINE
+    from epmoe.comm.symm.arena import LL_COMBINE
     from epmoe.comm.symm.sync import USE_TIMER
     from epmoe.comm.symm.tiles import CHUNK_COLS, next_pow2, row_cols, rows_per_step
 
     dw = hidden * 2 // 4  # bf16 rows as int32 words
     ck = min(row_cols(hidden), CHUNK_COLS)
+    hc = dict(COMB=4096, CSUM=2048, SB=max(4, 32 // world), TMAX=tokens, W=world, D=hidden,
+              CK=ck, PRE_ROUND=False, USE_TIMER=USE_TIMER,
+              NB=(tokens + max(4, 32 // world) - 1) // max(4, 32 // world))
     ht = dict(ROWS=4096, META=8192, CNT=16384, TMAX=tokens, W=world, WP=next_pow2(world),
               K=top_k, KP=next_pow2(top_k), E_L=local_experts, EP=next_pow2(local_experts),
               DW=dw, SW=0, CH=row_cols(dw), BSW=1, ROW_W=dw, MW=28, CW=132,
@@ -82,19 +85,18 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
                 BT_S=rows_per_step(row_cols(dw)), BT_R=2, BR=2048, MODE=mode), True)
           for name, mode in (("send", ht_dispatch.SPLIT_SEND), ("recv", ht_dispatch.SPLIT_RECV),
                              ("pipelined", ht_dispatch.PIPELINED))],
-        ("ht combine_send", ht_combine._combine_send_kernel,
-         dict(**ARENA, y_ptr="*bf16", inv_ptr="*i32", w_ptr="*fp32", src_tok_ptr="*i32",
-              info_ptr="*i32", part_ptr="*bf16", me="i32", limit="i64", G_RED="i32",
-              G_PUSH="i32"),
-         dict(COMB=4096, DONE=8192, TMAX=tokens, W=world, K=top_k, D=hidden, CK=ck,
-              CH=row_cols(hidden), BTR=16, BT=rows_per_step(row_cols(hidden), 2),
-              NWORDS=world * tokens, BR=1024, PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
-        ("ht sum_back", sum_back._sum_back_kernel,
-         dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*i32", T="i32", me="i32",
-              limit="i64"),
-         dict(OP=HT_COMBINE, COMB=4096, TMAX=tokens, W=world, S=world, SLOT_MAJOR=True,
-              HAS_W=False, D=hidden, CK=ck, BT=max(2, 32 // world), PRE_ROUND=False,
-              USE_TIMER=USE_TIMER), False),
+        *[(f"ht combine ({name})", ht_combine._combine_kernel,
+           dict(**ARENA, y_ptr="*bf16", inv_ptr="*i32", w_ptr="*fp32", src_tok_ptr="*i32",
+                info_ptr="*i32", part_ptr="*bf16", out_ptr="*bf16", msg_ptr="*i32", T="i32",
+                me="i32", limit="i64", G_RED="i32", G_PUSH="i32", G_SUM="i32"),
+           dict(**hc, DONE=8192, K=top_k, CH=row_cols(hidden), BTR=16,
+                BT=rows_per_step(row_cols(hidden), 2), NWORDS=world * tokens, BR=1024,
+                MODE=mode), False)
+          for name, mode in (("split", ht_combine.SPLIT),
+                             ("pipelined", ht_combine.PIPELINED))],
+        ("ht combine sum", ht_combine._sum_kernel,
+         dict(**ARENA, out_ptr="*bf16", msg_ptr="*i32", T="i32", me="i32", limit="i64"),
+         hc, False),
         ("ll combine_send", ll_combine._combine_send_kernel,
          dict(**ARENA, y_ptr="*bf16", me="i32", limit="i64"),
          dict(SLOTS=4096, MSG=8192, MW=20, NTOK=12288, COMB=16384, TMAX=128, W=world,
@@ -111,11 +113,9 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               NGP=next_pow2(row_cols(hidden) // 128), FP8=True, POW2=False, PRE_ROUND=False,
               BT=1, SA=16, USE_TIMER=USE_TIMER), True),
         ("ll sum_back", sum_back._sum_back_kernel,
-         dict(**ARENA, out_ptr="*bf16", valid_ptr="*i32", w_ptr="*fp32", T="i32", me="i32",
-              limit="i64"),
-         dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, S=world, SLOT_MAJOR=True,
-              HAS_W=False, D=hidden, CK=ck, BT=max(2, 32 // world), PRE_ROUND=False,
-              USE_TIMER=USE_TIMER), False),
+         dict(**ARENA, out_ptr="*bf16", msg_ptr="*i32", T="i32", me="i32", limit="i64"),
+         dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, D=hidden, CK=ck,
+              BT=max(2, 32 // world), PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
     ]
 
 
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         return 2
     want = [w for w in a.only.split(",") if w]
     if not a.json:
-        print(f"{'kernel':<18} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
+        print(f"{'kernel':<24} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
               f"{'narrow ld/st':>13}")
     for name, fn, sig, consts, fusion in kernels(a.hidden):
         if want and not any(w in name for w in want):
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps(dict(kernel=name, warps=a.warps, **r)))
         else:
-            print(f"{name:<18} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
+            print(f"{name:<24} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
                   f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
     return 0
 

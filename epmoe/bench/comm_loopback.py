@@ -152,7 +152,8 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
     measured."""
     from epmoe.comm.symm.ht import SymmHighThroughputComm
     from epmoe.comm.symm.ll import SymmLowLatencyComm
-    from epmoe.comm.symm.loopback import loopback_comms, loopback_dispatch
+    from epmoe.comm.symm.loopback import (loopback_combine, loopback_comms,
+                                          loopback_dispatch)
 
     opt_kw = dict(opt_kw or {})
     opts = _options(opt_kw)
@@ -172,9 +173,10 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
             return [c.dispatch_recv(p_) for c, p_ in zip(comms, pend)]
 
         def combine(outs, ys):
-            for c, y, (_, h) in zip(comms, ys, outs):
-                c.combine_send(y, h)
-            return [c.combine_recv(h) for c, (_, h) in zip(comms, outs)]
+            if opts.pipelined:  # as the dispatch: each rank's one kernel on its stream
+                return loopback_combine(comms, ys, [h for _, h in outs], streams=True)
+            sent = [c.combine_send(y, h) for c, y, (_, h) in zip(comms, ys, outs)]
+            return [c.combine_recv(s_) for c, s_ in zip(comms, sent)]
 
         outs = dispatch()  # warm-up (compiles), then stand-in expert outputs of the shape
         ys = [torch.randn(b.x.data.shape[:-1] + (d,), device="cuda").to(torch.bfloat16)
@@ -221,7 +223,7 @@ KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipel
 def _sweep(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
     pipelined, chunk_rows}] (missing or 0: the default; pipelined 1: symm-ht's one-kernel
-    dispatch, ranks on their own streams)."""
+    dispatch and combine, ranks on their own streams)."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = [int(v) for v in item.split(":")]

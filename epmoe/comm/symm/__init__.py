@@ -21,7 +21,7 @@ Two backends behind the comm contract (`epmoe.comm.base`):
     out_TD = ht.combine(experts.run(batch), handle)              # bf16 [T, D]
     ctx.close()                                                  # collective: frees arenas
 
-Halves for overlap: `dispatch_send` / `dispatch_recv`, `combine_send` / `combine_recv`.
+Halves for overlap: `dispatch_send` / `dispatch_recv`, `combine_recv(combine_send(y, h))`.
 Experts in contiguous blocks (rank r: slots [r E/W, (r+1) E/W)), one NVLink node.
 
 ## The arena (one allocation per rank and backend, identical layout on every rank)
@@ -73,9 +73,11 @@ rest receive, and the layout writes overlap the link. Its two roles count their 
 (send_seq, seq): the receive may finish first.
 Kernels that spin run persistent grids of `num_sms` CTAs (<= the SMs; by default symm-ht 24,
 symm-ll every SM); the receive halves (local copies after their wait) run `recv_sms` CTAs
-(default: every SM, or num_sms when that is given). symm-ht's combine send is one kernel too:
-its push CTAs copy each token block as soon as its reduce CTAs finish it (done words, see
-`ht_combine.py`). The only CTAs that wait on CTAs of their own grid (that push) took their
+(default: every SM, or num_sms when that is given). symm-ht's combine is one kernel too:
+its push CTAs copy each token block as soon as its reduce CTAs finish it (done words), and
+count the rows into their sources' landing counters; the source sums a block of its tokens
+once every rank's rows for it have landed (in the same kernel on real ranks, in the receive's
+launch in the loopback world; see `ht_combine.py`). The only CTAs that wait on CTAs of their own grid (that push) took their
 role after those (arrival order), so what they wait for is running: a CTA that is not
 resident yet only delays (the grid need not fit at once).
 Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
@@ -92,8 +94,8 @@ about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
 (sender's routing table), ht_dispatch.py (+ ht_send.py, ht_recv.py: its roles) /
-ht_combine.py, ll_dispatch.py / ll_combine.py (kernels + wrappers), sum_back.py (both
-combines' receive), tiles.py (row tiles, `ksum`), options.py (knobs), ht.py / ll.py (the
+ht_combine.py, ll_dispatch.py / ll_combine.py (kernels + wrappers), sum_back.py (symm-ll
+combine's receive), tiles.py (row tiles, `ksum`), options.py (knobs), ht.py / ll.py (the
 backends), loopback.py (W ranks in one process).
 """
 

@@ -6,7 +6,7 @@
     out_TD = comm.combine(experts.run(batch), handle)                   # bf16 [T, D]
 
 or with the halves apart (compute may run between them): `dispatch_send` -> `dispatch_recv`,
-`combine_send` -> `combine_recv`.
+`combine_recv(combine_send(...))`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class SymmHighThroughputComm(Comm):
     # -------------------------------------------------------------- dispatch
     @property
     def pipelined(self) -> bool:
-        """One kernel for both dispatch roles (SymmOptions.pipelined; default: real ranks)."""
+        """One kernel for every role of a dispatch, and of a combine (SymmOptions.pipelined;
+        default: real ranks)."""
         p = self.options.pipelined
         return (not self.arena.view.loopback) if p is None else p
 
@@ -172,18 +173,25 @@ class SymmHighThroughputComm(Comm):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
 
     # -------------------------------------------------------------- combine
-    def combine_send(self, expert_out: torch.Tensor, handle: SymmHTHandle) -> None:
+    def combine_send(self, expert_out: torch.Tensor,
+                     handle: SymmHTHandle) -> ht_combine.HTCombineArgs:
+        """Reduce and push (pipelined: and the sum, as rows land) -> what combine_recv takes."""
         opts = self.options.for_call(self.arena.begin(HT_COMBINE))
-        ht_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
-                                handle.recv, opts)
+        args = ht_combine.prepare(self.shape, expert_out.to(torch.bfloat16), handle.recv,
+                                  handle.msg_TW)
+        mode = ht_combine.PIPELINED if self.pipelined else ht_combine.SPLIT
+        ht_combine.combine_send(self.arena.view, self.shape, args, mode, opts)
+        return args
 
-    def combine_recv(self, handle: SymmHTHandle) -> torch.Tensor:
+    def combine_recv(self, sent: ht_combine.HTCombineArgs) -> torch.Tensor:
+        """-> bf16 [T, D] (pipelined: the send's kernel already summed; nothing to launch)."""
         opts = self.options.for_call(self.arena.end(HT_COMBINE))
-        return ht_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, opts)
+        if self.pipelined:
+            return sent.out_TD
+        return ht_combine.combine_recv(self.arena.view, self.shape, sent, opts)
 
     def combine(self, expert_out, handle: SymmHTHandle) -> torch.Tensor:
-        self.combine_send(expert_out, handle)
-        return self.combine_recv(handle)
+        return self.combine_recv(self.combine_send(expert_out, handle))
 
     def ctas(self) -> tuple[int, int]:
         """(send, receive) CTAs this backend's kernels run on its device (SymmOptions)."""

@@ -8,6 +8,8 @@ tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffe
   ht_counts [2][W] CW words: tokens s sent me, pairs per local expert, s's send CTAs and
             slots per chunk
   ht_prog   [W][GMAX] int64: epoch << 32 | rounds of chunks send CTA c of rank s has landed
+  ht_cdone  [W*TMAX] int32: the combine's done word of each block of received tokens
+  ht_csum   [2][W][TMAX / SB] int32: partial rows rank s has landed here for my token block
   ht_comb   [2][W][TMAX] bf16 [D]: rank s's fp32-reduced partial sum for my token t
 
 One kernel, two roles (one rank's view; a step moves whole rows of BT tokens, `tiles.py`):
@@ -20,11 +22,13 @@ The roles run as two launches (SPLIT_SEND then SPLIT_RECV: the loopback world, r
 rank) or as one (PIPELINED: the first send CTAs to start send, the rest receive; on real
 ranks the receive then overlaps the link). Epochs: the send counts its own calls (send_seq),
 the receive its own (seq): in one launch the receive may finish first.
-The combine (ht_combine.py, one kernel, two roles): reduce CTAs sum a received token's K
-rows in fp32 (one bf16 cast) into the own ht_comb slot or a staging row, counting each block
-done; push CTAs wait ack >= e-2, then copy each finished block's staged rows to their sources'
-ht_comb[b][me][t] -> ready. Its receive (sum_back.py): wait ready -> per token an fp32 sum
-over the ranks it went to, in rank order, one cast -> seq, ack.
+The combine (ht_combine.py, one kernel, up to three roles): reduce CTAs sum a received
+token's K rows in fp32 (one bf16 cast) into the own ht_comb slot or a staging row, counting
+each block done; push CTAs wait ack >= e-2, then copy each finished block's staged rows to
+their sources' ht_comb[b][me][t] and count them into the sources' landing counters
+(ht_csum[b][me][t // SB]); the sum (the same grid when pipelined, else the receive's launch)
+waits per block of own tokens for the rows each rank owes it -> an fp32 sum over the ranks
+the token went to, in rank order, one cast -> seq, ack.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 from epmoe.comm.symm.arena import ArenaLayout
 from epmoe.config import QuantConfig
+from epmoe.kernels._common import INTERPRET
 from epmoe.quant import FP8_DTYPE
 
 
@@ -93,6 +94,17 @@ class HTShape:
         and round map: a receive follows the sender's, whatever its own options)."""
         return _align(3 + self.num_local_experts, 4)
 
+    @property
+    def sum_block(self) -> int:
+        """Tokens per landing counter of the combine (`ht_csum`) and per step of its sum: 32 /
+        W on GPU (at least 4: the sum's tile), 64 under the interpreter. Every rank derives
+        the same value (a pusher indexes its source's counters with it)."""
+        return 64 if INTERPRET else max(4, 32 // self.world)
+
+    @property
+    def sum_blocks(self) -> int:
+        return (max(1, self.max_tokens) + self.sum_block - 1) // self.sum_block
+
     def layout(self) -> ArenaLayout:
         w, t = self.world, max(1, self.max_tokens)
         return ArenaLayout.build(w, [
@@ -101,6 +113,7 @@ class HTShape:
             ("ht_counts", 2 * w * self.count_words * 4),
             ("ht_prog", w * MAX_SEND_CTAS * 8),
             ("ht_cdone", w * t * 4),
+            ("ht_csum", 2 * w * self.sum_blocks * 4),
             ("ht_comb", 2 * w * t * self.hidden * 2)])
 
 

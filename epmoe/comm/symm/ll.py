@@ -7,7 +7,7 @@
 No host sync, nothing allocated that depends on routing, epochs on the device: the whole
 dispatch -> experts -> combine sequence can be captured in a CUDA graph and replayed with new
 routing. `batch.x` is a view of the arena, valid until this rank's next `combine_send`.
-Halves: `dispatch_send` -> `dispatch_recv`, `combine_send` -> `combine_recv`.
+Halves: `dispatch_send` -> `dispatch_recv`, `combine_recv(combine_send(...))`.
 """
 
 from __future__ import annotations
@@ -105,18 +105,19 @@ class SymmLowLatencyComm(Comm):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
 
     # -------------------------------------------------------------- combine
-    def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> None:
+    def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> SymmLLHandle:
+        """-> what combine_recv takes (the handle)."""
         opts = self.options.for_call(self.arena.begin(LL_COMBINE))
         ll_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
                                 opts)
+        return handle
 
     def combine_recv(self, handle: SymmLLHandle) -> torch.Tensor:
         opts = self.options.for_call(self.arena.end(LL_COMBINE))
         return ll_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, opts)
 
     def combine(self, expert_out, handle: SymmLLHandle) -> torch.Tensor:
-        self.combine_send(expert_out, handle)
-        return self.combine_recv(handle)
+        return self.combine_recv(self.combine_send(expert_out, handle))
 
     def ctas(self) -> tuple[int, int]:
         """(send, receive) CTAs this backend's kernels run on its device (SymmOptions)."""

@@ -104,5 +104,5 @@ def combine_recv(arena: RankArena, shape: LLShape, msg_TW: torch.Tensor,
                  opts: SymmOptions) -> torch.Tensor:
     """-> bf16 [T, D]: this rank's tokens, the partial sums of the ranks they went to (msg_TW,
     from dispatch_send) in rank order, in fp32, cast once."""
-    return sum_back(arena, LL_COMBINE, "ll_comb", msg_TW, None, True, shape.hidden,
-                    shape.max_tokens, opts)
+    return sum_back(arena, LL_COMBINE, "ll_comb", msg_TW, shape.hidden, shape.max_tokens,
+                    opts)

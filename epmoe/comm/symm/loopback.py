@@ -59,11 +59,8 @@ def loopback_dispatch(comms, xs, ids, ws, streams: bool = False):
 
 
 def loopback_combine(comms, ys, handles, streams: bool = False):
-    def send(r):
-        comms[r].combine_send(ys[r], handles[r])
-        return handles[r]
-
-    return _run(comms, send, lambda r, h: comms[r].combine_recv(h), streams)
+    return _run(comms, lambda r: comms[r].combine_send(ys[r], handles[r]),
+                lambda r, sent: comms[r].combine_recv(sent), streams)
 
 
 __all__ = ["loopback_comms", "loopback_dispatch", "loopback_combine"]

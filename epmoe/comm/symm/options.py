@@ -32,8 +32,9 @@ class SymmOptions:
                 instead of the worst-case row count (no host sync, CUDA-graph safe)
     pipelined   symm-ht dispatch as one kernel whose first CTAs send and the rest receive,
                 placing each chunk in the layout as it lands (the layout writes overlap the
-                link); None = on for real ranks, off in the loopback world run rank by rank
-                (a receive there would wait for a send launched after it)
+                link), and its combine as one kernel whose last CTAs sum each token block
+                as its rows land; None = on for real ranks, off in the loopback world run
+                rank by rank (a receive there would wait for a send launched after it)
     chunk_rows  symm-ht dispatch: slots per chunk (the unit a receive waits for; a power of
                 two); 0 = 16 on GPU, 4 when interpreting (several rounds in small tests)
     """

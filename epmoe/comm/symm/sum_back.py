@@ -1,10 +1,8 @@
-"""The receive half of both combines: per own token, the fp32 sum of the bf16 rows its peers
-sent back (HT: one partial per rank it went to, in rank order; LL: one row per (token, k),
-weighted, in k order), cast once. Rows sit in the arena's combine region, buffer epoch % 2:
-
-  slot-major (HT)  [2][S = W][TMAX] rows       token-major (LL)  [2][TMAX][S = K] rows
-
-`valid_TS` (>= 0: the slot came back) is the sender's own routing (msg_TW / topk_ids_TK).
+"""symm-ll combine's receive: per own token, the fp32 sum of the bf16 partial rows the ranks
+it went to sent back (one per rank, pre-reduced by the expert rank), in rank order, cast once.
+Rows sit in the arena's combine region, slot-major: [2][W][TMAX] rows, buffer epoch % 2.
+`msg_TW` (>= 0: the token went to that rank, so its row came back) is the sender's routing.
+(symm-ht's sum is a role of its combine kernel, waiting per token block: `ht_combine.py`.)
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ from epmoe.comm.symm.tiles import ksum, num_items, work_item  # noqa: E402
 
 
 @triton.jit(do_not_specialize=["T", "me", "limit"])
-def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, limit,
-                     OP: tl.constexpr, COMB: tl.constexpr, TMAX: tl.constexpr,
-                     W: tl.constexpr, S: tl.constexpr,
-                     SLOT_MAJOR: tl.constexpr, HAS_W: tl.constexpr, D: tl.constexpr,
+def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, msg_ptr, T, me, limit, OP: tl.constexpr,
+                     COMB: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
                      CK: tl.constexpr, BT: tl.constexpr, PRE_ROUND: tl.constexpr,
                      USE_TIMER: tl.constexpr):
-    """A work item: BT own tokens x one chunk of CK columns, their S row chunks (S independent
-    [BT, CK] loads, in flight together) summed in slot order (`ksum`)."""
+    """Wait until every source published this epoch, then per work item (BT own tokens x one
+    chunk of CK columns) the W row chunks (W independent [BT, CK] loads, in flight together)
+    summed in rank order (`ksum`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     NC: tl.constexpr = (D + CK - 1) // CK
@@ -42,31 +39,23 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, valid_ptr, w_ptr, T, me, lim
             t, cols, cm = work_item(it, BT, CK, NC, D)
             tm = t < T
             t64 = t.to(tl.int64)
-            if SLOT_MAJOR:  # row of slot j: row0 + j * rstride
-                acc = ksum(comb, valid_ptr, w_ptr, t64, tm, buf * S * TMAX + t64, TMAX, cols,
-                           cm, D, S, S, False, HAS_W, PRE_ROUND)
-            else:
-                acc = ksum(comb, valid_ptr, w_ptr, t64, tm, (buf * TMAX + t64) * S, 1, cols,
-                           cm, D, S, S, False, HAS_W, PRE_ROUND)
+            acc = ksum(comb, msg_ptr, msg_ptr, t64, tm, buf * W * TMAX + t64, TMAX, cols, cm,
+                       D, W, W, False, False, PRE_ROUND)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
                      mask=tm[:, None] & cm[None, :])
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)
 
 
-def sum_back(arena: RankArena, op: int, region: str, valid_TS: torch.Tensor,
-             weights_TS: torch.Tensor | None, slot_major: bool, hidden: int, max_tokens: int,
-             opts: SymmOptions) -> torch.Tensor:
+def sum_back(arena: RankArena, op: int, region: str, msg_TW: torch.Tensor, hidden: int,
+             max_tokens: int, opts: SymmOptions) -> torch.Tensor:
     """-> bf16 [T, hidden]: this rank's tokens, reduced in fp32 and cast once."""
-    t, s = valid_TS.shape
-    out = torch.empty((t, hidden), dtype=torch.bfloat16, device=valid_TS.device)
-    w = valid_TS if weights_TS is None else weights_TS.float().contiguous()
+    t, w = msg_TW.shape
+    out = torch.empty((t, hidden), dtype=torch.bfloat16, device=msg_TW.device)
     _sum_back_kernel[(grid(opts, out.device, recv=True),)](
-        arena.base, arena.peer_delta_W, out, valid_TS.contiguous(), w, t, arena.rank,
+        arena.base, arena.peer_delta_W, out, msg_TW.contiguous(), t, arena.rank,
         opts.spin_limit, OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens),
-        W=arena.world, S=s, SLOT_MAJOR=slot_major,
-        HAS_W=weights_TS is not None, D=hidden,
-        CK=opts.chunk(hidden), BT=opts.tile(max(2, 32 // s)), PRE_ROUND=INTERPRET,
-        USE_TIMER=USE_TIMER, num_warps=opts.warps(),
+        W=w, D=hidden, CK=opts.chunk(hidden), BT=opts.tile(max(2, 32 // w)),
+        PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=opts.warps(),
         enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
     return out
 

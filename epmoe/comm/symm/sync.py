@@ -199,8 +199,15 @@ def finish_recv(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
 def finish_recv_of(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr, n):
     """`finish_recv` for a receive half of `n` CTAs (a role of a larger grid)."""
     if arrive_last(arena_ptr, C_DONE_RECV + OP, n) != 0:
-        tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP), e)
-        publish(arena_ptr, delta_ptr, C_READY + C_NUM_OPS * W + OP * W + me, e, W)
+        end_call(arena_ptr, delta_ptr, OP, e, me, W)
+
+
+@triton.jit
+def end_call(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
+    """In the last CTA of a call's receive (after every other CTA of it arrived): seq[OP] = e
+    here, ack[OP][me] = e at every rank (each may refill its buffer of epoch e)."""
+    tl.store(ctrl_ptr(arena_ptr, C_SEQ + OP), e)
+    publish(arena_ptr, delta_ptr, C_READY + C_NUM_OPS * W + OP * W + me, e, W)
 
 
 @triton.jit
@@ -230,7 +237,8 @@ def no_error(arena_ptr):
 
 
 __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_release",
-           "finish_send", "finish_send_of", "finish_recv", "finish_recv_of", "send_epoch",
+           "finish_send", "finish_send_of", "finish_recv", "finish_recv_of", "end_call",
+           "send_epoch",
            "take_role",
            "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
            "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
