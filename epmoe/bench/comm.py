@@ -113,8 +113,8 @@ def parser() -> argparse.ArgumentParser:
                         "SM, deepep-ht 24)")
     p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
                    "chunk_cols:num_warps:pipelined:chunk_rows, comma-separated (0 or "
-                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch); overrides "
-                   "--num-sms")
+                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine); "
+                   "overrides --num-sms")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
     p.add_argument("--ht-tokens", help="comma-separated HT token counts (overrides --quick)")
