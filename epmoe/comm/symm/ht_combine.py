@@ -15,9 +15,9 @@ One kernel, up to three roles by arrival (`sync.take_role`):
           rows to their sources' `ht_comb`, and count every row of the block, pushed or own,
           into its source's landing counter (`ht_csum[b][me][t // SB]`, one release per block)
   sum     (the receive: `recv_sms` CTAs) per block of SB own tokens, wait until each rank's
-          counter holds the rows that rank owes it, sum them in rank order, cast once, and
-          zero the counters (so they need no epoch: the next use of buffer b waits for this
-          call's ack)
+          counter holds the rows that rank owes it, sum them in rank order, cast once; the
+          call's last CTA zeroes the counters (so they need no epoch: the next use of
+          buffer b waits for this call's ack)
 Split (the loopback world, run rank by rank): reduce + push in `combine_send`, the sum in
 `combine_recv`. Pipelined (real ranks, `SymmOptions.pipelined`): all three in one kernel, so
 the source sums a token block as soon as its rows have landed, while the rest is still on
@@ -43,8 +43,8 @@ from epmoe.comm.symm.arena import (CTRL_CDONE_ARRIVE, CTRL_CDONE_SUM, HT_COMBINE
 from epmoe.comm.symm.ht_dispatch import HTReceived  # noqa: E402
 from epmoe.comm.symm.ht_shape import HTShape  # noqa: E402
 from epmoe.comm.symm.options import SymmOptions, device_sms, grid  # noqa: E402
-from epmoe.comm.symm.sync import (USE_TIMER, arrive_last, ctrl_ptr, end_call,  # noqa: E402
-                                  epoch, fence_release, finish_recv, take_role, wait_acks,
+from epmoe.comm.symm.sync import (C_DONE_RECV, USE_TIMER, arrive_last, ctrl_ptr,  # noqa: E402
+                                  end_call, epoch, fence_release, take_role, wait_acks,
                                   wait_geq)
 from epmoe.comm.symm.tiles import (ksum, num_items, row_cols, rows_per_step,  # noqa: E402
                                    work_item)
@@ -143,35 +143,44 @@ def _sum_blocks(arena_ptr, out_ptr, msg_ptr, T, me, c, G, e, limit, COMB: tl.con
                 CSUM: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr, TMAX: tl.constexpr,
                 W: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
                 PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
-    """The sum role (the receive), CTA c of G: per block of SB own tokens, wait until every
-    rank's landing counter holds the rows that rank owes the block (msg_TW >= 0: where the
-    tokens went), then per column chunk the fp32 sum of the ranks' partial rows in rank
-    order, one bf16 cast; then zero the block's counters for the next call on this buffer."""
+    """The sum role (the receive), CTA c of G. A work item: SB own tokens (one landing
+    counter's block) x one chunk of CK columns: wait until every rank's counter of the block
+    holds the rows that rank owes it (msg_TW >= 0: where the tokens went; after the first
+    item of a block one poll each), then the fp32 sum of the ranks' partial rows in rank
+    order, one bf16 cast. The call's last CTA zeroes the counters (`_end_sum`)."""
     NC: tl.constexpr = (D + CK - 1) // CK
     buf = e % 2
     comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
     cnt = (arena_ptr + CSUM).to(tl.pointer_type(tl.int32)) + buf * W * NB
-    for b in range(c, (T + SB - 1) // SB, G):
-        t = b * SB + tl.arange(0, SB)
+    for it in range(c, num_items(T, SB, NC), G):
+        t, cols, cm = work_item(it, SB, CK, NC, D)
         tm = t < T
         t64 = t.to(tl.int64)
         ok = tl.full((), 1, dtype=tl.int32)
         for d in tl.static_range(W):
             owed = tl.sum((tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1) >= 0).to(tl.int32))
             if owed > 0:
-                ok = ok & wait_geq(cnt + d * NB + b, owed, arena_ptr, 2 * OP_C + 1, d, limit,
-                                   USE_TIMER)
+                ok = ok & wait_geq(cnt + d * NB + it // NC, owed, arena_ptr, 2 * OP_C + 1, d,
+                                   limit, USE_TIMER)
         if ok != 0:
-            for ch in range(NC):
-                cols = ch * CK + tl.arange(0, CK)
-                cm = cols < D
-                acc = ksum(comb, msg_ptr, msg_ptr, t64, tm, buf * W * TMAX + t64, TMAX, cols,
-                           cm, D, W, W, False, False, PRE_ROUND)
-                tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
-                         mask=tm[:, None] & cm[None, :])
-        tl.debug_barrier()
-        for d in tl.static_range(W):
-            tl.store(cnt + d * NB + b, 0)
+            acc = ksum(comb, msg_ptr, msg_ptr, t64, tm, buf * W * TMAX + t64, TMAX, cols, cm,
+                       D, W, W, False, False, PRE_ROUND)
+            tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(tl.bfloat16),
+                     mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _end_sum(arena_ptr, delta_ptr, e, me, CSUM: tl.constexpr, NB: tl.constexpr,
+             W: tl.constexpr, BR: tl.constexpr):
+    """In the call's last CTA (every sum CTA is past its waits): zero this buffer's landing
+    counters, then seq = e and ack[me] = e everywhere (the counters are zero before any
+    peer may push into this buffer again: it waits for that ack)."""
+    cnt = (arena_ptr + CSUM).to(tl.pointer_type(tl.int32)) + (e % 2) * W * NB
+    for i0 in range(0, W * NB, BR):
+        i = i0 + tl.arange(0, BR)
+        tl.store(cnt + i, 0, mask=i < W * NB)
+    tl.debug_barrier()
+    end_call(arena_ptr, delta_ptr, OP_C, e, me, W)
 
 
 @triton.jit(do_not_specialize=["T", "me", "limit"])
@@ -209,7 +218,7 @@ def _combine_kernel(arena_ptr, delta_ptr, y_ptr, inv_ptr, w_ptr, src_tok_ptr, in
     if arrive_last(arena_ptr, C_ARRIVE, G_RED + G_PUSH + G_SUM) != 0:
         tl.store(ctrl_ptr(arena_ptr, C_SUM), before + NC)
         if MODE == PIPE:
-            end_call(arena_ptr, delta_ptr, OP_C, e, me, W)
+            _end_sum(arena_ptr, delta_ptr, e, me, CSUM, NB, W, BR)
 
 
 @triton.jit(do_not_specialize=["T", "me", "limit"])
@@ -221,7 +230,8 @@ def _sum_kernel(arena_ptr, delta_ptr, out_ptr, msg_ptr, T, me, limit, COMB: tl.c
     e = epoch(arena_ptr, OP_C)
     _sum_blocks(arena_ptr, out_ptr, msg_ptr, T, me, tl.program_id(0), tl.num_programs(0), e,
                 limit, COMB, CSUM, SB, NB, TMAX, W, D, CK, PRE_ROUND, USE_TIMER)
-    finish_recv(arena_ptr, delta_ptr, OP_C, e, me, W)
+    if arrive_last(arena_ptr, C_DONE_RECV + OP_C, tl.num_programs(0)) != 0:
+        _end_sum(arena_ptr, delta_ptr, e, me, CSUM, NB, W, 1024)
 
 
 @dataclass(frozen=True)
