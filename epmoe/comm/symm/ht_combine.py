@@ -144,24 +144,32 @@ def _sum_blocks(arena_ptr, out_ptr, msg_ptr, T, me, c, G, e, limit, COMB: tl.con
                 W: tl.constexpr, D: tl.constexpr, CK: tl.constexpr,
                 PRE_ROUND: tl.constexpr, USE_TIMER: tl.constexpr):
     """The sum role (the receive), CTA c of G. A work item: SB own tokens (one landing
-    counter's block) x one chunk of CK columns: wait until every rank's counter of the block
-    holds the rows that rank owes it (msg_TW >= 0: where the tokens went; after the first
-    item of a block one poll each), then the fp32 sum of the ranks' partial rows in rank
-    order, one bf16 cast. The call's last CTA zeroes the counters (`_end_sum`)."""
+    counter's block) x one chunk of CK columns; each CTA takes a contiguous run of items
+    (block-major), so it waits once per block: until every rank's counter of the block holds
+    the rows that rank owes it (msg_TW >= 0: where the tokens went). Then per item the fp32
+    sum of the ranks' partial rows in rank order, one bf16 cast. The call's last CTA zeroes
+    the counters (`_end_sum`)."""
     NC: tl.constexpr = (D + CK - 1) // CK
     buf = e % 2
     comb = (arena_ptr + COMB).to(tl.pointer_type(tl.bfloat16))
     cnt = (arena_ptr + CSUM).to(tl.pointer_type(tl.int32)) + buf * W * NB
-    for it in range(c, num_items(T, SB, NC), G):
+    n_it = num_items(T, SB, NC)
+    per = (n_it + G - 1) // G
+    ok = tl.full((), 1, dtype=tl.int32)
+    waited = tl.full((), -1, dtype=tl.int32)
+    for it in range(c * per, tl.minimum(c * per + per, n_it)):
         t, cols, cm = work_item(it, SB, CK, NC, D)
         tm = t < T
         t64 = t.to(tl.int64)
-        ok = tl.full((), 1, dtype=tl.int32)
-        for d in tl.static_range(W):
-            owed = tl.sum((tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1) >= 0).to(tl.int32))
-            if owed > 0:
-                ok = ok & wait_geq(cnt + d * NB + it // NC, owed, arena_ptr, 2 * OP_C + 1, d,
-                                   limit, USE_TIMER)
+        b = it // NC
+        if b != waited:
+            for d in tl.static_range(W):
+                owed = tl.sum((tl.load(msg_ptr + t64 * W + d, mask=tm, other=-1) >= 0)
+                              .to(tl.int32))
+                if owed > 0:
+                    ok = ok & wait_geq(cnt + d * NB + b, owed, arena_ptr, 2 * OP_C + 1, d,
+                                       limit, USE_TIMER)
+            waited = b
         if ok != 0:
             acc = ksum(comb, msg_ptr, msg_ptr, t64, tm, buf * W * TMAX + t64, TMAX, cols, cm,
                        D, W, W, False, False, PRE_ROUND)
