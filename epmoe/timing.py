@@ -20,11 +20,14 @@ import torch
 class StagePosition:
     """Where a rank is: the innermost open stage (None between stages), how many stages it has
     entered so far (ranks running the same program enter the same sequence, so a rank with
-    fewer entries is behind), and for how long it has been in that stage."""
+    fewer entries is behind), how many are open (of two ranks that entered as many, the one
+    that has left more of them is ahead: it finished the stage the other is still in), and
+    for how long it has been in that stage."""
 
     stage: str | None
     entered: int
     seconds_in_stage: float
+    depth: int = 0
 
 
 class StageTimer:
@@ -111,7 +114,7 @@ class StageTimer:
         """The innermost open stage; safe to call from another thread while a step runs."""
         open_ = list(self._open)
         return StagePosition(open_[-1] if open_ else None, self._entered,
-                             time.monotonic() - self._since)
+                             time.monotonic() - self._since, len(open_))
 
     def collect(self) -> dict[str, list[float]]:
         if self._events:

@@ -11,9 +11,10 @@ from epmoe.launch.blame import (Heartbeat, RankFailure, RankState, attribute, de
                                 is_collective_error)
 
 
-def beat(rank, stage, entered, in_collective=False, step=0, call="step", calls=5):
+def beat(rank, stage, entered, in_collective=False, step=0, call="step", calls=5, depth=None):
     return Heartbeat(rank=rank, call=call, step=step, stage=stage, calls=calls, entered=entered,
-                     busy=True, in_collective=in_collective, seconds_in_stage=1.0)
+                     busy=True, in_collective=in_collective, seconds_in_stage=1.0,
+                     depth=int(stage is not None) if depth is None else depth)
 
 
 RESET = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
@@ -69,6 +70,23 @@ def test_a_hang_with_everyone_in_the_same_place_falls_back_to_fewest_stages():
     states = [RankState(r, "pending", heartbeat=beat(r, "eplb.migrate", 90)) for r in (0, 1)]
     f = attribute("rebalance after step 1", states, 5)
     assert f.ranks == (0, 1) and f.message().startswith("ranks 0, 1 stopped in step 0 at stage")
+
+
+@pytest.mark.parametrize("hung", [0, 1])
+def test_of_ranks_that_entered_as_many_stages_the_one_still_inside_is_behind(hung):
+    """Seen on a GPU (symm-ht, a hang injected at one rank's combine): the hung rank sits in
+    the stage it just entered, its peer left that stage and blocks in the step's next sync
+    (its kernel spins on the hung rank): both entered 40 stages. Before, both were named."""
+    states = [RankState(r, "pending", heartbeat=beat(r, "combine" if r == hung else None, 40))
+              for r in (0, 1)]
+    f = attribute("step 0", states, timeout_s=45)
+    assert (f.kind, f.ranks, f.waiting) == ("hung", (hung,), (1 - hung,))
+    assert f.message() == (f"rank {hung} stopped in step 0 at stage combine and did not finish "
+                           f"step 0 within 45 s; rank {1 - hung} is waiting in step 0 (hung, or "
+                           f"too slow: raise --timeout if the job is just slow)")
+    nested = [RankState(0, "pending", heartbeat=beat(0, "experts.gemm1", 40, depth=2)),
+              RankState(1, "pending", heartbeat=beat(1, "experts", 40, depth=1))]
+    assert attribute("step 0", nested, 45).ranks == (0,)
 
 
 SYMM_TIMEOUT = ("symm comm: rank 0 timed out on peer 1 in ht-dispatch receive, waiting for the "
@@ -137,3 +155,16 @@ def test_death_detail_reads_rays_message():
            "epmoe.launch.faults.InjectedFault: injected fault on rank 1 at start")
     assert death_detail(msg) == ("its constructor raised epmoe.launch.faults.InjectedFault: "
                                  "injected fault on rank 1 at start")
+
+
+def test_the_stage_timer_reports_how_many_stages_are_open():
+    from epmoe.timing import StageTimer
+
+    t = StageTimer(enabled=False)
+    assert (t.where().stage, t.where().entered, t.where().depth) == (None, 0, 0)
+    with t.stage("experts"):
+        with t.stage("experts.gemm1"):
+            assert (t.where().stage, t.where().entered, t.where().depth) == (
+                "experts.gemm1", 2, 2)
+        assert (t.where().stage, t.where().depth) == ("experts", 1)
+    assert (t.where().stage, t.where().entered, t.where().depth) == (None, 2, 0)

@@ -7,7 +7,8 @@ it raised, its last heartbeat) and `attribute()` turns them into a `Failure`:
 2. else a rank that raised an error of its own (not a collective's error);
 3. else (a deadline passed, or only collective errors) the rank(s) that stopped: a rank that
    does not answer its heartbeat, else one that is not blocked in a collective while others
-   are, else the one(s) behind the others (fewest stages entered). A rank that stopped while
+   are, else the one(s) behind the others (fewest stages entered; of as many, the one
+   still inside the stage the others have left). A rank that stopped while
    its peers gave up waiting for it (their collective or symm-* timeouts) is "stopped", with
    the first peer's error as the detail.
 Every other rank that had not finished is "waiting".
@@ -88,10 +89,13 @@ class Heartbeat:
     busy: bool
     in_collective: bool
     seconds_in_stage: float
+    depth: int = 0  # stages open (0: between stages)
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.calls, self.entered)
+    def key(self) -> tuple[int, int, int]:
+        """Progress: calls, stages entered, then stages left of those entered (a rank that
+        finished the stage another is still in is ahead of it)."""
+        return (self.calls, self.entered, -self.depth)
 
     @property
     def where(self) -> str:

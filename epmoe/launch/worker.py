@@ -59,7 +59,8 @@ class Worker:
                          stage=pos.stage if pos else None, calls=self._calls,
                          entered=pos.entered if pos else 0, busy=self._busy,
                          in_collective=_in_collective(frame),
-                         seconds_in_stage=pos.seconds_in_stage if pos else 0.0)
+                         seconds_in_stage=pos.seconds_in_stage if pos else 0.0,
+                         depth=pos.depth if pos else 0)
 
     def _run(self, call: str, fn, *args, step: int | None = None):
         """Run one driver call: track it for heartbeats, fire an armed fault, and turn an
