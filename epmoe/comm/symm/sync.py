@@ -179,13 +179,7 @@ def publish2(arena_ptr, delta_ptr, word_a, value_a, word_b, value_b, W: tl.const
 @triton.jit
 def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
     """Last CTA of a send half: ready[OP][me] = e at every rank."""
-    finish_send_of(arena_ptr, delta_ptr, OP, e, me, W, tl.num_programs(0))
-
-
-@triton.jit
-def finish_send_of(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr, n):
-    """`finish_send` for a send half of `n` CTAs (a role of a larger grid)."""
-    if arrive_last(arena_ptr, C_DONE_SEND + OP, n) != 0:
+    if arrive_last(arena_ptr, C_DONE_SEND + OP, tl.num_programs(0)) != 0:
         publish(arena_ptr, delta_ptr, C_READY + OP * W + me, e, W)
 
 
@@ -237,7 +231,7 @@ def no_error(arena_ptr):
 
 
 __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_release",
-           "finish_send", "finish_send_of", "finish_recv", "finish_recv_of", "end_call",
+           "finish_send", "finish_recv", "finish_recv_of", "end_call",
            "send_epoch",
            "take_role",
            "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
