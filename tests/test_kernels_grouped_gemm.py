@@ -176,3 +176,28 @@ def test_masked_tma_store_at_deepseek_shape(recipe, seed):
     for j, c in enumerate(counts.tolist()):
         if c:
             assert _rel_err(y[j, :c], ref[j, :c]) <= 1e-2, f"expert {j} ({seed=})"
+
+
+@pytest.mark.parametrize("k", [160, 192, 2880 // 9], ids=["k160-step32", "k192-step64",
+                                                          "k320-step64"])
+def test_mxfp8_k_not_a_multiple_of_128(k, seed):
+    """mxfp8 needs K in groups of 32 only (gpt-oss: hidden 2880 = 90 x 32): the pointer kernel
+    steps K by the largest of 128 / 64 / 32 that divides it; contiguous and masked."""
+    quant = QuantConfig("mxfp8")
+    e, n = 3, 96
+    w = _weights(e, n, k, quant)
+    ids = torch.randint(0, e, (24, 2), dtype=torch.int32, device=DEV)
+    lay = make_contiguous_layout(ids, e, 32)
+    xq = permute_qtensor(quantize_act(torch.randn(24, k, device=DEV), quant), lay)
+    y = triton_m_grouped_gemm_nt_contiguous(xq, w, lay)
+    valid = lay.row_expert_M >= 0
+    wf, xf = dequantize_weight(w), dequantize_act(xq)
+    ref = torch.einsum("mk,mnk->mn", xf[valid], wf[lay.row_expert_M.long()[valid]])
+    assert _rel_err(y[valid], ref) <= 1e-2
+    counts = torch.tensor([5, 0, 16], dtype=torch.int32, device=DEV)
+    x = quantize_act(torch.randn(e, 16, k, device=DEV), quant)
+    ym = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=16)
+    refm = torch.einsum("eck,enk->ecn", dequantize_act(x), dequantize_weight(w))
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            assert _rel_err(ym[j, :c], refm[j, :c]) <= 1e-2

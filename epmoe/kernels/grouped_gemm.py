@@ -9,6 +9,7 @@ tiles past an expert's count are skipped. Recipes (acc fp32, out bf16):
   fp8_block   fp8 x fp8, per K block of 128: acc += dot * a_scale[row, kb] * w_scale[n/128, kb]
               (activation scales fp32 any strides, or packed UE8M0 int32)
   mxfp8       fp8 x fp8 with e8m0 scales per 32 on both sides, dequantized to bf16 in-kernel
+              (K a multiple of 32: a K step of 128, 64 or 32)
   w4a8_mxfp4  e2m1 weights (two a byte) x e8m0 per 32, decoded in-kernel to bf16; fp8
               activations, per-128 fp32 scales applied to the fp32 partial sums
 
@@ -32,6 +33,9 @@ from epmoe.layout import ContiguousLayout  # noqa: E402
 from epmoe.quant import FP8_DTYPE, QTensor, QWeight  # noqa: E402
 
 _RECIPE_ID = {"bf16": 0, "fp8_block": 1, "mxfp8": 2, "w4a8_mxfp4": 3}
+# K granularity per recipe: its scale groups along K (mxfp8's 32 both sides; 128 where an
+# activation scale covers 128 columns). gpt-oss's hidden 2880 is 90 x 32, not a multiple of 128.
+_K_GROUP = {"bf16": 1, "fp8_block": 128, "mxfp8": 32, "w4a8_mxfp4": 128}
 
 
 @triton.jit
@@ -196,7 +200,8 @@ def _check_operands(x: QTensor, w: QWeight) -> None:
             and x.data.dtype == (torch.bfloat16 if w.recipe == "bf16" else FP8_DTYPE)
             and x.data.stride(-1) == 1 and w.shape[2] == x.data.shape[-1]
             and w.data.is_contiguous()
-            and (w.recipe == "bf16" or (x.data.shape[-1] % 128 == 0 and x.scale is not None))):
+            and x.data.shape[-1] % _K_GROUP[w.recipe] == 0
+            and (w.recipe == "bf16" or x.scale is not None)):
         return
     check(isinstance(x, QTensor) and isinstance(w, QWeight),
           f"x must be a QTensor and w a QWeight, got {type(x).__name__}, {type(w).__name__}")
@@ -212,7 +217,8 @@ def _check_operands(x: QTensor, w: QWeight) -> None:
     k = x.data.shape[-1]
     check(w.shape[2] == k, f"x columns K ({k}) must equal the weights' K ({w.shape[2]})")
     if w.recipe != "bf16":
-        check(k % 128 == 0, f"K ({k}) must be a multiple of 128 for recipe {w.recipe}")
+        g = _K_GROUP[w.recipe]
+        check(k % g == 0, f"K ({k}) must be a multiple of {g} for recipe {w.recipe}")
         check(x.scale is not None, f"x.scale is None but recipe {w.recipe} needs scales")
 
 
@@ -224,7 +230,11 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     a_data, b_data = a_2d, w.data
     bs = w.scale if w.scale is not None else w.data
     s = s_2d if s_2d is not None else a_2d
+    # K step: 64 (bf16), 128 (one activation scale per step), mxfp8: the largest of 128 / 64 /
+    # 32 that divides K (its e8m0 groups of 32 are whole in any of them)
     block_k = 64 if recipe == 0 else 128
+    if recipe == 2:
+        block_k = next(b for b in (128, 64, 32) if k % b == 0)
     kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, DOT_FP32=INTERPRET,
                   PRE_ROUND=INTERPRET, EVEN_K=k % block_k == 0, BLOCK_M=block_m,
                   BLOCK_K=block_k, GROUP_M=8)
