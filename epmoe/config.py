@@ -50,6 +50,8 @@ class MoEConfig:
     swiglu_limit: float | None = None  # clamp limit (gpt-oss: 7.0); None = no clamp
     num_moe_layers: int = 1
     apply_router_weight_on_input: bool = False
+    router_bias: bool = False  # softmax router: a learned bias added to the logits (gpt-oss)
+    expert_bias: bool = False  # expert MLPs: gate/up and down projection biases (gpt-oss)
 
     def __post_init__(self) -> None:
         for f in ("hidden", "moe_intermediate", "num_experts", "top_k", "n_group", "topk_group",
@@ -81,6 +83,9 @@ class MoEConfig:
                f"MLP is not linear, so per-slot input weights are ill-defined for top_k > 1")
         _check(self.swiglu_limit is None or self.swiglu_limit > 0,
                f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
+        _check(not self.router_bias or self.router == "softmax",
+               f"router_bias applies to the softmax router; router {self.router!r} always "
+               f"carries its selection bias (e_score_correction_bias)")
 
     @property
     def shared_intermediate(self) -> int:
@@ -185,10 +190,12 @@ _preset(MoEConfig("mixtral-8x7b", hidden=4096, moe_intermediate=14336, num_exper
                   router="softmax", renormalize=True, num_moe_layers=32))
 # openai/gpt-oss-120b/config.json: hidden_size 2880, intermediate_size 2880,
 # num_local_experts 128, num_experts_per_tok 4, num_hidden_layers 36, swiglu_limit 7.0;
-# activation alpha 1.702 (modeling code); router: softmax over the top-4 logits.
+# activation alpha 1.702 (modeling code); router: softmax over the top-4 of logits x W^T + b;
+# experts carry gate_up_proj_bias and down_proj_bias.
 _preset(MoEConfig("gpt-oss-120b", hidden=2880, moe_intermediate=2880, num_experts=128, top_k=4,
                   router="softmax", renormalize=True, activation="swigluoai",
-                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=36))
+                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=36,
+                  router_bias=True, expert_bias=True))
 
 # Scaled-down variants: the same architecture (router, grouping, activation), small dims, so the
 # CPU demo and tests run in seconds. Dims stay multiples of 128 so every recipe applies.
@@ -204,7 +211,8 @@ _preset(MoEConfig("mixtral-tiny", hidden=256, moe_intermediate=256, num_experts=
                   router="softmax", renormalize=True, num_moe_layers=2))
 _preset(MoEConfig("gpt-oss-tiny", hidden=256, moe_intermediate=256, num_experts=16, top_k=4,
                   router="softmax", renormalize=True, activation="swigluoai",
-                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=2))
+                  activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=2,
+                  router_bias=True, expert_bias=True))
 _preset(MoEConfig("deepseek-v4-tiny", hidden=256, moe_intermediate=128, num_experts=16,
                   top_k=4, num_shared_experts=1, router="sqrtsoftplus", renormalize=True,
                   routed_scaling_factor=1.5, num_moe_layers=2))

@@ -8,6 +8,7 @@ layer token by token, expert by expert. Every numerical test compares against th
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,23 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(ref.abs().max().item(), 1e-30)
 
 
+class Oracle(NamedTuple):
+    """One layer's weights in float64, as the oracle reads them.
+
+    gate [E, D]; bias [E] or None (softmax router: added to the logits; score routers: the
+    selection-only correction bias); w13 [E, 2I, D]; w2 [E, D, I]; shared (w13 [2Is, D],
+    w2 [D, Is]) or None; b13 [E, 2I] / b2 [E, D] expert biases or None. A plain 5-tuple
+    (gate, bias, w13, w2, shared) is accepted wherever an Oracle is."""
+
+    gate: torch.Tensor
+    bias: torch.Tensor | None
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared: tuple | None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+
 def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
     """-> (topk_ids [T, K] int64, topk_weights [T, K] float64), token by token."""
     t = logits_TE.shape[0]
@@ -38,6 +56,8 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
     for n in range(t):
         lg = logits_TE[n].double()
         if cfg.router == "softmax":
+            if bias_E is not None:  # gpt-oss: logits = x W^T + b
+                lg = lg + bias_E.double()
             p = torch.exp(lg - lg.max())
             p = p / p.sum()
             order = sorted(range(cfg.num_experts), key=lambda e: -p[e].item())[:k]
@@ -83,39 +103,48 @@ def _fake_quant(x: torch.Tensor, quant: QuantConfig, on: bool) -> torch.Tensor:
     return dequantize_act(quantize_act(x.float()[None], quant))[0].double()
 
 
-def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq):
+def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq, b13_F=None, b2_D=None):
     h = w13_FD @ x_D
     if fq:  # GEMM1 writes bf16 in every fused path (DeepGEMM, Triton): part of the recipe
         h = h.to(torch.bfloat16).double()
         # ...and the activation is evaluated in fp32 before it is quantized. h is bf16, so two
         # elements of a group often share a gate value and a/amax is an exact ratio that lands
         # on an fp8 rounding tie; float64 would then round it the other way from every fp32
-        # path, a one-code flip worth ~2-3% of the output at small intermediate sizes.
-        a = _act(h.float(), cfg).double()
+        # path, a one-code flip worth ~2-3% of the output at small intermediate sizes. The
+        # bias joins the bf16 h in fp32, as the fused activation adds it.
+        hf = h.float() if b13_F is None else h.float() + b13_F.float()
+        a = _act(hf, cfg).double()
     else:
-        a = _act(h, cfg)
+        a = _act(h if b13_F is None else h + b13_F.double(), cfg)
     a = _fake_quant(a, quant, fq)
-    return w2_DI @ a
+    y = w2_DI @ a
+    return y if b2_D is None else y + b2_D.double()
 
 
 def expert_mlp_ref(x_ND: torch.Tensor, w13_FD: torch.Tensor, w2_DI: torch.Tensor,
-                   cfg: MoEConfig, quant: QuantConfig, fake_quant: bool = True) -> torch.Tensor:
+                   cfg: MoEConfig, quant: QuantConfig, fake_quant: bool = True,
+                   b13_F=None, b2_D=None) -> torch.Tensor:
     """float64 [N, D]: one expert's MLP on rows that already hold their quantized values
-    (e.g. `dequantize_act(x_q)`), with the recipe's intermediate rounding as in `reference_moe`."""
+    (e.g. `dequantize_act(x_q)`), with the recipe's intermediate rounding as in `reference_moe`;
+    b13_F / b2_D: the expert's biases, if it has them."""
     x = x_ND.double()
     if not x.shape[0]:
         return x.new_zeros(0, w2_DI.shape[0])
-    return torch.stack([_mlp(x[n], w13_FD, w2_DI, cfg, quant, fake_quant)
+    return torch.stack([_mlp(x[n], w13_FD, w2_DI, cfg, quant, fake_quant, b13_F, b2_D)
                         for n in range(x.shape[0])])
+
+
+def _biases(b13, b2, e):
+    return (None if b13 is None else b13[e]), (None if b2 is None else b2[e])
 
 
 def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig,
                   topk_ids_TK: torch.Tensor | None = None, topk_weights_TK=None,
                   fake_quant: bool = True) -> torch.Tensor:
-    """float64 [T, D]. oracle = (gate_ED, bias_E, w13_EFD, w2_EDI, shared) in float64
+    """float64 [T, D]. oracle: an `Oracle` (or its first five fields as a tuple) in float64
     (see weights.dequantized_full_layer). Routing from the oracle's own router unless given
     (given ids are logical expert ids; -1 = empty slot)."""
-    gate, bias, w13, w2, shared = oracle
+    gate, bias, w13, w2, shared, b13, b2 = Oracle(*oracle)
     x = x_TD.double()
     if topk_ids_TK is None:
         topk_ids_TK, topk_weights_TK = reference_route(x @ gate.T, cfg, bias)
@@ -134,9 +163,10 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
                 xw = x[n] * w
                 xw = xw.to(torch.bfloat16).double() if fake_quant else xw
                 acc += _mlp(_fake_quant(xw, quant, fake_quant), w13[e], w2[e], cfg, quant,
-                            fake_quant)
+                            fake_quant, *_biases(b13, b2, e))
             else:
-                acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant)
+                acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant,
+                                *_biases(b13, b2, e))
         if shared is not None:
             acc += _mlp(xq, shared[0], shared[1], cfg, quant, fake_quant)
         out[n] = acc

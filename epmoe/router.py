@@ -1,7 +1,8 @@
 """Routers: fp32 gate logits -> (topk_weights_TK fp32, topk_ids_TK), and the replica hook.
 
 Kinds (MoEConfig.router):
-- softmax: softmax over all experts, top-k, optionally renormalized (Qwen3, Mixtral, gpt-oss).
+- softmax: softmax over all experts, top-k, optionally renormalized (Qwen3, Mixtral, gpt-oss);
+  a bias, when given, is added to the logits first (gpt-oss's router: logits = x W^T + b).
 - sigmoid_grouped (DeepSeek-V3 / Kimi-K2 "noaux_tc"): s = sigmoid(logits); selection on
   s + e_score_correction_bias, limited to the topk_group best of n_group groups (a group's score
   is the sum of its top-2 biased scores); weights are the UNBIASED s of the chosen experts,
@@ -75,6 +76,8 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
     logits = logits_TE.float()
     k = cfg.top_k
     if cfg.router == "softmax":
+        if bias_E is not None:  # gpt-oss's router bias: part of the logits
+            logits = logits + bias_E.float()
         probs = torch.softmax(logits, dim=-1)
         w, ids = torch.topk(probs, k, dim=-1)
     else:

@@ -1,4 +1,4 @@
-"""Layer weights: deterministic synthetic weights and Hugging Face safetensors checkpoints.
+"""Layer weights: deterministic synthetic weights (checkpoints: `epmoe.checkpoint`).
 
 Every expert's synthetic weights come from its own key (seed, layer, expert, tensor), so a rank
 builds exactly the experts it owns and any rank (or the oracle) can rebuild any expert
@@ -6,23 +6,25 @@ bit-identically. The generator is counter-based (`counter_normal`: a 32-bit inte
 (key, element index) in exact int64 arithmetic, four 16-bit uniforms summed, one fp32
 multiply), so the same values come out on the CPU and on a GPU: a rank generates its experts
 on its own device (a full-size model starts in seconds) and the CPU oracle rebuilds them.
-Scales keep activations O(1): w13, gate ~ (0, 1/D), w2 ~ (0, 1/I) (mean, variance).
+Scales keep activations O(1): w13, gate ~ (0, 1/D), w2 ~ (0, 1/I) (mean, variance); the
+biases of configs that have them (gpt-oss) are large enough to move every output: router bias
+std 0.5 (logits ~1), b13 std 0.5, b2 std 0.25.
 
 Slicing for TP: `inter_slice=(start, length)` keeps gate/up rows [start, start+length) and the
-same columns of down; slices must fall on quant-block boundaries (checked by QuantConfig).
+same columns of down (and of b13); b2 stays with the slice that starts at 0, so the partial
+outputs that TP sums carry it once. Slices must fall on quant-block boundaries (QuantConfig).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
-from epmoe.quant import FP8_DTYPE, QWeight, dequantize_weight, quantize_weight
+from epmoe.quant import QWeight, dequantize_weight, quantize_weight
+from epmoe.reference import Oracle
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,9 @@ class LayerWeights:
     """What one rank holds of one MoE layer.
 
     gate_ED   fp32 [E, D]   router weight (all logical experts; every rank routes)
-    bias_E    fp32 [E] | None  e_score_correction_bias (DeepSeek-style routers)
+    bias_E    fp32 [E] | None  router bias: score routers select on scores + bias
+                               (e_score_correction_bias); the softmax router adds it to the
+                               logits (gpt-oss's router bias)
     experts   ExpertWeights   the rank's routed experts (or intermediate slice of all, under TP)
     shared    ExpertWeights | None  the shared experts as one MLP (E=1), or this rank's slice
     """
@@ -48,7 +52,9 @@ _M32 = 0xFFFFFFFF
 # A 32-bit integer hash (H. Wellons' hash-prospector family); both multipliers are < 2**31, so
 # every product of a 32-bit state fits in int64 without overflow on any device.
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
-_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3}
+_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3, "b13": 4, "b2": 5}
+# standard deviations of the synthetic biases (see the module docstring)
+_ROUTER_BIAS_STD, _SCORE_BIAS_STD, _B13_STD, _B2_STD = 0.5, 0.1, 0.5, 0.25
 _SHARED, _ROUTER = -1, -7  # the expert numbers of the shared MLP and of the router
 # std of the sum of four uniforms on {0..65535}: sqrt(4 * (65536**2 - 1) / 12)
 _SUM4_MEAN, _SUM4_STD = 2 * 65535, ((65536 ** 2 - 1) / 3) ** 0.5
@@ -131,13 +137,33 @@ def synthetic_router(cfg: MoEConfig, layer: int, seed: int,
     gate = counter_normal((cfg.num_experts, cfg.hidden), weight_key(seed, layer, _ROUTER, "gate"),
                           cfg.hidden ** -0.5, device)
     bias = None
-    if cfg.router != "softmax":
-        bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), 0.1,
+    if cfg.router != "softmax" or cfg.router_bias:
+        std = _ROUTER_BIAS_STD if cfg.router == "softmax" else _SCORE_BIAS_STD
+        bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), std,
                               device)
     return gate, bias
 
 
-def _slice_inter(w13: torch.Tensor, w2: torch.Tensor, inter_slice):
+def synthetic_expert_bias(cfg: MoEConfig, layer: int, expert: int, seed: int,
+                          device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b13 [2I], b2 [D]) fp32 for one routed expert of a config with expert biases."""
+    i, d = cfg.moe_intermediate, cfg.hidden
+    return (counter_normal((2 * i,), weight_key(seed, layer, expert, "b13"), _B13_STD, device),
+            counter_normal((d,), weight_key(seed, layer, expert, "b2"), _B2_STD, device))
+
+
+def slice_bias(b13: torch.Tensor, b2: torch.Tensor, inter_slice):
+    """The TP share of an expert's biases: b13's gate / up columns of the slice; b2 only for
+    the slice that starts at intermediate 0 (else None)."""
+    if inter_slice is None:
+        return b13, b2
+    s, n = inter_slice
+    i = b13.shape[-1] // 2
+    return (torch.cat([b13[..., s:s + n], b13[..., i + s:i + s + n]], dim=-1),
+            b2 if s == 0 else None)
+
+
+def slice_inter(w13: torch.Tensor, w2: torch.Tensor, inter_slice):
     if inter_slice is None:
         return w13, w2
     s, n = inter_slice
@@ -149,11 +175,13 @@ def _slice_inter(w13: torch.Tensor, w2: torch.Tensor, inter_slice):
 
 
 def build_expert_weights(w13_EFD: torch.Tensor, w2_EDI: torch.Tensor, quant: QuantConfig,
-                         expert_ids, device=None) -> ExpertWeights:
+                         expert_ids, device=None, b13_EF=None, b2_ED=None) -> ExpertWeights:
     ids = torch.as_tensor(list(expert_ids), dtype=torch.long)
     qw13 = quantize_weight(w13_EFD.to(device) if device else w13_EFD, quant)
     qw2 = quantize_weight(w2_EDI.to(device) if device else w2_EDI, quant)
-    return ExpertWeights(qw13, qw2, ids.to(device) if device else ids)
+    ew = ExpertWeights(qw13, qw2, ids, None if b13_EF is None else b13_EF.float(),
+                       None if b2_ED is None else b2_ED.float())
+    return ew.to(device) if device else ew
 
 
 # fp32 bytes generated at a time before they are quantized (quantization is per expert, so the
@@ -172,7 +200,7 @@ def _synthetic_experts(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int
     out13 = out2 = None
     for c0 in range(0, len(ids), step):
         chunk = ids[c0:c0 + step]
-        pairs = [_slice_inter(*synthetic_expert_fp32(cfg, layer, e, seed, inter, device),
+        pairs = [slice_inter(*synthetic_expert_fp32(cfg, layer, e, seed, inter, device),
                               inter_slice) for e in chunk]
         q13 = quantize_weight(torch.stack([a for a, _ in pairs]), quant)
         q2 = quantize_weight(torch.stack([b for _, b in pairs]), quant)
@@ -186,7 +214,17 @@ def _synthetic_experts(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int
         z13 = torch.zeros(0, 2 * n_i, cfg.hidden, device=device)
         z2 = torch.zeros(0, cfg.hidden, n_i, device=device)
         out13, out2 = quantize_weight(z13, quant), quantize_weight(z2, quant)
-    return ExpertWeights(out13, out2, torch.as_tensor(ids, dtype=torch.long, device=device))
+    b13 = b2 = None
+    if cfg.expert_bias and ids != [_SHARED]:  # the shared MLP has none (no model pairs them)
+        pairs = [slice_bias(*synthetic_expert_bias(cfg, layer, e, seed, device), inter_slice)
+                 for e in ids]
+        b13 = torch.stack([a for a, _ in pairs]) if ids else \
+            torch.zeros(0, 2 * n_i, device=device)
+        if not inter_slice or inter_slice[0] == 0:
+            b2 = torch.stack([b for _, b in pairs]) if ids else \
+                torch.zeros(0, cfg.hidden, device=device)
+    return ExpertWeights(out13, out2, torch.as_tensor(ids, dtype=torch.long, device=device),
+                         b13, b2)
 
 
 def _alloc_like(q: QWeight, e: int) -> QWeight:
@@ -212,174 +250,22 @@ def synthetic_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int,
     return LayerWeights(gate, bias, experts, shared)
 
 
-def dequantized_full_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int):
-    """Everything the float64 oracle needs: (gate, bias, w13 [E,F,D], w2 [E,D,I], shared or None),
-    dequantized weights exactly as the ranks hold them (quantized per expert, whole)."""
+def dequantized_full_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int) -> Oracle:
+    """Everything the float64 oracle needs (`reference.Oracle`): dequantized weights exactly as
+    the ranks hold them (quantized per expert, whole), and the biases."""
     lw = synthetic_layer(cfg, quant, layer, seed, range(cfg.num_experts))
     return layer_to_oracle(lw)
 
 
-def layer_to_oracle(lw: LayerWeights):
+def layer_to_oracle(lw: LayerWeights) -> Oracle:
     w13 = dequantize_weight(lw.experts.w13).double()
     w2 = dequantize_weight(lw.experts.w2).double()
     shared = None
     if lw.shared is not None:
         shared = (dequantize_weight(lw.shared.w13)[0].double(),
                   dequantize_weight(lw.shared.w2)[0].double())
-    return lw.gate_ED.double(), None if lw.bias_E is None else lw.bias_E.double(), w13, w2, shared
 
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face safetensors checkpoints
-
-# name templates per naming scheme: (router gate, router bias, expert prefix, shared prefix,
-# gate/up/down projection names)
-NAMINGS = {
-    "deepseek": dict(gate="model.layers.{l}.mlp.gate.weight",
-                     bias="model.layers.{l}.mlp.gate.e_score_correction_bias",
-                     expert="model.layers.{l}.mlp.experts.{e}.",
-                     shared="model.layers.{l}.mlp.shared_experts.",
-                     proj=("gate_proj", "up_proj", "down_proj")),
-    "qwen3_moe": dict(gate="model.layers.{l}.mlp.gate.weight", bias=None,
-                      expert="model.layers.{l}.mlp.experts.{e}.", shared=None,
-                      proj=("gate_proj", "up_proj", "down_proj")),
-    "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
-                    expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
-                    proj=("w1", "w3", "w2")),
-}
-
-
-class SafetensorsCheckpoint:
-    """Lazy reader of a HF checkpoint dir (sharded with model.safetensors.index.json, or one
-    .safetensors file): opens only the files holding the tensors asked for."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open  # noqa: F401  (fail early with a clear import error)
-
-        self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map = json.load(f)["weight_map"]
-        else:
-            files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-            if not files:
-                raise FileNotFoundError(f"no .safetensors files in {path!r}")
-            self.weight_map = {}
-            for fn in files:
-                with safe_open(os.path.join(path, fn), "pt") as f:
-                    self.weight_map.update({k: fn for k in f.keys()})
-        self._handles = {}
-
-    def has(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self.weight_map:
-            raise KeyError(f"tensor {name!r} not in checkpoint {self.path!r}")
-        fn = self.weight_map[name]
-        if fn not in self._handles:
-            self._handles[fn] = safe_open(os.path.join(self.path, fn), "pt")
-        return self._handles[fn].get_tensor(name)
-
-
-def _load_proj(ckpt: SafetensorsCheckpoint, prefix: str, proj: str) -> torch.Tensor:
-    """One projection as fp32, dequantizing fp8 `weight_scale_inv` 128x128 blocks."""
-    w = ckpt.get(prefix + proj + ".weight")
-    sname = prefix + proj + ".weight_scale_inv"
-    if w.dtype == FP8_DTYPE or ckpt.has(sname):
-        s = ckpt.get(sname).float()
-        n, k = w.shape
-        s_full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        return w.float() * s_full
-    return w.float()
-
-
-def _load_fp8_proj(ckpt, prefix, proj):
-    """fp8 weight + fp32 block scale exactly as stored (no requantization)."""
-    sname = prefix + proj + ".weight_scale_inv"
-    w = ckpt.get(prefix + proj + ".weight")
-    if w.dtype != FP8_DTYPE or not ckpt.has(sname):
-        return None
-    return w, ckpt.get(sname).float()
-
-
-def load_layer(path: str, naming: str, cfg: MoEConfig, quant: QuantConfig, layer: int,
-               expert_ids, ckpt_layer: int | None = None, inter_slice=None, shared_slice=None,
-               with_shared=True, device=None) -> LayerWeights:
-    """Read one MoE layer's router and the experts `expert_ids` (only those) from a checkpoint.
-
-    ckpt_layer: the checkpoint's layer index (e.g. layer + first_k_dense_replace for DeepSeek).
-    fp8 block checkpoints (DeepSeek-V3) loaded with recipe fp8_block keep their bytes; any
-    other combination dequantizes to fp32 and quantizes with the recipe.
-    """
-    if naming not in NAMINGS:
-        raise ValueError(f"unknown checkpoint naming {naming!r}; choose one of {sorted(NAMINGS)}")
-    quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
-    nm = NAMINGS[naming]
-    ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
-    cl = layer if ckpt_layer is None else ckpt_layer
-    g_name, u_name, d_name = nm["proj"]
-    ids = list(expert_ids)
-
-    keep_fp8 = quant.recipe == "fp8_block" and quant.scale_fmt == "fp32" and inter_slice is None
-    if keep_fp8 and ids:
-        raw = [[_load_fp8_proj(ckpt, nm["expert"].format(l=cl, e=e), p)
-                for p in (g_name, u_name, d_name)] for e in ids]
-        if all(r is not None for per in raw for r in per):
-            w13 = torch.stack([torch.cat([g[0], u[0]]) for g, u, _ in raw])
-            s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in raw])
-            w2 = torch.stack([d[0] for _, _, d in raw])
-            s2 = torch.stack([d[1] for _, _, d in raw])
-            _check_shape(w13, (len(ids), 2 * cfg.moe_intermediate, cfg.hidden),
-                         "experts' gate/up")
-            _check_shape(w2, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
-            experts = ExpertWeights(QWeight(w13, s13, "fp8_block"), QWeight(w2, s2, "fp8_block"),
-                                    torch.as_tensor(ids, dtype=torch.long))
-            if device is not None:
-                experts = ExpertWeights(experts.w13.to(device), experts.w2.to(device),
-                                        experts.expert_ids_E.to(device))
-            return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
-                                 device)
-
-    w13s, w2s = [], []
-    for e in ids:
-        pre = nm["expert"].format(l=cl, e=e)
-        w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
-        a, b = _slice_inter(w13, _load_proj(ckpt, pre, d_name), inter_slice)
-        w13s.append(a)
-        w2s.append(b)
-    n_i = inter_slice[1] if inter_slice else cfg.moe_intermediate
-    w13 = torch.stack(w13s) if ids else torch.zeros(0, 2 * n_i, cfg.hidden)
-    w2 = torch.stack(w2s) if ids else torch.zeros(0, cfg.hidden, n_i)
-    _check_shape(w13, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
-    _check_shape(w2, (len(ids), cfg.hidden, n_i), "experts' down")
-    experts = build_expert_weights(w13, w2, quant, ids, device)
-    return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
-
-
-def _check_shape(t, want, what):
-    if tuple(t.shape) != tuple(want):
-        raise ValueError(f"checkpoint {what} has shape {tuple(t.shape)}, the config needs "
-                         f"{tuple(want)}: check --model against the checkpoint")
-
-
-def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device):
-    gate = ckpt.get(nm["gate"].format(l=cl)).float()
-    _check_shape(gate, (cfg.num_experts, cfg.hidden), "router gate")
-    bias = None
-    if nm["bias"] and ckpt.has(nm["bias"].format(l=cl)):
-        bias = ckpt.get(nm["bias"].format(l=cl)).float()
-    shared = None
-    if with_shared and nm["shared"] and cfg.num_shared_experts:
-        pre = nm["shared"].format(l=cl)
-        g_name, u_name, d_name = nm["proj"]
-        w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
-        w13, w2 = _slice_inter(w13, _load_proj(ckpt, pre, d_name), shared_slice)
-        shared = build_expert_weights(w13[None], w2[None], quant, [-1], device)
-    if device is not None:
-        gate = gate.to(device)
-        bias = None if bias is None else bias.to(device)
-    return LayerWeights(gate, bias, experts, shared)
+    def f64(t):
+        return None if t is None else t.double()
+    return Oracle(lw.gate_ED.double(), f64(lw.bias_E), w13, w2, shared, f64(lw.experts.b13),
+                  f64(lw.experts.b2))

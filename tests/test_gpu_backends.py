@@ -17,7 +17,7 @@ from epmoe.experts.select import make_experts
 from epmoe.launch.report import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.reference import TOLERANCE, Oracle, max_rel_err, reference_moe
 
 pytestmark = [pytest.mark.gpu]
 
@@ -143,15 +143,21 @@ ONE_GPU_CFG = MoEConfig("one-gpu", hidden=512, moe_intermediate=256, num_experts
 @pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
                                         ("fp8_block", "ue8m0_packed")])
 @pytest.mark.parametrize("experts", ("auto", *EXPERTS))
-def test_one_gpu_experts_match_oracle(experts, recipe, fmt, seed):
+@pytest.mark.parametrize("oss", [False, True], ids=["plain", "gpt-oss-biases"])
+def test_one_gpu_experts_match_oracle(experts, recipe, fmt, oss, seed):
     """auto must pick a backend that runs the recipe and scale format (packed UE8M0 is not
-    DeepGEMM's on SM90: Triton then)."""
+    DeepGEMM's on SM90: Triton then). oss: gpt-oss's activation and expert biases (b13 fused
+    into act+quant, b2 added after GEMM2), through apply and the masked path."""
     cfg, quant, dev = ONE_GPU_CFG, QuantConfig(recipe, fmt), torch.device("cuda")
+    if oss:
+        cfg = cfg.replace(activation="swigluoai", swiglu_limit=7.0, expert_bias=True)
     e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 200
     w13 = torch.randn(e, 2 * i, d, device=dev) / d ** 0.5
     w2 = torch.randn(e, d, i, device=dev) / i ** 0.5
+    b13 = torch.randn(e, 2 * i, device=dev) if oss else None
+    b2 = torch.randn(e, d, device=dev) * 0.5 if oss else None
     weights = ExpertWeights(quantize_weight(w13, quant), quantize_weight(w2, quant),
-                            torch.arange(e, device=dev))
+                            torch.arange(e, device=dev), b13, b2)
     try:
         ex, reason = make_experts(experts, weights, cfg, quant, dev)
     except ValueError as exc:  # deepgemm not built / not this arch: the backend says why
@@ -166,12 +172,23 @@ def test_one_gpu_experts_match_oracle(experts, recipe, fmt, seed):
     ids[torch.rand(n, cfg.top_k, device=dev) < 0.15] = -1  # slots of other ranks
     w = torch.rand(n, cfg.top_k, device=dev)
     y = ex.apply(quantize_act(x_f, quant), ids, w)
-    oracle = (None, None, dequantize_weight(weights.w13).double().cpu(),
-              dequantize_weight(weights.w2).double().cpu(), None)
+    def cpu64(t):
+        return None if t is None else t.double().cpu()
+    oracle = Oracle(None, None, cpu64(dequantize_weight(weights.w13)),
+                    cpu64(dequantize_weight(weights.w2)), None, cpu64(b13), cpu64(b2))
     ref = reference_moe(x_f.cpu(), oracle, cfg, quant, ids.cpu().long(), w.cpu())
     err = max_rel_err(y.float().cpu(), ref)
-    print(f"{experts=} ({reason}) {recipe=} {fmt=}: max rel err {err:.2e}")
+    print(f"{experts=} ({reason}) {recipe=} {fmt=} {oss=}: max rel err {err:.2e}")
     assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
+    if oss and fmt != "ue8m0_packed":  # the masked path (decode), rows scattered per expert
+        from epmoe.layout import make_masked_layout, scatter_masked
+
+        lay = make_masked_layout(ids, e, n)
+        xq = quantize_act(x_f, quant)
+        xm = type(xq)(scatter_masked(xq.data, lay), None if xq.scale is None else
+                      scatter_masked(xq.scale, lay), xq.recipe, xq.group, xq.scale_fmt)
+        err_m = max_rel_err(ex.apply_masked(xm, lay.counts_E, lay, w).float().cpu(), ref)
+        assert err_m <= TOLERANCE[recipe], err_m
 
 
 @pytest.mark.parametrize("experts", EXPERTS)

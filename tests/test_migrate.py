@@ -73,18 +73,26 @@ def test_plan_rejects_bad_shapes_and_unsourced_experts():
 # ---------------------------------------------------------------------------------- migrate
 
 
-def _layer_weights(quant: QuantConfig, logical: list[int]):
-    return synthetic_layer(CFG, quant, LAYER, SEED, logical, with_shared=False).experts
+def _layer_weights(quant: QuantConfig, logical: list[int], model: str = CFG.name):
+    return synthetic_layer(get_preset(model), quant, LAYER, SEED, logical,
+                           with_shared=False).experts
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.is_floating_point() else t
 
 
-def _slot_mismatches(w, logical: list[int], quant: QuantConfig) -> list[str]:
-    """Slots whose data or scales differ (bit-wise) from their logical expert's synthetic weights."""
-    ref = _layer_weights(quant, logical)
+def _slot_mismatches(w, logical: list[int], quant: QuantConfig,
+                     model: str = CFG.name) -> list[str]:
+    """Slots whose data, scales or biases differ (bit-wise) from their logical expert's
+    synthetic weights."""
+    ref = _layer_weights(quant, logical, model)
     bad = []
+    for name in ("b13", "b2"):
+        got, want = getattr(w, name), getattr(ref, name)
+        assert (got is None) == (want is None)
+        bad += [f"slot {i} {name}" for i in range(len(logical))
+                if got is not None and not torch.equal(got[i], want[i])]
     for name in ("w13", "w2"):
         got_q, ref_q = getattr(w, name), getattr(ref, name)
         for part in ("data", "scale"):
@@ -98,17 +106,18 @@ def _slot_mismatches(w, logical: list[int], quant: QuantConfig) -> list[str]:
     return bad
 
 
-def _exact_case(rank, world, group, recipe, old, new):
+def _exact_case(rank, world, group, recipe, model, old, new):
     quant = QuantConfig(recipe)
     per = len(old) // world
     mine = slice(rank * per, (rank + 1) * per)
-    w = _layer_weights(quant, old[mine])
+    w = _layer_weights(quant, old[mine], model)
     assert w.w13.scale is not None
-    assert not _slot_mismatches(w, old[mine], quant)
+    assert (w.b2 is not None) == get_preset(model).expert_bias
+    assert not _slot_mismatches(w, old[mine], quant, model)
     before = slot_checksums(w).clone()
     moved = migrate_layer(w, old, new, rank, world, group)
-    return dict(moved=moved, bad=_slot_mismatches(w, new[mine], quant),
-                still_old=not _slot_mismatches(w, old[mine], quant),
+    return dict(moved=moved, bad=_slot_mismatches(w, new[mine], quant, model),
+                still_old=not _slot_mismatches(w, old[mine], quant, model),
                 sums_changed=bool((slot_checksums(w) != before).any()))
 
 
@@ -144,8 +153,8 @@ def _corrupt_case(rank, world, group, mode, old, new):
 def _all_cases(rank, world, group, exact_cases, corrupt_cases):
     """One spawn of 4 ranks for every multi-rank case (spawning costs ~20 s on 2 cores)."""
     out = {}
-    for name, (recipe, old, new) in exact_cases.items():
-        out[name] = _exact_case(rank, world, group, recipe, old, new)
+    for name, (recipe, model, old, new) in exact_cases.items():
+        out[name] = _exact_case(rank, world, group, recipe, model, old, new)
     for mode, (old, new) in corrupt_cases.items():
         out[mode] = _corrupt_case(rank, world, group, mode, old, new)
     return out
@@ -169,7 +178,10 @@ def _exact_new(seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def migrated():
     seed = random.randrange(1 << 30)
-    exact = {r: (r, OLD, _exact_new(seed + i)) for i, r in enumerate(("fp8_block", "mxfp8"))}
+    # gpt-oss-tiny: 16 experts like CFG, plus expert biases (they migrate with the slot)
+    exact = {name: (r, m, OLD, _exact_new(seed + i)) for i, (name, r, m) in enumerate(
+        (("fp8_block", "fp8_block", CFG.name), ("mxfp8", "mxfp8", CFG.name),
+         ("mxfp8-gpt-oss", "mxfp8", "gpt-oss-tiny")))}
     corrupt = {"stale": (CORRUPT_OLD, CORRUPT_NEW), "wire": (CORRUPT_OLD, CORRUPT_NEW)}
     res = run_ranks(_all_cases, WORLD, exact, corrupt, timeout=240)
     return seed, exact, res
@@ -177,10 +189,10 @@ def migrated():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8", "mxfp8-gpt-oss"])
 def test_migrate_layer_bit_exact_on_4_ranks(migrated, recipe):
     seed, exact, res = migrated
-    _, old, new = exact[recipe]
+    _, _, old, new = exact[recipe]
     print(f"{recipe=} {seed=} {new=}")
     plan = plan_migration(old, new, WORLD)
     assert any(t.src != t.dst for t in plan) and any(t.src == t.dst for t in plan)

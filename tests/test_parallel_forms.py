@@ -6,9 +6,11 @@ and compares each layer with `reference_moe` on the gathered tokens:
 
 | form  | backends           | tokens                     | models                                |
 |-------|--------------------|----------------------------|---------------------------------------|
-| ep_dp | allgather, all2all | own per rank (oracle: all) | deepseek-v3-tiny (+2 redundant, w=2)  |
+| ep_dp | allgather, all2all | own per rank (oracle: all) | deepseek-v3-tiny (+2 redundant, w=2), |
+|       |                    |                            | gpt-oss-tiny + 2 redundant (w=2)      |
 | ep    | local              | replicated                 | deepseek-v3-tiny                      |
-| tp    | local              | replicated                 | deepseek-v3-tiny (bf16), mixtral-tiny |
+| tp    | local              | replicated                 | deepseek-v3-tiny (bf16), mixtral-tiny,|
+|       |                    |                            | gpt-oss-tiny (biases: b2 on slice 0)  |
 
 Every recipe x form: bf16 and fp8_block. tp splits the intermediate into world slices, which
 must tile the recipe's 128 quant group: mixtral-tiny (I=256) runs fp8_block at tp 2 only, and
@@ -45,11 +47,12 @@ def cases(world: int) -> dict[str, RunConfig]:
             out[f"ep_dp-{backend}-deepseek-v3-tiny-{recipe}"] = base.replace(
                 form="ep_dp", backend=backend)
         if world == 2:  # slots != experts: 2 redundant replicas, 9 slots a rank
-            out[f"ep_dp-all2all-deepseek-v3-tiny-redundant2-{recipe}"] = base.replace(
-                form="ep_dp", backend="all2all", redundant_experts=2)
+            for model in ("deepseek-v3-tiny", "gpt-oss-tiny"):  # replicas carry the biases
+                out[f"ep_dp-all2all-{model}-redundant2-{recipe}"] = base.replace(
+                    model=model, form="ep_dp", backend="all2all", redundant_experts=2)
         out[f"ep-local-deepseek-v3-tiny-{recipe}"] = base.replace(form="ep", backend="local")
         tp = base.replace(form="tp", backend="local")
-        for model in ("deepseek-v3-tiny", "mixtral-tiny"):
+        for model in ("deepseek-v3-tiny", "mixtral-tiny", "gpt-oss-tiny"):
             run = tp.replace(model=model)
             inter = run.cfg.moe_intermediate // world
             if recipe == "bf16" or inter % 128 == 0:

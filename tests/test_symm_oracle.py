@@ -11,7 +11,7 @@ from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.ll import SymmLowLatencyComm
 from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
-from epmoe.config import QuantConfig
+from epmoe.config import QuantConfig, get_preset
 from epmoe.experts.torch_experts import TorchExperts
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.weights import dequantized_full_layer, synthetic_layer
@@ -20,26 +20,33 @@ from test_symm_ht import CFG, MAX_T, case_inputs
 pytestmark = pytest.mark.interpreter  # the loopback world on CPU tensors
 
 
-@pytest.mark.parametrize("cls,recipe,fmt", [
-    (SymmHighThroughputComm, "fp8_block", "fp32"),
-    (SymmHighThroughputComm, "bf16", "fp32"),
-    (SymmLowLatencyComm, "fp8_block", "ue8m0_fp32"),
-])
-def test_symm_layer_matches_float64_oracle(cls, recipe, fmt, seed):
+# gpt-oss-tiny has deepseek-v3-tiny's E, K and D (the inputs' shapes) and expert biases: the
+# combine must carry the biased rows (y = a @ w2.T + b2, weighted after).
+OSS = get_preset("gpt-oss-tiny")
+
+
+@pytest.mark.parametrize("cls,recipe,fmt,cfg", [
+    (SymmHighThroughputComm, "fp8_block", "fp32", CFG),
+    (SymmHighThroughputComm, "bf16", "fp32", CFG),
+    (SymmLowLatencyComm, "fp8_block", "ue8m0_fp32", CFG),
+    (SymmHighThroughputComm, "fp8_block", "fp32", OSS),
+    (SymmLowLatencyComm, "bf16", "fp32", OSS),
+], ids=["ht-fp8", "ht-bf16", "ll-fp8-ue8m0", "ht-fp8-gpt-oss", "ll-bf16-gpt-oss"])
+def test_symm_layer_matches_float64_oracle(cls, recipe, fmt, cfg, seed):
     world, quant = 2, QuantConfig(recipe, fmt)
-    e_l = CFG.num_experts // world
-    experts = [TorchExperts(synthetic_layer(CFG, quant, 0, seed, range(r * e_l, (r + 1) * e_l),
-                                            with_shared=False).experts, CFG, quant)
+    e_l = cfg.num_experts // world
+    experts = [TorchExperts(synthetic_layer(cfg, quant, 0, seed, range(r * e_l, (r + 1) * e_l),
+                                            with_shared=False).experts, cfg, quant)
                for r in range(world)]
-    gate, bias, w13, w2, _ = dequantized_full_layer(CFG, quant, 0, seed)
-    oracle = (gate, bias, w13, w2, None)
-    _, comms = loopback_comms(cls, CFG, quant, world, MAX_T, options=SymmOptions(num_sms=1))
+    assert (experts[0].weights.b2 is not None) == cfg.expert_bias
+    oracle = dequantized_full_layer(cfg, quant, 0, seed)._replace(shared=None)
+    _, comms = loopback_comms(cls, cfg, quant, world, MAX_T, options=SymmOptions(num_sms=1))
     xs, ids, ws = case_inputs("empty", world, torch.Generator().manual_seed(seed))
     outs = loopback_dispatch(comms, xs, ids, ws)
     ys = [experts[r].run(outs[r][0]) for r in range(world)]
     res = loopback_combine(comms, ys, [h for _, h in outs])
     for r in range(world):
-        ref = reference_moe(xs[r], oracle, CFG, quant, ids[r].long(), ws[r].double())
+        ref = reference_moe(xs[r], oracle, cfg, quant, ids[r].long(), ws[r].double())
         assert res[r].dtype == torch.bfloat16 and not res[r].isnan().any()
         err = max_rel_err(res[r], ref) if xs[r].shape[0] else 0.0
         assert err <= TOLERANCE[recipe], f"rank {r}: rel err {err:.2e} ({cls.name} {recipe})"

@@ -19,9 +19,9 @@ from epmoe.quant import FP8_DTYPE, QWeight, dequantize_weight, quantize_weight
 from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
 from epmoe.router import route
 import epmoe.weights as weights_mod
+from epmoe.checkpoint import SafetensorsCheckpoint, load_layer
 from epmoe.weights import (
-    SafetensorsCheckpoint, counter_normal, dequantized_full_layer, layer_to_oracle, load_layer,
-    synthetic_layer, weight_key,
+    counter_normal, dequantized_full_layer, layer_to_oracle, synthetic_layer, weight_key,
 )
 
 RECIPES = [("bf16", "fp32"), ("fp8_block", "fp32"), ("mxfp8", "fp32"), ("w4a8_mxfp4", "fp32"),
@@ -63,7 +63,7 @@ def test_synthetic_is_deterministic_and_per_expert(recipe, fmt, seed):
 
 def test_synthetic_scales_keep_activations_order_one(seed):
     cfg = get_preset("qwen3-moe-tiny")
-    gate, _, w13, w2, _ = dequantized_full_layer(cfg, QuantConfig(), 0, seed)
+    gate, _, w13, w2, _, _, _ = dequantized_full_layer(cfg, QuantConfig(), 0, seed)
     assert w13.shape == (16, 256, 256) and w2.shape == (16, 256, 128)
     assert 0.8 < float(w13.std() * cfg.hidden ** 0.5) < 1.2
     assert 0.8 < float(w2.std() * cfg.moe_intermediate ** 0.5) < 1.2

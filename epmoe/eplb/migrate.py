@@ -62,9 +62,10 @@ def plan_migration(old_R: list[int], new_R: list[int], world: int) -> list[Trans
 
 
 def slot_tensors(w: ExpertWeights) -> list[torch.Tensor]:
-    """Per-slot tensors (leading dim = local slot) that define an expert: data and scales."""
+    """Per-slot tensors (leading dim = local slot) that define an expert: data, scales and
+    biases (gpt-oss)."""
     ts = [w.w13.data, w.w2.data]
-    ts += [t for t in (w.w13.scale, w.w2.scale) if t is not None]
+    ts += [t for t in (w.w13.scale, w.w2.scale, w.b13, w.b2) if t is not None]
     return ts
 
 

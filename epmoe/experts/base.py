@@ -3,9 +3,12 @@
 One class per kernel family (torch reference, Triton, DeepGEMM); recipe and layout are data.
 Every backend computes, per expert e and row x:
     h = x @ w13[e].T            (fp32 accumulate; F = 2I columns: [0, I) gate, [I, 2I) up)
+    h += b13[e]                 (expert biases, when the weights carry them: gpt-oss)
     a = act(h[:, :I], h[:, I:])  (swiglu: silu(g)*u, optional clamp; swigluoai: gpt-oss)
     a_q = quantize_act(a)        (the recipe's activation quantization, per row)
-    y = a_q @ w2[e].T            (fp32 accumulate, bf16 out)
+    y = a_q @ w2[e].T + b2[e]    (fp32 accumulate, bf16 out)
+y is the expert's output before the router weight: whoever applies the weights (the gather,
+or a comm's combine) applies them to the biased row, as Hugging Face's gpt-oss does.
 """
 
 from __future__ import annotations
@@ -31,11 +34,29 @@ class ExpertWeights:
     w13          QWeight [E, 2I, D]  rows [0, I) gate proj, [I, 2I) up proj
     w2           QWeight [E, D, I]   down proj
     expert_ids_E int64 [E]           global (physical slot) id of each local expert
+    b13          fp32 [E, 2I] | None  gate / up biases (columns as w13's rows)
+    b2           fp32 [E, D] | None   down bias; under TP only the slice that starts at
+                                      intermediate 0 holds it (the partial sums add it once)
     """
 
     w13: QWeight
     w2: QWeight
     expert_ids_E: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        e, f, d = self.w13.shape
+        for name, b, want in (("b13", self.b13, (e, f)), ("b2", self.b2, (e, d))):
+            if b is not None and (tuple(b.shape) != want or b.dtype != torch.float32):
+                raise ValueError(f"{name} must be fp32 {want}, got {b.dtype} "
+                                 f"{tuple(b.shape)}")
+
+    def to(self, device) -> "ExpertWeights":
+        def mv(t):
+            return None if t is None else t.to(device)
+        return ExpertWeights(self.w13.to(device), self.w2.to(device),
+                             self.expert_ids_E.to(device), mv(self.b13), mv(self.b2))
 
     @property
     def num_experts(self) -> int:
@@ -65,6 +86,16 @@ def activation(h_MF: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         gate = gate.clamp(max=lim)
         up = up.clamp(-lim, lim)
     return gate * torch.sigmoid(cfg.activation_alpha * gate) * (up + 1)
+
+
+def add_down_bias(y: torch.Tensor, weights: ExpertWeights, rows) -> torch.Tensor:
+    """GEMM2's bf16 output + each valid row's b2 (in place; y unchanged without b2). rows: the
+    `ValidRows` of the layout y is in."""
+    if weights.b2 is None:
+        return y
+    from epmoe.kernels.expert_bias import triton_add_expert_bias_
+
+    return triton_add_expert_bias_(y, weights.b2, rows)
 
 
 class Experts(ABC):

@@ -28,7 +28,7 @@ import contextlib
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.experts.base import ExpertWeights, Experts
+from epmoe.experts.base import ExpertWeights, Experts, add_down_bias
 from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor, QWeight, _act_scale_fp32, _mn_major, _pack_exponents, pack_ue8m0
@@ -247,7 +247,8 @@ class DeepGemmExperts(Experts):
         from epmoe.kernels.act_quant import triton_act_quant
 
         mn = (not self.sm100) if mn_major is None else mn_major
-        return triton_act_quant(h, self.cfg, self.quant, mn_major=mn, rows=rows)
+        return triton_act_quant(h, self.cfg, self.quant, mn_major=mn, rows=rows,
+                                bias_EF=self.weights.b13)
 
     # ------------------------------------------------------------------ the contract
     def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
@@ -279,7 +280,8 @@ class DeepGemmExperts(Experts):
         self.check_one_expert()
         i, d = self.weights.intermediate, self.weights.hidden
         h = self.gemm_dense(x, self.w13, 2 * i, name="h")
-        return self.gemm_dense(self._act_quant(h), self.w2, d, name="y")
+        y = self.gemm_dense(self._act_quant(h), self.w2, d, name="y")
+        return add_down_bias(y, self.weights, None)
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         if layout.alignment % self.alignment:
@@ -289,10 +291,12 @@ class DeepGemmExperts(Experts):
         with self._stage("gemm1"):
             psum = self.psum(layout)
             h = self.gemm_contiguous(x, self.w13, layout.row_expert_M, 2 * i, "h", psum)
+        rows = _valid_rows().contiguous(layout.row_expert_M)
         with self._stage("act_quant"):
-            a = self._act_quant(h, rows=_valid_rows().contiguous(layout.row_expert_M))
+            a = self._act_quant(h, rows=rows)
         with self._stage("gemm2"):
-            return self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
+            y = self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
+            return add_down_bias(y, self.weights, rows)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    expected_m: int | None = None) -> torch.Tensor:
@@ -304,9 +308,9 @@ class DeepGemmExperts(Experts):
         i, d = self.weights.intermediate, self.weights.hidden
         with self._stage("gemm1"):
             h = self.gemm_masked(x, self.w13, counts_E, 2 * i, m_hint, name="h")
+        rows = _valid_rows().masked(counts_E, c)
         with self._stage("act_quant"):
-            a = self._act_quant(h.view(e * c, 2 * i), mn_major=False,
-                                rows=_valid_rows().masked(counts_E, c))
+            a = self._act_quant(h.view(e * c, 2 * i), mn_major=False, rows=rows)
             s = a.scale
             if s is not None:  # per-expert TMA layout: [E, C, G] with C the unit stride
                 s = _act_scale_fp32(a).view(e, c, -1)
@@ -314,7 +318,8 @@ class DeepGemmExperts(Experts):
             a = QTensor(a.data.view(e, c, -1), s, a.recipe, a.group,
                         "ue8m0_packed" if self.sm100 and s is not None else a.scale_fmt)
         with self._stage("gemm2"):
-            return self.gemm_masked(a, self.w2, counts_E, d, m_hint, name="y")
+            y = self.gemm_masked(a, self.w2, counts_E, d, m_hint, name="y")
+            return add_down_bias(y, self.weights, rows)
 
 
 def _valid_rows():

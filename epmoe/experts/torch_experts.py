@@ -27,13 +27,17 @@ class TorchExperts(Experts):
 
     def _mlp(self, x_RD: torch.Tensor, e: int) -> torch.Tensor:
         t = self.timer
+        b13, b2 = self.weights.b13, self.weights.b2
         with t.stage("experts.gemm1"):
             h = x_RD @ self._w13[e].T
             h = h.to(torch.bfloat16).float()  # GEMM1 writes bf16, as the fused paths do
         with t.stage("experts.act_quant"):
+            if b13 is not None:
+                h = h + b13[e]
             a = dequantize_act(quantize_act(activation(h, self.cfg), self.quant))
         with t.stage("experts.gemm2"):
-            return (a @ self._w2[e].T).to(torch.bfloat16)
+            y = a @ self._w2[e].T
+            return (y if b2 is None else y + b2[e]).to(torch.bfloat16)
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         xf = dequantize_act(x)

@@ -10,6 +10,9 @@ two (ue8m0 formats, mxfp8), data = fp8(clamp(a / scale, -448, 448)). Scale outpu
   int32 packed UE8M0 [M, ceil(G/4)], MN-major      scale_fmt ue8m0_packed (DeepGEMM SM100)
   uint8 e8m0 [M, D/32]                      mxfp8
 
+Expert biases (gpt-oss): `bias_EF` [E, 2I] fp32 is added to h in fp32 before the activation,
+each row reading its expert's row (from `rows`).
+
 `rows` (a `ValidRows`) names the rows that hold data: a contiguous layout's `row_expert_M` (-1 on
 padding rows) or a masked layout's per-expert counts. The kernel neither reads nor writes the
 other rows (their outputs stay as allocated; the GEMMs after skip them, as they skipped them in
@@ -84,29 +87,34 @@ class ValidRows:
 
 
 @triton.jit
-def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, cap, M, I, stride_h, stride_q,
-                      s_stride_m, s_stride_g, limit, alpha, amax_min, fp8_max,
+def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, b_ptr, cap, M, I, stride_h, stride_q,
+                      s_stride_m, s_stride_g, stride_b, limit, alpha, amax_min, fp8_max,
                       ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
-                      PRE_ROUND: tl.constexpr, VALID: tl.constexpr,
+                      PRE_ROUND: tl.constexpr, VALID: tl.constexpr, HAS_BIAS: tl.constexpr,
                       GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                       BLOCK_M: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = offs_m < M
+    expert = tl.zeros_like(offs_m)  # each row's expert (its bias row); 0 for every-row mode
     if VALID == 1:
-        mm = mm & (tl.load(valid_ptr + offs_m, mask=mm, other=-1) >= 0)
+        ev = tl.load(valid_ptr + offs_m, mask=mm, other=-1)
+        mm = mm & (ev >= 0)
+        expert = tl.maximum(ev, 0)
     elif VALID == 2:
-        mm = mm & ((offs_m % cap) < tl.load(valid_ptr + offs_m // cap, mask=mm, other=0))
+        expert = offs_m // cap
+        mm = mm & ((offs_m % cap) < tl.load(valid_ptr + expert, mask=mm, other=0))
     if tl.max(mm.to(tl.int32), axis=0) > 0:  # else every row here is padding
-        _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_stride_m,
-                        s_stride_g, limit, alpha, amax_min, fp8_max, ACT, HAS_LIMIT, QUANT,
-                        PRE_ROUND, GROUP, GROUPS_PER_PROG)
+        _act_quant_rows(h_ptr, q_ptr, s_ptr, b_ptr + expert.to(tl.int64) * stride_b, offs_m, mm,
+                        I, stride_h, stride_q, s_stride_m, s_stride_g, limit, alpha, amax_min,
+                        fp8_max, ACT, HAS_LIMIT, QUANT, PRE_ROUND, HAS_BIAS, GROUP,
+                        GROUPS_PER_PROG)
 
 
 @triton.jit
-def _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_stride_m,
+def _act_quant_rows(h_ptr, q_ptr, s_ptr, b_rows, offs_m, mm, I, stride_h, stride_q, s_stride_m,
                     s_stride_g, limit, alpha, amax_min, fp8_max,
                     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
-                    PRE_ROUND: tl.constexpr, GROUP: tl.constexpr,
+                    PRE_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                     GROUPS_PER_PROG: tl.constexpr):
     pid_g = tl.program_id(1)
     rows_h = h_ptr + offs_m.to(tl.int64)[:, None] * stride_h
@@ -118,8 +126,12 @@ def _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_st
         offs_c = g * GROUP + tl.arange(0, GROUP)
         m2 = mm[:, None] & (offs_c < I)[None, :]
         a = tl.load(rows_h + offs_c[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # fp32 bias of the row's expert, added to GEMM1's bf16 output
+            a += tl.load(b_rows[:, None] + offs_c[None, :], mask=m2, other=0.0)
         if ACT != 0:
             up = tl.load(rows_h + I + offs_c[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                up += tl.load(b_rows[:, None] + I + offs_c[None, :], mask=m2, other=0.0)
             if HAS_LIMIT:
                 a = tl.minimum(a, limit)
                 up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -152,8 +164,8 @@ def _act_quant_rows(h_ptr, q_ptr, s_ptr, offs_m, mm, I, stride_h, stride_q, s_st
 
 
 def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mode: int,
-            group: int, mn_major: bool,
-            rows: ValidRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+            group: int, mn_major: bool, rows: ValidRows,
+            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = h.shape[0]
     dev = h.device
     if quant_mode == _BF16:
@@ -178,11 +190,14 @@ def _launch(h: torch.Tensor, cols: int, act: int, limit, alpha: float, quant_mod
     grid = (triton.cdiv(m, block_m), triton.cdiv(num_col_blocks, gpp))
     valid = rows.tensor if rows.tensor is not None else h  # (mode 0 never reads it)
     _act_quant_kernel[grid](
-        h, q, s if s is not None else q, valid, rows.capacity, m, cols, h.stride(0), q.stride(0),
+        h, q, s if s is not None else q, valid, bias if bias is not None else h, rows.capacity,
+        m, cols, h.stride(0), q.stride(0),
         s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         float(limit) if limit is not None else 0.0, float(alpha), AMAX_MIN, FP8_MAX,
         ACT=act, HAS_LIMIT=limit is not None, QUANT=quant_mode, PRE_ROUND=INTERPRET,
-        VALID=rows.mode, GROUP=group, GROUPS_PER_PROG=gpp, BLOCK_M=block_m, num_warps=4)
+        VALID=rows.mode, HAS_BIAS=bias is not None, GROUP=group, GROUPS_PER_PROG=gpp,
+        BLOCK_M=block_m, num_warps=4)
     return q, s
 
 
@@ -195,11 +210,15 @@ def _quant_mode(recipe: str, scale_fmt: str) -> int:
 
 
 def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
-                     mn_major: bool = False, rows: ValidRows | None = None) -> QTensor:
+                     mn_major: bool = False, rows: ValidRows | None = None,
+                     bias_EF: torch.Tensor | None = None) -> QTensor:
     """GEMM1 output h [M, 2I] (bf16/fp32; [0, I) gate, [I, 2I) up) -> quantized a [M, I] in the
     recipe's activation format (bf16 recipe: bf16 data, no scale). mn_major: fp32 / e8m0 scales
     in the TMA-aligned column-major layout (packed UE8M0 is always MN-major). rows: the rows
-    that hold data (default all); the others of a and its scales are left unwritten."""
+    that hold data (default all); the others of a and its scales are left unwritten.
+    bias_EF: fp32 [E, 2I] expert biases added to h before the activation, the row's expert
+    read from `rows` (a contiguous layout's row_expert_M, a masked row's expert); with every
+    row valid, E must be 1."""
     check_tensor("h_MF", h_MF, (torch.bfloat16, torch.float16, torch.float32), dim=2,
                  contiguous=False)
     check(h_MF.stride(1) == 1, f"h_MF rows must be contiguous (stride {h_MF.stride()}); call "
@@ -213,10 +232,20 @@ def triton_act_quant(h_MF: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
           f"({group}); pick recipe bf16 or lower tp")
     rows = rows or ValidRows()
     rows.check(h_MF.shape[0])
+    if bias_EF is not None:
+        check_tensor("bias_EF", bias_EF, (torch.float32,), dim=2)
+        check(bias_EF.shape[1] == f, f"bias_EF has {bias_EF.shape[1]} columns, h has {f}")
+        check(rows.mode != _ALL_ROWS or bias_EF.shape[0] == 1,
+              f"bias_EF holds {bias_EF.shape[0]} experts: pass rows (a layout's row experts "
+              f"or a masked layout's counts) so each row finds its expert")
+        if rows.mode == _COUNTS:
+            check(bias_EF.shape[0] == rows.counts_E.shape[0],
+                  f"bias_EF holds {bias_EF.shape[0]} experts, the masked layout "
+                  f"{rows.counts_E.shape[0]}")
     act = _SWIGLU if cfg.activation == "swiglu" else _SWIGLUOAI
     mode = _quant_mode(quant.recipe, quant.scale_fmt)
     q, s = _launch(h_MF, i, act, cfg.swiglu_limit, cfg.activation_alpha, mode, group, mn_major,
-                   rows)
+                   rows, bias_EF)
     return QTensor(q, s, quant.recipe, group, quant.scale_fmt)
 
 

@@ -5,7 +5,9 @@ One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns i
           never reach memory), else fp32 logits are read
   scores  softmax (selection on the logits: same order), sigmoid, or sqrt(softplus) (softplus
           = x above 20, else an accurate log1p(exp(x)))
-  select  scores + bias; with n_group > 1 only the topk_group groups with the best sum of
+  bias    softmax: added to the logits (gpt-oss); score routers: added to the scores for
+          selection only (e_score_correction_bias)
+  select  scores (+ bias); with n_group > 1 only the topk_group groups with the best sum of
           their top-2 biased scores stay; then top_k by repeated arg-max (first index on ties)
   weights the unbiased scores of the chosen experts, renormalized if asked, times the
           routed scaling factor
@@ -82,6 +84,8 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
                          mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     neg = float("-inf")
     if KIND == 0:
+        if HAS_BIAS:  # the softmax router's bias is part of the logits (gpt-oss)
+            logits += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         lg = tl.where(cm[None, :], logits, neg)
         p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
         score = p / tl.sum(p, axis=1)[:, None]
@@ -163,7 +167,7 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     block_e = max(16, next_pow2(cfg.num_experts))
     block_m = 16 if INTERPRET else max(16, min(c.block_m, 16384 // block_e))
     d = x.shape[1] if x is not None else 0
-    has_bias = bias_E is not None and cfg.router != "softmax"
+    has_bias = bias_E is not None
     _router_kernel[(triton.cdiv(t, block_m),)](
         x if x is not None else logits, gate if gate is not None else logits,
         logits if logits is not None else x, bias_E if has_bias else w, ids, w,

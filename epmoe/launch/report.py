@@ -10,7 +10,7 @@ import torch
 
 from epmoe import __version__
 from epmoe.plan.run import RunConfig
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, reference_route
+from epmoe.reference import TOLERANCE, Oracle, max_rel_err, reference_moe, reference_route
 from epmoe.weights import synthetic_layer
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
@@ -26,7 +26,8 @@ class LazyOracleLayer:
         lw = synthetic_layer(run.cfg, run.quant, layer, run.seed, [], with_shared=True)
         from epmoe.weights import layer_to_oracle
 
-        self.gate, self.bias, _, _, self.shared = layer_to_oracle(lw)
+        o = layer_to_oracle(lw)
+        self.gate, self.bias, self.shared = o.gate, o.bias, o.shared
         self._cache: dict[int, tuple] = {}
         outer = self
 
@@ -38,6 +39,9 @@ class LazyOracleLayer:
                 return outer._expert(int(e))[self.j]
 
         self.w13, self.w2 = _Idx(0), _Idx(1)
+        self.b13 = self.b2 = None
+        if run.cfg.expert_bias:
+            self.b13, self.b2 = _Idx(2), _Idx(3)
 
     def _expert(self, e: int):
         if e not in self._cache:
@@ -45,12 +49,16 @@ class LazyOracleLayer:
 
             lw = synthetic_layer(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
                                  with_shared=False)
-            self._cache[e] = (dequantize_weight(lw.experts.w13)[0].double(),
-                              dequantize_weight(lw.experts.w2)[0].double())
+            ex = lw.experts
+
+            def first(t):
+                return None if t is None else t[0].double()
+            self._cache[e] = (dequantize_weight(ex.w13)[0].double(),
+                              dequantize_weight(ex.w2)[0].double(), first(ex.b13), first(ex.b2))
         return self._cache[e]
 
-    def as_tuple(self):
-        return self.gate, self.bias, self.w13, self.w2, self.shared
+    def as_tuple(self) -> Oracle:
+        return Oracle(self.gate, self.bias, self.w13, self.w2, self.shared, self.b13, self.b2)
 
 
 def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
