@@ -201,3 +201,32 @@ def test_mxfp8_k_not_a_multiple_of_128(k, seed):
     for j, c in enumerate(counts.tolist()):
         if c:
             assert _rel_err(ym[j, :c], refm[j, :c]) <= 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8"])
+@pytest.mark.parametrize("kernel", ["auto", "pointer"])
+def test_bias_in_the_epilogue(recipe, kernel, seed):
+    """bias [E, N] fp32 (gpt-oss's down bias): each row gets its expert's row before the bf16
+    cast, in both layouts and both kernels (auto = TMA for bf16 / fp8_block)."""
+    quant = QuantConfig(recipe)
+    e, n, k = 3, 256, 256
+    w = _weights(e, n, k, quant)
+    bias = torch.randn(e, n, device=DEV) * 3
+    ids = torch.randint(0, e, (24, 2), dtype=torch.int32, device=DEV)
+    lay = make_contiguous_layout(ids, e, 32)
+    xq = permute_qtensor(quantize_act(torch.randn(24, k, device=DEV), quant), lay)
+    y = triton_m_grouped_gemm_nt_contiguous(xq, w, lay, kernel=kernel, bias=bias)
+    valid = lay.row_expert_M >= 0
+    re = lay.row_expert_M.long()[valid]
+    ref = torch.einsum("mk,mnk->mn", dequantize_act(xq)[valid], dequantize_weight(w)[re])
+    assert _rel_err(y[valid], ref + bias[re]) <= 1e-2
+    assert _rel_err(y[valid], ref) > 0.1  # the bias is there
+    counts = torch.tensor([7, 0, 16], dtype=torch.int32, device=DEV)
+    x = quantize_act(torch.randn(e, 16, k, device=DEV), quant)
+    ym = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=16, kernel=kernel, bias=bias)
+    refm = torch.einsum("eck,enk->ecn", dequantize_act(x), dequantize_weight(w))
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            assert _rel_err(ym[j, :c], refm[j, :c] + bias[j]) <= 1e-2
+    with pytest.raises(ValueError, match=r"bias must be a contiguous fp32 \[E, N\]"):
+        triton_m_grouped_gemm_nt_contiguous(xq, w, lay, bias=bias[:, :8])

@@ -6,9 +6,11 @@
 gpt-oss-120b's expert shapes (hidden 2880, intermediate 2880, top-4), one rank holding
 `--experts` of the 128 (32 = EP 4's share), tokens x top-4 pairs routed uniformly over them.
 Each row runs the Triton experts' `apply` (permute, GEMM1, act+quant, GEMM2, gather) on the
-same weights twice in the same process: with b13 / b2 (b13 fused into act+quant, b2 added by
-`kernels.expert_bias`) and, as the baseline, with both dropped. Also the b2 pass alone against
-an HBM copy of its bytes. Times: median of many runs (`triton.testing.do_bench`).
+same weights in the same process: with b13 / b2 (b13 fused into act+quant, b2 into GEMM2's
+epilogue) and, as the baseline, with both dropped. Also the separate b2 pass that DeepGEMM's
+experts run (`kernels.expert_bias`; DeepGEMM has no epilogue hook) against an HBM copy of its
+bytes. Times: median of many runs (`triton.testing.do_bench`); the two
+variants alternate twice and each keeps its faster median.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ def run_case(tokens: int, num_experts: int, recipe: str) -> list[dict]:
     w = torch.softmax(torch.randn(tokens, cfg.top_k, device="cuda", generator=g), -1)
     x = torch.randn(tokens, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
     rows = []
-    times = {}
-    for name, weights in (("biased", ew), ("no bias", plain)):
+    calls = {}
+    for name, weights in (("no bias", plain), ("biased", ew)):
         ex = TritonExperts(weights, cfg, quant)
         xq = ex.quantize_input(x)
-        times[name] = bench_ms(lambda: ex.apply(xq, ids, w))
+        calls[name] = (lambda ex=ex, xq=xq: ex.apply(xq, ids, w))
+        calls[name]()  # compile and tune before anything is timed
+    torch.cuda.synchronize()
+    # alternated twice, the faster median of each kept: the first timing of a process runs
+    # while the GPU's clocks still ramp up
+    times = {n: float("inf") for n in calls}
+    for _ in range(2):
+        for name, fn in calls.items():
+            times[name] = min(times[name], bench_ms(fn))
     tag = f"{recipe} T={tokens} E={num_experts}"
     rows.append(dict(case="experts apply, biased", shape=tag, ms=times["biased"],
                      base="no bias", base_ms=times["no bias"]))
@@ -61,7 +71,7 @@ def run_case(tokens: int, num_experts: int, recipe: str) -> list[dict]:
     ms = bench_ms(lambda: triton_add_expert_bias_(y, ew.b2, vr))
     src = torch.empty(m * cfg.hidden * 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    rows.append(dict(case="b2 pass alone", shape=f"M={m} D={cfg.hidden}", ms=ms,
+    rows.append(dict(case="b2 pass (deepgemm)", shape=f"M={m} D={cfg.hidden}", ms=ms,
                      base="HBM copy, same bytes", base_ms=bench_ms(lambda: dst.copy_(src))))
     return rows
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from epmoe.config import RECIPES, MoEConfig, QuantConfig
-from epmoe.experts.base import ExpertWeights, Experts, add_down_bias
+from epmoe.experts.base import ExpertWeights, Experts
 from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import ValidRows, triton_act_quant
@@ -90,9 +90,9 @@ class TritonExperts(Experts):
         rows = ValidRows.contiguous(layout.row_expert_M)
         with t.stage("experts.act_quant"):
             a = triton_act_quant(h, self.cfg, self.quant, rows=rows, bias_EF=self.weights.b13)
-        with t.stage("experts.gemm2"):
-            y = triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm)
-            return add_down_bias(y, self.weights, rows)
+        with t.stage("experts.gemm2"):  # + b2 in the GEMM's epilogue
+            return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm,
+                                                       bias=self.weights.b2)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         e, c, _ = x.data.shape
@@ -103,8 +103,8 @@ class TritonExperts(Experts):
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant, rows=rows,
                              bias_EF=self.weights.b13)
         a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)
-        y = triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm)
-        return add_down_bias(y, self.weights, rows)
+        return triton_m_grouped_gemm_nt_masked(a, self.weights.w2, counts_E, block_m=bm,
+                                               bias=self.weights.b2)
 
     def quantize_input(self, x_TD: torch.Tensor) -> QTensor:
         return fused_quantize(x_TD, self.quant)

@@ -74,9 +74,14 @@ def _dot_nt(a, b, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(c_desc, c_ptr, acc, e, row0, rows, row_mask, n0, N, stride_cm,
-                MASKED: tl.constexpr, TMA_STORE: tl.constexpr, PRE_ROUND: tl.constexpr,
-                BLOCK_M: tl.constexpr, BN: tl.constexpr):
+def _store_tile(c_desc, c_ptr, acc, e, row0, rows, row_mask, n0, N, stride_cm, bias_ptr,
+                stride_b, MASKED: tl.constexpr, TMA_STORE: tl.constexpr,
+                PRE_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BN: tl.constexpr):
+    if HAS_BIAS:  # the expert's fp32 bias row, added before the one bf16 rounding
+        offs_b = n0 + tl.arange(0, BN)
+        acc += tl.load(bias_ptr + e.to(tl.int64) * stride_b + offs_b, mask=offs_b < N,
+                       other=0.0)[None, :]
     if PRE_ROUND:
         acc = round_bf16(acc)
     out = acc.to(tl.bfloat16)
@@ -94,8 +99,9 @@ def _store_tile(c_desc, c_ptr, acc, e, row0, rows, row_mask, n0, N, stride_cm,
 @triton.jit
 def _gemm_tma_kernel(
         a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, row_expert_ptr, counts_ptr, offsets_ptr,
-        M, N, K, E, stride_as_m, stride_as_g, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm,
-        FP8: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
+        bias_ptr, M, N, K, E, stride_as_m, stride_as_g, stride_bs_e, stride_bs_n, stride_bs_k,
+        stride_cm, stride_b, FP8: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         INTERP: tl.constexpr, TMA_STORE: tl.constexpr, WARP_SPEC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -170,10 +176,11 @@ def _gemm_tma_kernel(
                         else:
                             acc1 = tl.dot(a, tl.trans(b1), acc1)
             _store_tile(c_desc, c_ptr, acc0, e, row0, rows, row_mask, n0, N, stride_cm,
-                        MASKED, TMA_STORE, INTERP, BLOCK_M, BN)
+                        bias_ptr, stride_b, MASKED, TMA_STORE, INTERP, HAS_BIAS, BLOCK_M, BN)
             if SPLIT_N == 2:
                 _store_tile(c_desc, c_ptr, acc1, e, row0, rows, row_mask, n0 + BN, N,
-                            stride_cm, MASKED, TMA_STORE, INTERP, BLOCK_M, BN)
+                            stride_cm, bias_ptr, stride_b, MASKED, TMA_STORE, INTERP,
+                            HAS_BIAS, BLOCK_M, BN)
 
 
 def num_sms(device) -> int:
@@ -192,8 +199,9 @@ def tma_supported(x_data: torch.Tensor, w_data: torch.Tensor, recipe: str) -> bo
 
 
 def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, masked: bool,
-               block_m: int, cfg: GemmConfig) -> None:
-    """out [M, N] (contiguous) / [E, C, N] (masked) bf16 <- x (QTensor) @ w (QWeight)."""
+               block_m: int, cfg: GemmConfig, bias=None) -> None:
+    """out [M, N] (contiguous) / [E, C, N] (masked) bf16 <- x (QTensor) @ w (QWeight)
+    (+ bias [E, N] fp32 of each row's expert)."""
     e_w, n, k = w.shape
     fp8 = w.recipe == "fp8_block"
     block_k = 128 if fp8 else 64
@@ -222,8 +230,10 @@ def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, maske
     progs = min(tiles, num_sms(out.device)) if cfg.persistent else tiles
     _gemm_tma_kernel[(max(progs, 1),)](
         a_desc, b_desc, c_desc, out, s, w.scale if fp8 else out, row_expert, counts, offsets,
-        m, n, k, num_e, ss[0], ss[1], bs[0], bs[1], bs[2], n,
+        bias if bias is not None else out, m, n, k, num_e, ss[0], ss[1], bs[0], bs[1], bs[2], n,
+        bias.stride(0) if bias is not None else 0,
         FP8=fp8, MASKED=masked, A_PACKED=fp8 and x.scale_fmt == "ue8m0_packed",
+        HAS_BIAS=bias is not None,
         INTERP=INTERPRET, TMA_STORE=cfg.tma_store, WARP_SPEC=cfg.warp_spec and not INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_N=split,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

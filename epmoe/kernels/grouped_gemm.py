@@ -79,10 +79,11 @@ def _maybe_autotune(fn):
 @_maybe_autotune
 @triton.jit
 def _grouped_gemm_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr,
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr, bias_ptr,
         M, N, K, GRID_M, stride_am, stride_as_m, stride_as_g,
-        stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm,
+        stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm, stride_b,
         RECIPE: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
@@ -186,6 +187,8 @@ def _grouped_gemm_kernel(
                 ws_ptrs += (BLOCK_K // 32) * stride_bs_k
             if RECIPE == 2:
                 as2_ptrs += (BLOCK_K // 32) * stride_as_g
+        if HAS_BIAS:  # the expert's fp32 bias row, before the one bf16 rounding
+            acc += tl.load(bias_ptr + e64 * stride_b + offs_nl)[None, :]
         if PRE_ROUND:
             acc = round_bf16(acc)
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -223,7 +226,8 @@ def _check_operands(x: QTensor, w: QWeight) -> None:
 
 
 def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tensor,
-            row_expert, counts, m: int, grid_m: int, num_e: int, block_m: int, masked: bool):
+            row_expert, counts, m: int, grid_m: int, num_e: int, block_m: int, masked: bool,
+            bias=None):
     e, n, k = w.shape
     recipe = _RECIPE_ID[w.recipe]
     packed = x.scale_fmt == "ue8m0_packed" and recipe in (1, 3)
@@ -235,7 +239,8 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     block_k = 64 if recipe == 0 else 128
     if recipe == 2:
         block_k = next(b for b in (128, 64, 32) if k % b == 0)
-    kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, DOT_FP32=INTERPRET,
+    kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, HAS_BIAS=bias is not None,
+                  DOT_FP32=INTERPRET,
                   PRE_ROUND=INTERPRET, EVEN_K=k % block_k == 0, BLOCK_M=block_m,
                   BLOCK_K=block_k, GROUP_M=8)
     if INTERPRET:
@@ -245,12 +250,21 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
         return (grid_m * triton.cdiv(n, meta["BLOCK_N"]), 1, num_e)
 
     _grouped_gemm_kernel[grid](
-        a_data, s, b_data, bs, out_2d, row_expert, counts, m, n, k, grid_m,
+        a_data, s, b_data, bs, out_2d, row_expert, counts,
+        bias if bias is not None else out_2d, m, n, k, grid_m,
         a_2d.stride(0), s.stride(0) if s_2d is not None else 0,
         s.stride(1) if s_2d is not None else 0,
         b_data.stride(0), b_data.stride(1), bs.stride(0) if w.scale is not None else 0,
         bs.stride(1) if w.scale is not None else 0, bs.stride(2) if w.scale is not None else 0,
-        out_2d.stride(0), **kwargs)
+        out_2d.stride(0), bias.stride(0) if bias is not None else 0, **kwargs)
+
+
+def _check_bias(bias, w: QWeight) -> None:
+    if bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                        and tuple(bias.shape) == tuple(w.shape[:2])):
+        return
+    check(False, f"bias must be a contiguous fp32 [E, N] = {tuple(w.shape[:2])} tensor, got "
+                 f"{bias.dtype} {tuple(bias.shape)}")
 
 
 def _pick_block_m(alignment: int, cap: int = 128) -> int:
@@ -284,7 +298,8 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
                                         block_m: int | None = None,
                                         config: GemmConfig | None = None,
                                         out: torch.Tensor | None = None,
-                                        kernel: str = "auto") -> torch.Tensor:
+                                        kernel: str = "auto",
+                                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] rows of `layout` (QTensor of w's recipe), w [E, N, K] -> y [M, N] bf16.
     Padding rows of y are left unwritten or hold garbage (any value). No host sync: the
     number of row tiles is read on the device from layout.offsets_E1.
@@ -292,8 +307,11 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
     config  GemmConfig of the TMA kernel (default: the tuned one for the recipe)
     out     optional preallocated [M, N] bf16 output
     kernel  'auto' (TMA kernel for bf16 / fp8_block, pointer kernel otherwise), 'tma',
-            'pointer' (the pre-TMA kernel, every recipe)"""
+            'pointer' (the pre-TMA kernel, every recipe)
+    bias    optional fp32 [E, N]: each row's expert's row added in fp32 before the bf16 cast
+            (gpt-oss's down bias)"""
     _check_operands(x, w)
+    _check_bias(bias, w)
     check(x.data.dim() == 2 and x.data.shape[0] == layout.num_rows,
           f"x.data shape {tuple(x.data.shape)} must be [M, K] with M = layout.num_rows "
           f"({layout.num_rows})")
@@ -312,21 +330,23 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
         return y
     if tma:
         launch_tma(x, w, y, layout.row_expert_M, layout.counts_E, layout.offsets_E1, m,
-                   w.shape[0], False, bm, cfg)
+                   w.shape[0], False, bm, cfg, bias)
     else:
         _launch(x, w, x.data, x.scale, y, layout.row_expert_M, layout.counts_E, m,
-                triton.cdiv(m, bm), 1, bm, masked=False)
+                triton.cdiv(m, bm), 1, bm, masked=False, bias=bias)
     return y
 
 
 def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tensor,
                                     block_m: int = 64, config: GemmConfig | None = None,
                                     out: torch.Tensor | None = None,
-                                    kernel: str = "auto") -> torch.Tensor:
+                                    kernel: str = "auto",
+                                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [E, C, K] (scales [E, C, G], or [E*C, G] rows for packed UE8M0), counts [E] ->
     y [E, C, N] bf16; rows past each count are left unwritten (any value). config / out /
-    kernel as for the contiguous layout."""
+    kernel / bias as for the contiguous layout."""
     _check_operands(x, w)
+    _check_bias(bias, w)
     check(x.data.dim() == 3 and x.data.shape[0] == w.shape[0],
           f"x.data shape {tuple(x.data.shape)} must be [E, C, K] with E = {w.shape[0]}")
     check(x.data.is_contiguous(), "x.data must be contiguous [E, C, K]; call .contiguous()")
@@ -342,10 +362,10 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     if _use_tma(x, w, kernel):
         xs = QTensor(x.data, s, x.recipe, x.group, x.scale_fmt)
         launch_tma(xs, w, y, counts_E, counts_E, counts_E, c, e, True, block_m,
-                   config or TUNED[w.recipe])
+                   config or TUNED[w.recipe], bias)
     else:
         _launch(x, w, x.data.view(e * c, k), s, y.view(e * c, -1), counts_E, counts_E, c,
-                triton.cdiv(c, block_m), e, block_m, masked=True)
+                triton.cdiv(c, block_m), e, block_m, masked=True, bias=bias)
     return y
 
 
