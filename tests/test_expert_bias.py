@@ -121,7 +121,7 @@ def test_experts_with_biases_match_the_oracle(backend, recipe, seed):
     xq = ex.quantize_input(x)
     out = ex.apply(xq, ids.to(torch.int32), w.float())
     assert max_rel_err(out, ref) <= TOLERANCE[recipe]
-    layout = make_masked_layout(ids.to(torch.int32), OSS.num_experts, 16)
+    layout = make_masked_layout(ids.to(torch.int32), OSS.num_experts, x.shape[0])
     xm = _masked_input(xq, layout)
     out_m = ex.apply_masked(xm, layout.counts_E, layout, w.float())
     assert max_rel_err(out_m, ref) <= TOLERANCE[recipe]
