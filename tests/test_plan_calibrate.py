@@ -53,3 +53,13 @@ def test_quick_cpu_two_ranks_measures_gloo(tmp_path):
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
         assert prof.collective(kind, "tcp").prov.source == "measured"
     assert prof.comm_fit("all2all", "tcp", "dispatch").prov.source == "measured"
+
+
+@pytest.mark.parametrize("recipes,msg", [("fp9", "each must be one of"),
+                                         ("fp8_block", "hidden (2880) must be a multiple")])
+def test_recipes_are_checked_before_anything_is_measured(tmp_path, capsys, recipes, msg):
+    out = tmp_path / "p.json"
+    assert main(["--out", str(out), "--device", "cpu", "--model", "gpt-oss-120b",
+                 "--recipes", recipes]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and not out.exists()

@@ -41,3 +41,33 @@ def test_bad_input_exits_2_with_one_line(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and msg in err and err.count("\n") == 1
+
+
+def test_a_recipe_without_curves_is_named(capsys):
+    """w4a8_mxfp4 has no GEMM curves in the shipped h200 profile: the model prices it from
+    fp8_block's, and the plan says so (stdout under the table; stderr beside --json)."""
+    argv = ["--model", "deepseek-v3", "--topology", "1x8", "--tokens", "4096", "--layers", "1"]
+    assert main([*argv, "--quant", "w4a8_mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "w4a8_mxfp4 GEMMs are priced from fp8_block curves: profile\n  h200 has none" in out
+    assert "calibrate --recipes w4a8_mxfp4" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert main([*argv, "--quant", "w4a8_mxfp4", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["quant"]["recipe"] == "w4a8_mxfp4" and "priced from" in cap.err
+    assert main([*argv, "--quant", "fp8_block"]) == 0  # measured curves: no note
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_gpt_oss_mxfp8_is_priced_from_its_own_curves(capsys):
+    """gpt-oss-120b's shapes were calibrated for Triton mxfp8 and bf16 (2026-12-03): mxfp8
+    runs its GEMMs slower than bf16 there (in-kernel dequantization), and the plan knows."""
+    argv = ["--model", "gpt-oss-120b", "--topology", "1x8", "--tokens", "4096", "--layers", "1",
+            "--json"]
+    ms = {}
+    for q in ("bf16", "mxfp8"):
+        assert main([*argv, "--quant", q]) == 0
+        cap = capsys.readouterr()
+        assert "priced from" not in cap.err
+        ms[q] = Plan.from_dict(json.loads(cap.out)).step_us(4096)
+    assert ms["mxfp8"] > ms["bf16"]

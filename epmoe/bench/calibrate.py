@@ -209,6 +209,20 @@ def _base(spec, gpu: str) -> HardwareProfile | None:
         return None
 
 
+def _recipes(spec: str | None, kind: str, cfg) -> list[str]:
+    """The recipes to time: --recipes, else fp8_block and bf16 on GPU, bf16 on CPU."""
+    from epmoe.config import RECIPES, QuantConfig
+
+    if not spec:
+        return ["bf16"] if kind == "cpu" else ["fp8_block", "bf16"]
+    recipes = [r for r in spec.split(",") if r]
+    if not recipes or set(recipes) - set(RECIPES):
+        raise ValueError(f"--recipes {spec!r}: each must be one of {RECIPES}")
+    for r in recipes:
+        QuantConfig(r).check_shapes(cfg)  # e.g. gpt-oss's hidden 2880 takes no fp8 1x128
+    return recipes
+
+
 def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     import torch
 
@@ -225,7 +239,6 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
         if kind == "cpu" else ""
     clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
-    device = measure_device(dev, clock, base, args.timing)
     from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
     from epmoe.config import QuantConfig, get_preset
 
@@ -234,7 +247,8 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     backends = ["torch"]
     if kind == "cuda":
         backends = ["deepgemm", "triton"] + (["torch"] if not args.quick else [])
-    recipes = ["bf16"] if kind == "cpu" else ["fp8_block", "bf16"]
+    recipes = _recipes(args.recipes, kind, cfg)  # checked before anything is measured
+    device = measure_device(dev, clock, base, args.timing)
     fits = LayerFits()
     for recipe in recipes:
         for name in backends:
@@ -306,6 +320,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timing", default="launched", choices=("launched", "device"),
                    help="the layer's stages as a launch times them with the same --timing "
                         "(device: GPU time, the host issuing ahead; see launch --timing)")
+    p.add_argument("--recipes", default=None,
+                   help="recipes whose layers to time, comma separated (default fp8_block,bf16 "
+                        "on GPU, bf16 on CPU; e.g. mxfp8 for gpt-oss: a profile without a "
+                        "recipe's curves prices it from fp8_block's, and the plan says so)")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="stop measuring new sizes after this many seconds (default 170)")
     return p

@@ -99,6 +99,21 @@ def render(plan: Plan, buckets=None) -> str:
     return "\n".join(lines)
 
 
+def profile_notes(plan: Plan, prof) -> list[str]:
+    """What the prediction borrowed: one note per experts backend of the plan whose recipe the
+    profile has no GEMM curves for (the model then prices it from fp8_block's curves, e.g.
+    mxfp8, which Triton runs at about half fp8_block's rate)."""
+    recipe, out = plan.quant.recipe, []
+    chosen = {e.choice(t).experts for e in plan.layers for t in plan.buckets}
+    for ex in sorted(chosen - {"torch"}):  # torch computes in fp32: bf16 curves by design
+        if recipe not in {c.recipe for c in prof.gemm if c.backend == ex}:
+            src = "fp8_block" if recipe != "bf16" else "bf16"
+            out += [f"note: {ex} {recipe} GEMMs are priced from {src} curves: profile",
+                    f"  {prof.name} has none (python -m epmoe.bench.calibrate --recipes "
+                    f"{recipe})"]
+    return out
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -108,7 +123,13 @@ def main(argv=None) -> int:
         return 2
     if args.out:
         plan.save(args.out)
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else render(plan))
+    notes = profile_notes(plan, load_profile(args.profile))
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        if notes:  # stdout stays one JSON document
+            print("\n".join(notes), file=sys.stderr)
+    else:
+        print("\n".join([render(plan), *notes]))
     return 0
 
 

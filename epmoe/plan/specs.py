@@ -68,7 +68,8 @@ def _h200_kernels() -> dict:
             f"of epmoe/plan/traffic.py")
     triton = {"permute": AlphaBeta(*perm, P("measured", note)),
               "gather": AlphaBeta(*gath, P("measured", note)),
-              "act_quant": AlphaBeta(*aq, P("measured", note))}
+              "act_quant": AlphaBeta(*aq, P("measured", note)),
+              "act_quant.mxfp8": AlphaBeta(33.98, 1967.5, _OSS_PROV, 60.64)}
     torch_note = P("estimate", "torch reference index ops: a few launches, half the measured "
                                "HBM copy bandwidth")
     comm = {"quantize": AlphaBeta(5.0, aq[1], P("estimate", "the per-128 token quantizer at "
@@ -107,7 +108,23 @@ def _h200_gemm() -> list[GemmCurve]:
     for c in list(curves[:2]):
         curves.append(GemmCurve("deepgemm", "bf16", c.layout, c.n, c.k,
                                 tuple((m, t * 989 / 1979) for m, t in c.points), dgb))
+    # gpt-oss-120b's shapes (hidden = intermediate = 2880): Triton runs mxfp8 dequantizing in
+    # the kernel, at about half its bf16 rate there; fp8_block cannot run these shapes
+    for recipe, gemm1, gemm2 in (
+            ("mxfp8", ((4, 254.2), (128, 253.7), (512, 290.2)),
+             ((4, 233.2), (128, 233.7), (512, 263.6))),
+            ("bf16", ((4, 406.7), (128, 408.1), (512, 717.9)),
+             ((4, 426.9), (128, 424.7), (512, 679.1)))):
+        curves += [GemmCurve("triton", recipe, "contiguous", 2 * OSS, OSS, gemm1, _OSS_PROV),
+                   GemmCurve("triton", recipe, "contiguous", OSS, OSS, gemm2, _OSS_PROV)]
     return curves
+
+
+OSS = 2880  # gpt-oss-120b's hidden and expert intermediate sizes
+_OSS_PROV = P("measured", "Triton experts at gpt-oss-120b's shapes (E=128 at ep 1) on one H200, "
+                          "MoELayer.forward stages, launched timing, 2026-12-03: python -m "
+                          "epmoe.bench.calibrate --model gpt-oss-120b --recipes mxfp8,bf16 "
+                          "--quick (BENCHMARKS.md section 9)")
 
 
 def _h200_comm() -> tuple[dict, dict]:
