@@ -87,15 +87,11 @@ class ValidRows:
 
 
 @triton.jit
-def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, b_ptr, cap, M, I, stride_h, stride_q,
-                      s_stride_m, s_stride_g, stride_b, limit, alpha, amax_min, fp8_max,
-                      ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
-                      PRE_ROUND: tl.constexpr, VALID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def valid_rows(valid_ptr, offs_m, M, cap, VALID: tl.constexpr):
+    """(mask, expert) of rows offs_m under a `ValidRows` mode (VALID 0 / 1 / 2): the rows that
+    hold data, and each one's expert (its bias row; 0 when every row is valid)."""
     mm = offs_m < M
-    expert = tl.zeros_like(offs_m)  # each row's expert (its bias row); 0 for every-row mode
+    expert = tl.zeros_like(offs_m)
     if VALID == 1:
         ev = tl.load(valid_ptr + offs_m, mask=mm, other=-1)
         mm = mm & (ev >= 0)
@@ -103,6 +99,18 @@ def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, b_ptr, cap, M, I, stride_h
     elif VALID == 2:
         expert = offs_m // cap
         mm = mm & ((offs_m % cap) < tl.load(valid_ptr + expert, mask=mm, other=0))
+    return mm, expert
+
+
+@triton.jit
+def _act_quant_kernel(h_ptr, q_ptr, s_ptr, valid_ptr, b_ptr, cap, M, I, stride_h, stride_q,
+                      s_stride_m, s_stride_g, stride_b, limit, alpha, amax_min, fp8_max,
+                      ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT: tl.constexpr,
+                      PRE_ROUND: tl.constexpr, VALID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm, expert = valid_rows(valid_ptr, offs_m, M, cap, VALID)
     if tl.max(mm.to(tl.int32), axis=0) > 0:  # else every row here is padding
         _act_quant_rows(h_ptr, q_ptr, s_ptr, b_ptr + expert.to(tl.int64) * stride_b, offs_m, mm,
                         I, stride_h, stride_q, s_stride_m, s_stride_g, limit, alpha, amax_min,

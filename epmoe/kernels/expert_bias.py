@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.kernels.act_quant import ValidRows  # noqa: E402
+from epmoe.kernels.act_quant import ValidRows, valid_rows  # noqa: E402
 
 _BLOCK_M = 16
 
@@ -25,15 +25,7 @@ def _add_bias_kernel(y_ptr, b_ptr, valid_ptr, cap, M, N, stride_y, stride_b,
                      VALID: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mm = offs_m < M
-    expert = tl.zeros_like(offs_m)
-    if VALID == 1:
-        ev = tl.load(valid_ptr + offs_m, mask=mm, other=-1)
-        mm = mm & (ev >= 0)
-        expert = tl.maximum(ev, 0)
-    elif VALID == 2:
-        expert = offs_m // cap
-        mm = mm & ((offs_m % cap) < tl.load(valid_ptr + expert, mask=mm, other=0))
+    mm, expert = valid_rows(valid_ptr, offs_m, M, cap, VALID)
     if tl.max(mm.to(tl.int32), axis=0) > 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m2 = mm[:, None] & (offs_n < N)[None, :]
