@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epmoe.comm.symm.ht import SymmHighThroughputComm
+from epmoe.comm.symm.ht_shape import RowFormat
 from epmoe.comm.symm.ll import SymmLowLatencyComm
 from epmoe.comm.symm.loopback import loopback_combine, loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
@@ -50,3 +51,31 @@ def test_symm_layer_matches_float64_oracle(cls, recipe, fmt, cfg, seed):
         assert res[r].dtype == torch.bfloat16 and not res[r].isnan().any()
         err = max_rel_err(res[r], ref) if xs[r].shape[0] else 0.0
         assert err <= TOLERANCE[recipe], f"rank {r}: rel err {err:.2e} ({cls.name} {recipe})"
+
+
+def test_symm_ht_mxfp8_scale_rows_padded_to_words(seed):
+    """mxfp8 at a hidden size of 32-column groups that is no multiple of 128 (gpt-oss-120b's
+    2880; here 160: 5 one-byte scales a row, 8 on the wire): the scales travel padded and come
+    out as [M, 5] (a strided view); the layer matches the oracle. gpt-oss's biases included."""
+    cfg, quant, world = OSS.replace(hidden=160, moe_intermediate=96), QuantConfig("mxfp8"), 2
+    e_l = cfg.num_experts // world
+    assert RowFormat.of(quant, cfg.hidden).check() is None and RowFormat.of(
+        quant, cfg.hidden).scale_bytes == 8
+    experts = [TorchExperts(synthetic_layer(cfg, quant, 0, seed, range(r * e_l, (r + 1) * e_l),
+                                            with_shared=False).experts, cfg, quant)
+               for r in range(world)]
+    oracle = dequantized_full_layer(cfg, quant, 0, seed)._replace(shared=None)
+    _, comms = loopback_comms(SymmHighThroughputComm, cfg, quant, world, MAX_T,
+                              options=SymmOptions(num_sms=1))
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, cfg.hidden, generator=g).to(torch.bfloat16) for t in (7, 4)]
+    ids = [torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.top_k]
+                        for _ in range(x.shape[0])]).to(torch.int32) for x in xs]
+    ws = [torch.rand(x.shape[0], cfg.top_k, generator=g) + 0.1 for x in xs]
+    outs = loopback_dispatch(comms, xs, ids, ws)
+    assert outs[0][0].x.scale.shape[1] == 5  # the wire's padding never reaches the experts
+    ys = [experts[r].run(outs[r][0]) for r in range(world)]
+    res = loopback_combine(comms, ys, [h for _, h in outs])
+    for r in range(world):
+        ref = reference_moe(xs[r], oracle, cfg, quant, ids[r].long(), ws[r].double())
+        assert max_rel_err(res[r], ref) <= TOLERANCE["mxfp8"], r

@@ -132,9 +132,19 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
 
 
 def _words(x: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wire rows as int32 words: (data [T, DW], scales [T, SW]; the data again if none)."""
+    """Wire rows as int32 words: (data [T, DW], scales [T, SW]; the data again if none). Scale
+    rows that are no whole number of words (mxfp8 at hidden 2880: 90 bytes) are copied into
+    rows padded to one (a few bytes a token)."""
     data = x.data.contiguous().view(torch.int32)
-    return data, data if x.scale is None else x.scale.contiguous().view(torch.int32)
+    if x.scale is None:
+        return data, data
+    s = x.scale.contiguous()
+    row_bytes = s.shape[-1] * s.element_size()
+    if row_bytes % 4:
+        pad = (4 - row_bytes % 4) // s.element_size()
+        s = torch.nn.functional.pad(s.view(torch.uint8) if s.element_size() == 1 else s,
+                                    (0, pad))
+    return data, s.view(torch.int32)
 
 
 @dataclass(frozen=True)
