@@ -20,6 +20,19 @@ from epmoe.quant import dequantize_act, quantize_act
 # sums differ in order (an fp8 code of the intermediate can flip). Layer outputs are bf16; fp8/fp4 paths
 # re-quantize the intermediate, where bf16 rounding of GEMM1 can flip an fp8 code).
 TOLERANCE = {"bf16": 1e-2, "fp8_block": 2e-2, "mxfp8": 2e-2, "w4a8_mxfp4": 2e-2}
+# fp8_block with power-of-two activation scales (ue8m0_fp32 / ue8m0_packed): a scale rounded up
+# by up to 2x leaves the group's codes up to one bit coarser, so the one-code flips that GEMM1's
+# fp32-vs-float64 rounding of h causes weigh up to twice as much. Measured on one H200
+# (2026-12-03, Triton experts, hidden 512, 200 tokens): 1.9-2.03e-2 of max|out| at the largest.
+POW2_SCALE_FACTOR = 1.5
+
+
+def tolerance(quant: QuantConfig) -> float:
+    """The stated tolerance of a recipe and scale format (see TOLERANCE)."""
+    tol = TOLERANCE[quant.recipe]
+    if quant.recipe == "fp8_block" and quant.scale_fmt != "fp32":
+        tol *= POW2_SCALE_FACTOR
+    return tol
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -236,3 +236,13 @@ def test_finer_alignment_than_gemm_refused():
     with pytest.raises(ValueError, match=r"alignment \(16\) must be a multiple of torch's GEMM "
                                          r"alignment \(64\)"):
         Blocked(lw.experts, cfg, quant).make_layout(torch.zeros(2, K, dtype=torch.int32), 16)
+
+
+def test_tolerance_widens_for_power_of_two_fp8_scales():
+    from epmoe.reference import tolerance
+
+    assert tolerance(QuantConfig("fp8_block")) == 2e-2
+    assert tolerance(QuantConfig("fp8_block", "ue8m0_fp32")) == pytest.approx(3e-2)
+    assert tolerance(QuantConfig("fp8_block", "ue8m0_packed")) == pytest.approx(3e-2)
+    assert tolerance(QuantConfig("mxfp8")) == tolerance(QuantConfig("w4a8_mxfp4")) == 2e-2
+    assert tolerance(QuantConfig("bf16")) == 1e-2

@@ -17,7 +17,7 @@ from epmoe.experts.select import make_experts
 from epmoe.launch.report import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
-from epmoe.reference import TOLERANCE, Oracle, max_rel_err, reference_moe
+from epmoe.reference import Oracle, max_rel_err, reference_moe, tolerance
 
 pytestmark = [pytest.mark.gpu]
 
@@ -152,8 +152,9 @@ def test_one_gpu_experts_match_oracle(experts, recipe, fmt, oss, seed):
     if oss and fmt == "ue8m0_packed":
         # measured: power-of-two scales on swigluoai's large intermediates put one flipped
         # fp8 code (h rounded to bf16 from fp32 here, from float64 in the oracle) at up to
-        # 3.2e-2 of max|out|, past fp8_block's 2e-2; the fp32-scale case covers the biases
-        pytest.skip("gpt-oss biases x packed UE8M0 scales: one fp8 code flip exceeds 2e-2")
+        # 3.2e-2 of max|out|, past its 3e-2 (reference.tolerance); the fp32-scale case covers
+        # the biases
+        pytest.skip("gpt-oss biases x packed UE8M0 scales: one fp8 code flip exceeds 3e-2")
     if oss:
         cfg = cfg.replace(activation="swigluoai", swiglu_limit=7.0, expert_bias=True)
     e, d, i, n = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, 200
@@ -186,7 +187,7 @@ def test_one_gpu_experts_match_oracle(experts, recipe, fmt, oss, seed):
     ref = reference_moe(x_f.cpu(), oracle, cfg, quant, ids.cpu().long(), w.cpu())
     err = max_rel_err(y.float().cpu(), ref)
     print(f"{experts=} ({reason}) {recipe=} {fmt=} {oss=}: max rel err {err:.2e}")
-    assert y.shape == (n, d) and err <= TOLERANCE[recipe], err
+    assert y.shape == (n, d) and err <= tolerance(quant), err
     if oss and fmt != "ue8m0_packed":  # the masked path (decode), rows scattered per expert
         from epmoe.layout import make_masked_layout, scatter_masked
 
@@ -195,7 +196,7 @@ def test_one_gpu_experts_match_oracle(experts, recipe, fmt, oss, seed):
         xm = type(xq)(scatter_masked(xq.data, lay), None if xq.scale is None else
                       scatter_masked(xq.scale, lay), xq.recipe, xq.group, xq.scale_fmt)
         err_m = max_rel_err(ex.apply_masked(xm, lay.counts_E, lay, w).float().cpu(), ref)
-        assert err_m <= TOLERANCE[recipe], err_m
+        assert err_m <= tolerance(quant), err_m
 
 
 @pytest.mark.parametrize("experts", EXPERTS)

@@ -10,7 +10,7 @@ import torch
 
 from epmoe import __version__
 from epmoe.plan.run import RunConfig
-from epmoe.reference import TOLERANCE, Oracle, max_rel_err, reference_moe, reference_route
+from epmoe.reference import Oracle, max_rel_err, reference_moe, reference_route, tolerance
 from epmoe.weights import synthetic_layer
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
@@ -71,7 +71,7 @@ def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
     """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
     if not run.check or not reports[0]["last"]:
         return dict(checked=False, passed=None, max_rel_err=None,
-                    tolerance=TOLERANCE[run.quant.recipe])
+                    tolerance=tolerance(run.quant))
     per_layer, router, checked = [], [], 0
     for l in range(run.num_layers):
         srcs = layer_sources(run, reports, l)
@@ -92,7 +92,7 @@ def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
             for r in reports[1:]:
                 other = r["last"][l]["out"][:n_check]
                 per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
-    tol = TOLERANCE[run.quant.recipe]
+    tol = tolerance(run.quant)
     worst = max(per_layer)
     out = dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
                per_layer=per_layer, tokens_checked=checked,
