@@ -86,9 +86,7 @@ class SafetensorsCheckpoint:
     def get_rows(self, name: str, rows: list[int]) -> torch.Tensor:
         """t[rows] of a stored tensor, reading only those rows (fused per-expert tensors)."""
         sl = self._handle(name).get_slice(name)
-        if not rows:
-            return self.get(name)[:0]
-        return torch.cat([sl[r:r + 1] for r in rows])
+        return torch.cat([sl[r:r + 1] for r in rows]) if rows else sl[0:0]
 
 
 def _load_proj(ckpt: SafetensorsCheckpoint, prefix: str, proj: str) -> torch.Tensor:

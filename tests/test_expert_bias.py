@@ -296,3 +296,17 @@ def test_triton_mxfp8_at_a_hidden_size_of_32_groups(seed):
     out = ex.apply(ex.quantize_input(x.to(torch.bfloat16)), ids.to(torch.int32), w.float())
     ref = reference_moe(x.to(torch.bfloat16), oracle, cfg, quant, ids, w)
     assert max_rel_err(out, ref) <= TOLERANCE["mxfp8"]
+
+
+def test_gpt_oss_checkpoint_with_no_experts_here(tmp_path):
+    """A rank that holds none of a layer's experts reads none of their rows."""
+    t = hf_tensors(torch.Generator().manual_seed(1))
+    pre = "model.layers.0.mlp."
+    save_file({pre + "router.weight": t["router_w"], pre + "router.bias": t["router_b"],
+               pre + "experts.gate_up_proj": t["gate_up"], pre + "experts.down_proj": t["down"],
+               pre + "experts.gate_up_proj_bias": t["gate_up_b"],
+               pre + "experts.down_proj_bias": t["down_b"]}, str(tmp_path / "model.safetensors"))
+    lw = load_layer(str(tmp_path), "gpt_oss", OSS, QuantConfig(), 0, [])
+    e = lw.experts
+    assert e.num_experts == 0 and e.b13.shape == (0, 512) and e.b2.shape == (0, 256)
+    assert lw.gate_ED.shape == (16, 256) and lw.bias_E.shape == (16,)
