@@ -196,6 +196,9 @@ _preset(MoEConfig("gpt-oss-120b", hidden=2880, moe_intermediate=2880, num_expert
                   router="softmax", renormalize=True, activation="swigluoai",
                   activation_alpha=1.702, swiglu_limit=7.0, num_moe_layers=36,
                   router_bias=True, expert_bias=True))
+# openai/gpt-oss-20b/config.json: the same layer as 120b with num_local_experts 32 and
+# num_hidden_layers 24.
+_preset(PRESETS["gpt-oss-120b"].replace(name="gpt-oss-20b", num_experts=32, num_moe_layers=24))
 
 # Scaled-down variants: the same architecture (router, grouping, activation), small dims, so the
 # CPU demo and tests run in seconds. Dims stay multiples of 128 so every recipe applies.

@@ -40,7 +40,12 @@ def test_qwen3_235b_published_numbers():
 def test_gpt_oss_120b_published_numbers():
     c = get_preset("gpt-oss-120b")
     assert (c.hidden, c.num_experts, c.top_k, c.swiglu_limit) == (2880, 128, 4, 7.0)
-    assert c.activation == "swigluoai"
+    assert c.activation == "swigluoai" and c.router_bias and c.expert_bias
+    # openai/gpt-oss-20b/config.json: the same layer, 32 experts, 24 layers
+    s = get_preset("gpt-oss-20b")
+    assert (s.hidden, s.moe_intermediate, s.num_experts, s.top_k, s.num_moe_layers) == \
+        (2880, 2880, 32, 4, 24)
+    assert s.replace(name=c.name, num_experts=128, num_moe_layers=36) == c
 
 
 def test_shared_intermediate():
