@@ -88,16 +88,6 @@ def activation(h_MF: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     return gate * torch.sigmoid(cfg.activation_alpha * gate) * (up + 1)
 
 
-def add_down_bias(y: torch.Tensor, weights: ExpertWeights, rows) -> torch.Tensor:
-    """GEMM2's bf16 output + each valid row's b2 (in place; y unchanged without b2). rows: the
-    `ValidRows` of the layout y is in."""
-    if weights.b2 is None:
-        return y
-    from epmoe.kernels.expert_bias import triton_add_expert_bias_
-
-    return triton_add_expert_bias_(y, weights.b2, rows)
-
-
 class Experts(ABC):
     """Grouped expert compute for one layer on one rank.
 

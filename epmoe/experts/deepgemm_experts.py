@@ -28,7 +28,7 @@ import contextlib
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.experts.base import ExpertWeights, Experts, add_down_bias
+from epmoe.experts.base import ExpertWeights, Experts
 from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor, QWeight, _act_scale_fp32, _mn_major, _pack_exponents, pack_ue8m0
@@ -281,7 +281,7 @@ class DeepGemmExperts(Experts):
         i, d = self.weights.intermediate, self.weights.hidden
         h = self.gemm_dense(x, self.w13, 2 * i, name="h")
         y = self.gemm_dense(self._act_quant(h), self.w2, d, name="y")
-        return add_down_bias(y, self.weights, None)
+        return _add_down_bias(y, self.weights, None)
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         if layout.alignment % self.alignment:
@@ -296,7 +296,7 @@ class DeepGemmExperts(Experts):
             a = self._act_quant(h, rows=rows)
         with self._stage("gemm2"):
             y = self.gemm_contiguous(a, self.w2, layout.row_expert_M, d, "y", psum)
-            return add_down_bias(y, self.weights, rows)
+            return _add_down_bias(y, self.weights, rows)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    expected_m: int | None = None) -> torch.Tensor:
@@ -319,7 +319,17 @@ class DeepGemmExperts(Experts):
                         "ue8m0_packed" if self.sm100 and s is not None else a.scale_fmt)
         with self._stage("gemm2"):
             y = self.gemm_masked(a, self.w2, counts_E, d, m_hint, name="y")
-            return add_down_bias(y, self.weights, rows)
+            return _add_down_bias(y, self.weights, rows)
+
+
+def _add_down_bias(y: torch.Tensor, weights: ExpertWeights, rows) -> torch.Tensor:
+    """GEMM2's bf16 output + each valid row's b2, in place (DeepGEMM has no epilogue hook:
+    one pass, `kernels.expert_bias`); y unchanged without b2. rows: y's `ValidRows`."""
+    if weights.b2 is None:
+        return y
+    from epmoe.kernels.expert_bias import triton_add_expert_bias_
+
+    return triton_add_expert_bias_(y, weights.b2, rows)
 
 
 def _valid_rows():

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from epmoe.kernels.act_quant import ValidRows, valid_rows  # noqa: E402
+from epmoe.kernels.act_quant import _ALL_ROWS, ValidRows, valid_rows  # noqa: E402
 
 _BLOCK_M = 16
 
@@ -50,7 +50,7 @@ def triton_add_expert_bias_(y: torch.Tensor, bias_EN: torch.Tensor,
     rows = rows or ValidRows()
     rows.check(y2.shape[0])
     check(bias_EN.shape[1] == n, f"bias_EN has {bias_EN.shape[1]} columns, y has {n}")
-    check(rows.mode != 0 or bias_EN.shape[0] == 1,
+    check(rows.mode != _ALL_ROWS or bias_EN.shape[0] == 1,
           f"bias_EN holds {bias_EN.shape[0]} experts: pass rows so each row finds its expert")
     if y2.shape[0] == 0 or n == 0:
         return y
