@@ -63,6 +63,16 @@ def test_a_hang_names_the_rank_outside_the_collective():
                            "(hung, or too slow: raise --timeout if the job is just slow)")
 
 
+def test_a_hang_while_starting_points_at_the_start_timeout():
+    """Start is bounded by --start-timeout (driver.py): a silent rank there says so."""
+    states = [RankState(0, "ok"), RankState(1, "pending", answered=False)]
+    f = attribute("start", states, timeout_s=300)
+    assert (f.kind, f.ranks, f.finished) == ("hung", (1,), (0,))
+    assert f.message() == ("rank 1 stopped in start and did not finish start within 300 s (it "
+                           "does not answer heartbeats); rank 0 finished start (hung, or too "
+                           "slow: raise --start-timeout if the job is just slow)")
+
+
 def test_a_hang_with_everyone_in_the_same_place_falls_back_to_fewest_stages():
     states = [RankState(0, "pending", heartbeat=beat(0, "eplb.migrate", 90)),
               RankState(1, "pending", heartbeat=beat(1, "eplb.migrate", 88))]

@@ -42,6 +42,8 @@ BAD_FLAGS = [
     (["--ep", "0"], r"--ep \(0\) and --tp \(1\) must be >= 1"),
     (["--timeout", "0"], r"--timeout \(0.0\) must be a finite number of seconds > 0"),
     (["--timeout", "nan"], r"--timeout \(nan\) must be a finite number of seconds > 0"),
+    (["--start-timeout", "-1"],
+     r"--start-timeout \(-1.0\) must be a finite number of seconds > 0"),
     (["--timeout", "inf"], r"--timeout \(inf\) must be a finite number of seconds > 0"),
     (["--seed", str(10**30)], r"--seed \(1000000000000000000000000000000\) must be in "
                               r"\[0, 2\*\*32\)"),

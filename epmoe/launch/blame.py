@@ -71,6 +71,8 @@ class RankFailure(RuntimeError):
 
 
 # worker calls as the report names them
+# the stages bounded by --start-timeout (driver.py), the rest by --timeout
+START_STAGES = ("start", "init_process_group")
 CALL_LABELS = {"window_balancedness": "measure", "eplb_status": "eplb status"}
 
 
@@ -164,7 +166,8 @@ class Failure:
         if self.finished:
             text += f"; {ranks(self.finished)} finished {self.stage}"
         if self.kind == "hung":
-            text += " (hung, or too slow: raise --timeout if the job is just slow)"
+            flag = "--start-timeout" if self.stage in START_STAGES else "--timeout"
+            text += f" (hung, or too slow: raise {flag} if the job is just slow)"
         return text
 
     def to_json(self) -> dict:

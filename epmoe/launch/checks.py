@@ -49,6 +49,11 @@ def build_run(a: argparse.Namespace):
         raise ValueError(f"--seed ({a.seed}) must be in [0, 2**32)")
     if not (math.isfinite(a.timeout) and a.timeout > 0):
         raise ValueError(f"--timeout ({a.timeout}) must be a finite number of seconds > 0")
+    start_timeout = getattr(a, "start_timeout", None)
+    start_timeout = max(a.timeout, 300.0) if start_timeout is None else start_timeout
+    if not (math.isfinite(start_timeout) and start_timeout > 0):
+        raise ValueError(f"--start-timeout ({start_timeout}) must be a finite number of "
+                         f"seconds > 0")
     if a.redundant_experts < 0:
         raise ValueError(f"--redundant-experts ({a.redundant_experts}) must be >= 0")
     if a.redundant_experts and not a.eplb:
@@ -76,7 +81,8 @@ def build_run(a: argparse.Namespace):
     run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
-                    timeout_s=a.timeout, check=a.check, ll_max_tokens=a.ll_max_tokens,
+                    timeout_s=a.timeout, start_timeout_s=start_timeout, check=a.check,
+                    ll_max_tokens=a.ll_max_tokens,
                     eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
                     micro_batches=getattr(a, "micro_batches", 1),
                     timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,

@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=120.0,
                    help="seconds any stage (connecting, start, build, a step, a rebalance) may "
                         "take before the run is declared hung")
+    r.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds starting the ranks (placement, actors up, process group) may "
+                        "take before the run is declared hung (default: the larger of "
+                        "--timeout and 300: imports and CUDA init on a cold cluster are slow)")
     r.add_argument("--out", default=None, help="write the JSON summary here (also on failure)")
     r.add_argument("--plot", default=None, metavar="DIR",
                    help="write PNG plots here: load heatmap, EPLB balancedness, stage times")

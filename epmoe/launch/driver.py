@@ -299,11 +299,11 @@ class RayDriver:
         self.phases(f"starting {n} ranks as Ray actors")
         self.pg = placement_group([dict(per_rank) for _ in range(n)], strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=self.run.timeout_s)
+            ray.get(self.pg.ready(), timeout=self.run.start_timeout_s)
         except Exception:
             raise LaunchError(f"placement group of {n} x {per_rank} not ready within "
-                              f"{self.run.timeout_s:g} s: the cluster lacks resources (check "
-                              f"`ray status`)") from None
+                              f"{self.run.start_timeout_s:g} s: the cluster lacks resources "
+                              f"(check `ray status`)") from None
         actor_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Worker)
         # CPU ranks see no GPU, whatever the node has: their tensors, gloo group and Triton
         # interpreter must agree (Ray leaves a GPU-less actor's visible devices alone)
@@ -314,12 +314,16 @@ class RayDriver:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=r))
             self.actors.append(actor_cls.options(**opts).remote(r, n, env))
-        where = self._all("start", "where")
+        start = self.run.start_timeout_s
+        where = self._all("start", "where", timeout=start)
         if self.on_where is not None:  # the planner may re-plan for where the ranks landed
             self.run = self.on_where(where)
         self.phases(f"connecting the ranks ({group} process group)")
-        addr, port = self._wait("start", "open_store", [self.actors[0].open_store.remote()])[0]
-        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s, group)
+        addr, port = self._wait("start", "open_store", [self.actors[0].open_store.remote()],
+                                start)[0]
+        # the group's own timeout bounds its collectives in every later stage: the run's
+        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s, group,
+                  timeout=start)
         self.phases("building the layers (weights, comm, experts)")
         self._all("build", "build", self.run)
         return where

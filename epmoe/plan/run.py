@@ -35,6 +35,9 @@ class RunConfig:
     eplb: bool = False
     eplb_window: int = 8  # steps of load history a rebalance looks at
     timeout_s: float = 120.0
+    # starting the ranks (placement, actors up: imports and CUDA init; the process group) is
+    # slower than any step on a cold cluster; a hung start is still caught at this bound
+    start_timeout_s: float = 300.0
     check: bool = True  # keep last-step tensors for the oracle
     model_overrides: tuple = ()  # ((field, value), ...) applied to the preset
     micro_batches: int = 1  # 2: one half's dispatch/combine overlaps the other's GEMMs
