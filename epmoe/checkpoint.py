@@ -110,16 +110,25 @@ def _load_fp8_proj(ckpt, prefix, proj):
     return w, ckpt.get(sname).float()
 
 
-def load_layer(path: str, naming: str, cfg: MoEConfig, quant: QuantConfig, layer: int,
+def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig, layer: int,
                expert_ids, ckpt_layer: int | None = None, inter_slice=None, shared_slice=None,
                with_shared=True, device=None) -> LayerWeights:
     """Read one MoE layer's router and the experts `expert_ids` (only those) from a checkpoint.
 
-    ckpt_layer: the checkpoint's layer index (e.g. layer + first_k_dense_replace for DeepSeek).
+    naming None: the one of the folder's config.json (epmoe.hf_config).
+    ckpt_layer: the checkpoint's layer index (e.g. layer + first_k_dense_replace for DeepSeek);
+    None: MoE layer `layer` of the folder's config.json, else `layer`.
     fp8 block checkpoints (DeepSeek-V3) loaded with recipe fp8_block keep their bytes; any
     other combination dequantizes to fp32 and quantizes with the recipe (gpt-oss's MXFP4
     experts loaded with w4a8_mxfp4 come back with the same values: a power-of-two rescale).
     """
+    folder = path.path if isinstance(path, SafetensorsCheckpoint) else path
+    hf = _folder_config(folder, need=naming is None)
+    naming = hf.naming if naming is None else naming
+    if ckpt_layer is None and hf is not None:
+        if not 0 <= layer < len(hf.moe_layers):
+            raise ValueError(f"layer {layer}: {folder!r} has {len(hf.moe_layers)} MoE layers")
+        ckpt_layer = hf.moe_layers[layer]
     if naming not in NAMINGS:
         raise ValueError(f"unknown checkpoint naming {naming!r}; choose one of {sorted(NAMINGS)}")
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
@@ -169,6 +178,15 @@ def load_layer(path: str, naming: str, cfg: MoEConfig, quant: QuantConfig, layer
     _check_shape(w2, (len(ids), cfg.hidden, n_i), "experts' down")
     experts = build_expert_weights(w13, w2, quant, ids, device)
     return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
+
+
+def _folder_config(folder: str, need: bool):
+    """The HFModel of the folder's config.json; None without one (an error when `need`)."""
+    from epmoe.hf_config import read_hf_config
+
+    if not need and not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    return read_hf_config(folder)
 
 
 def _check_shape(t, want, what):

@@ -8,6 +8,7 @@ published Hugging Face `config.json` (source cited beside each preset).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -224,6 +225,13 @@ DEFAULT_PRESET = "deepseek-v3-tiny"
 
 
 def get_preset(name: str) -> MoEConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]
+    """A preset by name, or the MoE layers of a Hugging Face config.json (the file, or the
+    checkpoint folder holding it: epmoe.hf_config)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if os.path.exists(name):
+        from epmoe.hf_config import read_hf_config
+
+        return read_hf_config(name).cfg
+    raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}, "
+                     f"or give a Hugging Face config.json (or the folder holding it)")

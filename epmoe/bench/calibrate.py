@@ -312,8 +312,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="profile to inherit unmeasured figures from "
                                                 "(default: the shipped one of this GPU, or cpu)")
     p.add_argument("--name", default=None, help="profile name (default GPU-calibrated)")
-    p.add_argument("--model", default=None, help="preset whose shapes to measure (default "
-                                                 "deepseek-v3 on GPU, deepseek-v3-tiny on CPU)")
+    p.add_argument("--model", default=None,
+                   help="preset (or a Hugging Face config.json) whose shapes to measure "
+                        "(default deepseek-v3 on GPU, deepseek-v3-tiny on CPU)")
     p.add_argument("--ranks", type=int, default=None,
                    help="ranks for the comm part (default: GPUs here, or 2 CPU processes)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu"))

@@ -97,14 +97,13 @@ def _collectives(world, dev, sizes, reps):
     return out
 
 
-def _backends(rank, world, dev, cfg_name, quick, reps):
+def _backends(rank, world, dev, cfg, quick, reps):
     import torch
     import torch.distributed as dist
 
     from epmoe.comm import TokenBatch
-    from epmoe.config import QuantConfig, get_preset
+    from epmoe.config import QuantConfig
 
-    cfg = get_preset(cfg_name)
     quant = QuantConfig("fp8_block" if dev.type == "cuda" else "bf16")
     per = cfg.num_experts // world
     emap = torch.full((cfg.num_experts,), -1, dtype=torch.int32)
@@ -148,7 +147,7 @@ def _backends(rank, world, dev, cfg_name, quick, reps):
     return out, notes
 
 
-def _rank_main(rank, world, port, kind, cfg_name, quick, path):
+def _rank_main(rank, world, port, kind, cfg, quick, path):
     import torch
     import torch.distributed as dist
 
@@ -170,7 +169,7 @@ def _rank_main(rank, world, port, kind, cfg_name, quick, path):
     try:
         reps = 3 if quick else 10
         res = {"collectives": _collectives(world, dev, SIZES[(kind, quick)], reps)}
-        res["backends"], res["notes"] = _backends(rank, world, dev, cfg_name, quick, reps)
+        res["backends"], res["notes"] = _backends(rank, world, dev, cfg, quick, reps)
         if rank == 0:
             with open(path, "w") as f:
                 json.dump(res, f)
@@ -187,14 +186,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(world: int, kind: str, cfg_name: str, quick: bool, timeout_s: float) -> dict:
+def _spawn(world: int, kind: str, cfg, quick: bool, timeout_s: float) -> dict:
     """Run _rank_main on `world` spawned processes; rank 0's results. Never hangs: ranks
     still running after timeout_s are killed."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "comm.json")
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), kind, cfg_name, quick,
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), kind, cfg, quick,
                                                    path), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
@@ -222,7 +221,7 @@ def calibrate_comm(prof: HardwareProfile, world: int, kind: str, cfg, quick: boo
                    clock) -> HardwareProfile:
     """The profile with this machine's collectives and comm backends (one node)."""
     try:
-        raw = _spawn(world, kind, cfg.name, quick, min(TIMEOUT_S, max(clock.left(), 30.0)))
+        raw = _spawn(world, kind, cfg, quick, min(TIMEOUT_S, max(clock.left(), 30.0)))
     except (RuntimeError, OSError, FileNotFoundError) as exc:
         clock.skipped.append(f"comm: {exc}")
         return prof

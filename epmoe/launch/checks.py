@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from epmoe.config import RECIPES, QuantConfig, get_preset
+from epmoe.config import PRESETS, RECIPES, QuantConfig, get_preset
 from epmoe.launch.cluster import ClusterAddress, parse_address
 from epmoe.launch.errors import InputError
 
@@ -78,7 +78,8 @@ def build_run(a: argparse.Namespace):
     if rpg != 1:
         _check_shared_gpus(a, rpg, form, world)
     graph = getattr(a, "cuda_graph", False)
-    run = RunConfig(model=a.model, quant=quant, form=form, world=world, backend=a.backend,
+    # a config.json is read here, once: the ranks get its MoEConfig, not the path
+    run = RunConfig(model=a.model, model_config=None if a.model in PRESETS else cfg, quant=quant, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, start_timeout_s=start_timeout, check=a.check,

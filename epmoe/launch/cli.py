@@ -52,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
                         "--experts triton or deepgemm; --plan keeps to those; with --eplb "
                         "captured again after each placement switch)")
     m = p.add_argument_group("model and data")
-    m.add_argument("--model", default=DEFAULT_PRESET, help=f"preset: {', '.join(PRESETS)}")
+    m.add_argument("--model", default=DEFAULT_PRESET,
+                   help=f"preset ({', '.join(PRESETS)}), or a Hugging Face config.json "
+                        f"(or the folder holding it)")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")
     m.add_argument("--scale-fmt", default="fp32", help=f"fp8_block scales: {', '.join(SCALE_FMTS)}")
     m.add_argument("--tokens", type=int, default=64,

@@ -25,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m epmoe.plan", description=(
         "Choose per MoE layer and token bucket the parallel form, comm backend and experts "
         "kernel with the lowest predicted time (epmoe.plan.cost) that fits in memory."))
-    p.add_argument("--model", default="deepseek-v3", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", default="deepseek-v3",
+                   help=f"preset ({', '.join(PRESETS)}), or a Hugging Face config.json "
+                        f"(or the folder holding it)")
     p.add_argument("--topology", default="1x8",
                    help="NODESxGPUS (e.g. 2x8) or a topology JSON file")
     p.add_argument("--tokens", default="128,4096",

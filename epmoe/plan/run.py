@@ -19,7 +19,9 @@ from epmoe.plan.forms import LayerPlan, LayerSpec
 class RunConfig:
     """Everything a run needs; validated before any worker starts."""
 
-    model: str = "deepseek-v3-tiny"
+    model: str = "deepseek-v3-tiny"  # a preset, or the config.json `model_config` came from
+    # a model read from a config.json by the launcher (epmoe.hf_config), so no rank reads files
+    model_config: MoEConfig | None = None
     quant: QuantConfig = field(default_factory=QuantConfig)
     form: str = "ep_dp"  # tp | ep | ep_dp
     world: int = 1
@@ -59,7 +61,7 @@ class RunConfig:
 
     @property
     def cfg(self) -> MoEConfig:
-        cfg = get_preset(self.model)
+        cfg = self.model_config if self.model_config is not None else get_preset(self.model)
         if self.model_overrides:
             cfg = cfg.replace(**dict(self.model_overrides))
         return cfg

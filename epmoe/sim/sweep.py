@@ -1,6 +1,6 @@
 """A scaling sweep: a file (JSON or TOML) -> rows of predicted step time, comm share and bytes.
 
-    model = "deepseek-v3"            # preset
+    model = "deepseek-v3"            # preset, or a Hugging Face config.json
     quant = "fp8_block"
     gpus = ["h800", "h200", "b200"]  # shipped profiles (or profile JSON files)
     ep = [8, 16, 32, 64, 128, 256]   # ranks

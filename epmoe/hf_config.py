@@ -1,0 +1,181 @@
+"""A model's MoE layers from its Hugging Face `config.json`: `--model path/to/config.json`.
+
+`read_hf_config(path)` (the file, or the checkpoint folder holding it) -> `HFModel`: the
+`MoEConfig` of its MoE layers, the checkpoint naming (`epmoe.checkpoint.NAMINGS`), which of the
+checkpoint's layers are MoE layers, and how the checkpoint stores the experts.
+
+Families are read by `model_type` (multimodal configs: their `text_config`). Field names differ
+between families and releases (`n_routed_experts` / `num_experts` / `num_local_experts`), so
+each figure is read from the first name present; a figure no name gives is an error naming
+them, and so is a router or expert feature epmoe does not compute (the model is refused, not
+approximated). The router's semantics follow each family's Hugging Face modeling code:
+  deepseek_v3, kimi_k2, glm4_moe  sigmoid scores + selection bias, group-limited top-k,
+                                  renormalized, then x routed_scaling_factor
+  deepseek_v2                     softmax top-k ("greedy"); x routed_scaling_factor only when
+                                  not renormalized (its modeling code)
+  qwen3_moe, olmoe, mixtral       softmax top-k, renormalized if norm_topk_prob
+  gpt_oss                         softmax over the top-k of logits + bias; expert biases;
+                                  clamped swiglu (swiglu_limit), alpha 1.702
+MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
+`mlp_only_layers` (Qwen), else every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from epmoe.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What a config.json says about a model's MoE layers."""
+
+    cfg: MoEConfig
+    naming: str  # epmoe.checkpoint.NAMINGS key
+    moe_layers: tuple[int, ...]  # the checkpoint's layer index of MoE layer 0, 1, ...
+    stored_recipe: str | None  # experts as stored: bf16 | fp8_block | w4a8_mxfp4 (None: other)
+    model_type: str
+
+
+@dataclass(frozen=True)
+class _Family:
+    naming: str
+    router: str  # without a scoring_func field
+    renormalize: bool  # without a norm_topk_prob field: the HF config class's default
+    layers: str  # dense_first | sparse_step | all
+
+
+_DEEPSEEK = _Family("deepseek", "sigmoid_grouped", True, "dense_first")
+FAMILIES = {
+    "deepseek_v3": _DEEPSEEK,
+    "kimi_k2": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,
+    "deepseek_v2": _Family("deepseek", "softmax", False, "dense_first"),
+    "qwen3_moe": _Family("qwen3_moe", "softmax", False, "sparse_step"),
+    "olmoe": _Family("qwen3_moe", "softmax", False, "all"),
+    "mixtral": _Family("mixtral", "softmax", True, "all"),
+    "gpt_oss": _Family("gpt_oss", "softmax", True, "all"),
+}
+_GATED_SHARED = ("its shared expert's output is scaled by a learned sigmoid gate "
+                 "(shared_expert_gate), which epmoe's shared MLP does not compute")
+UNSUPPORTED = {
+    "qwen2_moe": _GATED_SHARED,
+    "qwen3_next": _GATED_SHARED,
+    "llama4": "its router weights the expert input by a sigmoid of the top-1 logit",
+    "llama4_text": "its router weights the expert input by a sigmoid of the top-1 logit",
+}
+
+
+def _path(path: str) -> str:
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(p):
+        raise ValueError(f"{path!r}: no Hugging Face config.json there")
+    return p
+
+
+_REQUIRED = object()
+
+
+def _get(d: dict, where: str, *names, default=_REQUIRED):
+    """The first of `names` the config gives; else the default, or an error naming them."""
+    for n in names:
+        if d.get(n) is not None:
+            return d[n]
+    if default is _REQUIRED:
+        raise ValueError(f"{where}: the config has none of {', '.join(names)}")
+    return default
+
+
+def read_hf_config(path: str, name: str | None = None) -> HFModel:
+    """The MoE layers of the model whose config.json is `path` (or lies in folder `path`)."""
+    file = _path(path)
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not a readable JSON config ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: a config.json holds one JSON object")
+    name = name or os.path.basename(os.path.dirname(os.path.abspath(file))) or "model"
+    return parse_hf_config(raw, name, where=file)
+
+
+def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel:
+    d, text = raw, raw.get("text_config")
+    if "hidden_size" not in raw and isinstance(text, dict):
+        d = {**raw, **text}  # a multimodal config: its language model's figures
+    mtype = d.get("model_type")
+    if mtype in UNSUPPORTED:
+        raise ValueError(f"{where}: model_type {mtype!r} is not supported: {UNSUPPORTED[mtype]}")
+    if mtype not in FAMILIES:
+        raise ValueError(f"{where}: model_type {mtype!r} is not a MoE family epmoe reads; "
+                         f"supported: {', '.join(FAMILIES)}")
+    fam = FAMILIES[mtype]
+    at = f"{where} ({mtype})"
+    experts = _get(d, at, "n_routed_experts", "num_experts", "num_local_experts")
+    if d.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{at}: shared_expert_intermediate_size: {_GATED_SHARED}")
+    router = {"sigmoid": "sigmoid_grouped", "softmax": "softmax", None: fam.router}.get(
+        d.get("scoring_func"), "?")
+    if router == "?":
+        raise ValueError(f"{at}: scoring_func {d['scoring_func']!r} is not one of sigmoid, "
+                         f"softmax")
+    n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    method = d.get("topk_method")
+    if method == "group_limited_greedy" and n_group > 1:
+        raise ValueError(f"{at}: topk_method 'group_limited_greedy' (softmax, groups ranked by "
+                         f"their best expert) is not one of epmoe's routers")
+    if router == "softmax":
+        n_group = topk_group = 1  # softmax routers here pick among all experts ("greedy")
+    renorm = bool(_get(d, at, "norm_topk_prob", default=fam.renormalize))
+    scale = float(d.get("routed_scaling_factor") or 1.0)
+    if mtype == "deepseek_v2" and renorm:
+        scale = 1.0  # V2 scales the weights only when it does not renormalize them
+    act = d.get("hidden_act", "silu")
+    if mtype != "gpt_oss" and act not in ("silu", "swish"):
+        raise ValueError(f"{at}: hidden_act {act!r}: epmoe's experts compute SwiGLU (silu)")
+    moe_layers = _moe_layers(d, fam, at)
+    oss = mtype == "gpt_oss"
+    cfg = MoEConfig(
+        name=name, hidden=int(_get(d, at, "hidden_size")),
+        moe_intermediate=int(_get(d, at, "moe_intermediate_size", "intermediate_size")),
+        num_experts=int(experts),
+        top_k=int(_get(d, at, "num_experts_per_tok", "experts_per_token", "moe_topk")),
+        num_shared_experts=int(d.get("n_shared_experts") or 0), router=router,
+        renormalize=renorm, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=scale, activation="swigluoai" if oss else "swiglu",
+        swiglu_limit=float(d["swiglu_limit"]) if oss and d.get("swiglu_limit") else None,
+        num_moe_layers=len(moe_layers), router_bias=oss, expert_bias=oss)
+    return HFModel(cfg, fam.naming, moe_layers, _stored_recipe(d), mtype)
+
+
+def _moe_layers(d: dict, fam: _Family, at: str) -> tuple[int, ...]:
+    n = int(_get(d, at, "num_hidden_layers"))
+    if fam.layers == "dense_first":
+        first = int(d.get("first_k_dense_replace") or 0)
+        freq = int(d.get("moe_layer_freq") or 1)
+        layers = [i for i in range(n) if i >= first and i % freq == 0]
+    elif fam.layers == "sparse_step":
+        step = int(d.get("decoder_sparse_step") or 1)
+        dense = set(d.get("mlp_only_layers") or ())
+        layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    else:
+        layers = list(range(n))
+    if not layers:
+        raise ValueError(f"{at}: none of its {n} layers is a MoE layer")
+    return tuple(layers)
+
+
+def _stored_recipe(d: dict) -> str | None:
+    q = d.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method is None:
+        return "bf16"
+    if method == "fp8" and list(q.get("weight_block_size") or ()) == [128, 128]:
+        return "fp8_block"
+    if method == "mxfp4":
+        return "w4a8_mxfp4"
+    return None  # a storage epmoe's checkpoint reader does not decode (AWQ, GPTQ, ...)

@@ -1,0 +1,237 @@
+"""`--model path/to/config.json`: a model's MoE layers read from its Hugging Face config.
+
+The anchors are published config.json figures (the fields as released, irrelevant ones
+included): each preset's config must read back to the preset, whose numbers config.py cites
+from the same files. Families without a preset are checked field by field, and the one whose
+router semantics differ from the field names (DeepSeek-V2) against its gate re-written here
+from its modeling code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from epmoe.config import PRESETS, QuantConfig, get_preset
+from epmoe.hf_config import parse_hf_config, read_hf_config
+from epmoe.reference import reference_route
+
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}
+# deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct, Qwen/Qwen3-235B-A22B, Qwen3-30B-A3B,
+# mistralai/Mixtral-8x7B-v0.1, openai/gpt-oss-120b and -20b: config.json (MoE fields + a few
+# others as they appear there)
+PUBLISHED = {
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+        num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, hidden_act="silu",
+        vocab_size=129280, num_nextn_predict_layers=1, quantization_config=FP8_BLOCK),
+    "kimi-k2": dict(
+        model_type="kimi_k2", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, n_routed_experts=384, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+        num_hidden_layers=61, first_k_dense_replace=1, moe_layer_freq=1, hidden_act="silu",
+        quantization_config=FP8_BLOCK),
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
+        moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, num_hidden_layers=94, decoder_sparse_step=1, mlp_only_layers=[],
+        hidden_act="silu", router_aux_loss_coef=0.001),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        num_hidden_layers=48, decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu"),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=32, hidden_act="silu"),
+    "gpt-oss-120b": dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=128,
+        num_experts_per_tok=4, experts_per_token=4, num_hidden_layers=36, swiglu_limit=7.0,
+        hidden_act="silu", quantization_config={"quant_method": "mxfp4"}),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+        num_experts_per_tok=4, experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0,
+        hidden_act="silu", quantization_config={"quant_method": "mxfp4"}),
+}
+STORED = {"deepseek-v3": "fp8_block", "kimi-k2": "fp8_block", "gpt-oss-120b": "w4a8_mxfp4",
+          "gpt-oss-20b": "w4a8_mxfp4"}
+NAMING = {"deepseek_v3": "deepseek", "kimi_k2": "deepseek", "qwen3_moe": "qwen3_moe",
+          "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_a_published_config_reads_back_to_its_preset(preset, tmp_path):
+    folder = tmp_path / preset
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLISHED[preset]))
+    hf = read_hf_config(str(folder))
+    assert hf.cfg == PRESETS[preset].replace(name=preset)  # the folder names the model
+    assert hf.naming == NAMING[PUBLISHED[preset]["model_type"]]
+    assert hf.stored_recipe == STORED.get(preset, "bf16")
+    assert len(hf.moe_layers) == hf.cfg.num_moe_layers
+    assert get_preset(str(folder / "config.json")) == hf.cfg  # the file or its folder
+
+
+def test_moe_layers_follow_each_familys_rule():
+    v3 = parse_hf_config(PUBLISHED["deepseek-v3"], "v3")
+    assert v3.moe_layers == tuple(range(3, 61))
+    every_other = dict(PUBLISHED["deepseek-v3"], first_k_dense_replace=1, moe_layer_freq=2)
+    assert parse_hf_config(every_other, "x").moe_layers == tuple(range(2, 61, 2))
+    qwen = dict(PUBLISHED["qwen3-30b-a3b"], num_hidden_layers=8, decoder_sparse_step=2,
+                mlp_only_layers=[3])
+    assert parse_hf_config(qwen, "q").moe_layers == (1, 5, 7)  # (i + 1) % 2 == 0, not 3
+    assert parse_hf_config(PUBLISHED["mixtral-8x7b"], "m").moe_layers == tuple(range(32))
+
+
+def test_glm_olmoe_and_a_multimodal_wrapper():
+    # zai-org/GLM-4.5/config.json (MoE fields)
+    glm = parse_hf_config(dict(
+        model_type="glm4_moe", hidden_size=5120, intermediate_size=12288,
+        moe_intermediate_size=1536, n_routed_experts=160, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_hidden_layers=92, first_k_dense_replace=3,
+        hidden_act="silu"), "glm-4.5")
+    c = glm.cfg
+    assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts) == \
+        (5120, 1536, 160, 8, 1)
+    assert (c.router, c.renormalize, c.routed_scaling_factor, c.num_moe_layers) == \
+        ("sigmoid_grouped", True, 2.5, 89)
+    assert glm.naming == "deepseek" and glm.moe_layers[0] == 3
+    # allenai/OLMoE-1B-7B-0924/config.json
+    olmoe = parse_hf_config(dict(
+        model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=False, num_hidden_layers=16,
+        hidden_act="silu"), "olmoe").cfg
+    assert (olmoe.moe_intermediate, olmoe.num_experts, olmoe.router, olmoe.renormalize) == \
+        (1024, 64, "softmax", False)
+    wrapped = {"model_type": "kimi_vl", "vision_config": {"hidden_size": 1152},
+               "text_config": PUBLISHED["deepseek-v3"]}
+    assert parse_hf_config(wrapped, "v").cfg == parse_hf_config(PUBLISHED["deepseek-v3"],
+                                                                "v").cfg
+
+
+def _deepseek_v2_gate(logits, k, norm, scale):
+    """DeepSeek-V2's MoEGate ("greedy", softmax), as its modeling code defines it: softmax over
+    the experts, top-k; renormalized when norm_topk_prob (top_k > 1), else x the scale."""
+    p = torch.softmax(logits.double(), dim=-1)
+    w, ids = torch.topk(p, k, dim=-1)
+    return ids, (w / w.sum(-1, keepdim=True) if norm and k > 1 else w * scale)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_deepseek_v2_routes_as_its_modeling_code(norm):
+    # deepseek-ai/DeepSeek-V2-Lite/config.json, the scale raised so that it shows
+    raw = dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+               moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+               n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=2.0,
+               norm_topk_prob=norm, scoring_func="softmax", topk_method="greedy",
+               num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1,
+               hidden_act="silu")
+    hf = parse_hf_config(raw, "v2-lite")
+    assert hf.cfg.num_moe_layers == 26 and hf.cfg.shared_intermediate == 2 * 1408
+    logits = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+    ids, w = reference_route(logits, hf.cfg)
+    want_ids, want_w = _deepseek_v2_gate(logits, 6, norm, 2.0)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(model_type="qwen2_moe", shared_expert_intermediate_size=5632), "sigmoid gate"),
+    (dict(model_type="llama4_text"), "top-1 logit"),
+    (dict(model_type="bert"), "not a MoE family epmoe reads; supported: deepseek_v3"),
+    (dict(model_type=None), "model_type None"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(scoring_func="tanh"), "scoring_func 'tanh'"),
+    (dict(scoring_func="softmax", topk_method="group_limited_greedy"), "group_limited_greedy"),
+    (dict(num_experts_per_tok=None), "none of num_experts_per_tok, experts_per_token"),
+    (dict(first_k_dense_replace=61), "none of its 61 layers is a MoE layer"),
+    (dict(num_experts_per_tok=300), "top_k (300) must be <= num_experts (256)"),
+])
+def test_a_config_epmoe_cannot_compute_is_refused_by_name(change, msg):
+    raw = {k: v for k, v in dict(PUBLISHED["deepseek-v3"], **change).items() if v is not None}
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        parse_hf_config(raw, "x")
+
+
+def test_paths_that_are_not_configs(tmp_path):
+    with pytest.raises(ValueError, match="no Hugging Face config.json there"):
+        read_hf_config(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable JSON config"):
+        read_hf_config(str(tmp_path))
+    with pytest.raises(ValueError, match="or give a Hugging Face config.json"):
+        get_preset("no-such-model-or-path")
+
+
+def test_other_storage_is_named_unknown_not_guessed():
+    raw = dict(PUBLISHED["qwen3-30b-a3b"], quantization_config={"quant_method": "awq"})
+    assert parse_hf_config(raw, "q").stored_recipe is None
+
+
+TINY_QWEN = dict(model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128,
+                 intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+                 norm_topk_prob=True, num_hidden_layers=4, decoder_sparse_step=2,
+                 hidden_act="silu")
+
+
+def test_a_checkpoint_folder_gives_its_naming_and_moe_layer_index(tmp_path):
+    """MoE layer 1 of a decoder_sparse_step 2 model is the checkpoint's layer 3; the folder's
+    config.json gives that and the naming, so load_layer needs neither."""
+    from safetensors.torch import save_file
+
+    from epmoe.checkpoint import load_layer
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN))
+    cfg = read_hf_config(str(tmp_path)).cfg
+    d, i = cfg.hidden, cfg.moe_intermediate
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for cl in (1, 3):
+        tensors[f"model.layers.{cl}.mlp.gate.weight"] = torch.randn(16, d, generator=g)
+        for e in range(16):
+            pre = f"model.layers.{cl}.mlp.experts.{e}."
+            for n, shape in (("gate_proj", (i, d)), ("up_proj", (i, d)), ("down_proj", (d, i))):
+                tensors[pre + n + ".weight"] = torch.randn(*shape, generator=g).bfloat16()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    lw = load_layer(str(tmp_path), None, cfg, QuantConfig("bf16"), 1, [5, 2])
+    assert torch.equal(lw.gate_ED, tensors["model.layers.3.mlp.gate.weight"])
+    want = torch.cat([tensors[f"model.layers.3.mlp.experts.5.{n}_proj.weight"]
+                      for n in ("gate", "up")])
+    assert torch.equal(lw.experts.w13.data[0], want)
+    with pytest.raises(ValueError, match="has 2 MoE layers"):
+        load_layer(str(tmp_path), None, cfg, QuantConfig("bf16"), 2, [0])
+
+
+@pytest.mark.timeout(240)
+def test_launch_and_plan_take_a_config_json(tmp_path, capsys):
+    """One rank in-process against the oracle; the ranks get the MoEConfig, not the path."""
+    import pickle
+
+    from epmoe.launch.checks import build_run
+    from epmoe.launch.cli import main as launch
+    from epmoe.launch.cli import parser
+    from epmoe.plan.__main__ import main as plan
+
+    folder = tmp_path / "Tiny-Qwen3-MoE"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_QWEN))
+    out = tmp_path / "s.json"
+    rc = launch(["--model", str(folder), "--ep", "1", "--tokens", "8", "--steps", "1",
+                 "--device", "cpu", "--quiet", "--out", str(out)])
+    s = json.loads(out.read_text())
+    assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+    assert s["config"]["model"] == str(folder) and len(s["correctness"]["per_layer"]) == 2
+    assert plan(["--model", str(folder / "config.json"), "--topology", "1x8", "--tokens",
+                 "64"]) == 0
+    assert "beats" in capsys.readouterr().out
+    run = build_run(parser().parse_args(["--model", str(folder), "--ep", "4"]))
+    want = read_hf_config(str(folder)).cfg
+    (folder / "config.json").unlink()  # a rank on another node has no such file
+    shipped = pickle.loads(pickle.dumps(run))
+    assert shipped.cfg == want and shipped.num_layers == 2
