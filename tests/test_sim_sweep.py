@@ -50,6 +50,22 @@ def test_redundancy_lowers_the_skewed_step():
     assert eplb["imbalance"] < plain["imbalance"] and eplb["step_ms"] < plain["step_ms"]
 
 
+def test_a_config_json_beside_the_sweep_file_is_its_model(tmp_path, monkeypatch):
+    """The same layer as the preset, read from a config.json next to the sweep: same rows."""
+    from tests.test_hf_config import PUBLISHED
+
+    (tmp_path / "exp" / "v3").mkdir(parents=True)
+    (tmp_path / "exp" / "v3" / "config.json").write_text(json.dumps(PUBLISHED["deepseek-v3"]))
+    f = tmp_path / "exp" / "s.json"
+    f.write_text(json.dumps({"model": "v3", "gpus": ["h200"], "ep": [16], "tokens": [128],
+                             "layers": 2}))
+    monkeypatch.chdir(tmp_path)  # not the sweep's folder
+    s = Sweep.load(f)
+    assert s.model == str(tmp_path / "exp" / "v3")
+    preset = Sweep.from_dict({"gpus": ["h200"], "ep": [16], "tokens": [128], "layers": 2})
+    assert [r["step_ms"] for r in run(s)] == [r["step_ms"] for r in run(preset)]
+
+
 @pytest.mark.parametrize("text,msg", [
     ('{"ep": [8], "colour": 1}', "unknown keys"),
     ('{"ep": [0]}', "ep"),

@@ -1,6 +1,6 @@
 """A scaling sweep: a file (JSON or TOML) -> rows of predicted step time, comm share and bytes.
 
-    model = "deepseek-v3"            # preset, or a Hugging Face config.json
+    model = "deepseek-v3"            # preset, or a Hugging Face config.json (beside this file)
     quant = "fp8_block"
     gpus = ["h800", "h200", "b200"]  # shipped profiles (or profile JSON files)
     ep = [8, 16, 32, 64, 128, 256]   # ranks
@@ -19,9 +19,10 @@ gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink dom
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from epmoe.config import QuantConfig, get_preset
+from epmoe.config import PRESETS, QuantConfig, get_preset
 from epmoe.docfile import read_doc
 from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer
@@ -69,7 +70,14 @@ class Sweep:
 
     @classmethod
     def load(cls, path) -> "Sweep":
-        return cls.from_dict(read_doc(path, "sweep file"))
+        """A relative config.json path as `model` is read beside the sweep file."""
+        d = read_doc(path, "sweep file")
+        m = d.get("model")
+        if isinstance(m, str) and m not in PRESETS and not os.path.isabs(m):
+            beside = os.path.join(os.path.dirname(os.path.abspath(path)), m)
+            if os.path.exists(beside):
+                d = dict(d, model=beside)
+        return cls.from_dict(d)
 
     def check(self) -> None:
         get_preset(self.model)
