@@ -22,7 +22,7 @@ from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing
 from epmoe.timing import DeviceSleep, StageTimer
-from epmoe.weights import synthetic_layer
+from epmoe.weights import layer_weights
 
 # device timing (RunConfig.timing): the GPU is held for HOLD_FACTOR x the fastest issue time
 # of the steps so far (the first step: HOLD_FIRST_MS; never above HOLD_MAX_MS)
@@ -69,6 +69,11 @@ class Runtime:
         # the rebalancer owns the placement (slot s of layer l holds logical expert
         # phy2log[l][s]; initially s mod E), the replica maps and, with run.eplb, rebalancing
         slots = self.plans[0].slots(self.cfg)
+        self.checkpoint = None  # run.weights, opened once: its files are read per layer
+        if run.weights is not None:
+            from epmoe.checkpoint import SafetensorsCheckpoint
+
+            self.checkpoint = SafetensorsCheckpoint(run.weights)
         self.rebalancer = Rebalancer(
             self.cfg, run.quant, run.num_layers, slots, rank=rank,
             world=self.world, group=group, device=self.device, forms=run.forms,
@@ -132,8 +137,8 @@ class Runtime:
         logical = [slot_to_logical[s] if slot_to_logical is not None else s % cfg.num_experts
                    for s in slots]
         with_shared, sslice = plan.shared_slice(cfg, run.quant)
-        w = synthetic_layer(cfg, run.quant, l, run.seed, logical, plan.inter_slice(cfg),
-                            sslice, with_shared, self.device)
+        w = layer_weights(cfg, run.quant, l, run.seed, logical, plan.inter_slice(cfg), sslice,
+                          with_shared, self.device, self.checkpoint)
         w = dataclasses.replace(w, experts=dataclasses.replace(
             w.experts, expert_ids_E=torch.as_tensor(slots, dtype=torch.long, device=self.device)))
         experts = self._make_experts(w.experts, plan.experts)

@@ -250,6 +250,21 @@ def synthetic_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int,
     return LayerWeights(gate, bias, experts, shared)
 
 
+def layer_weights(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, expert_ids,
+                  inter_slice=None, shared_slice=None, with_shared=True, device=None,
+                  checkpoint=None) -> LayerWeights:
+    """`synthetic_layer`'s share of MoE layer `layer`, or, given a checkpoint (a Hugging Face
+    folder with its config.json, or an open `SafetensorsCheckpoint` of one), the same share
+    read from it (epmoe.checkpoint.load_layer: naming and layer index from the config)."""
+    if checkpoint is None:
+        return synthetic_layer(cfg, quant, layer, seed, expert_ids, inter_slice, shared_slice,
+                               with_shared, device)
+    from epmoe.checkpoint import load_layer
+
+    return load_layer(checkpoint, None, cfg, quant, layer, expert_ids, inter_slice=inter_slice,
+                      shared_slice=shared_slice, with_shared=with_shared, device=device)
+
+
 def dequantized_full_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int) -> Oracle:
     """Everything the float64 oracle needs (`reference.Oracle`): dequantized weights exactly as
     the ranks hold them (quantized per expert, whole), and the biases."""

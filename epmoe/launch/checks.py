@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from epmoe.config import PRESETS, RECIPES, QuantConfig, get_preset
+from epmoe.config import DEFAULT_PRESET, PRESETS, RECIPES, QuantConfig, get_preset
 from epmoe.launch.cluster import ClusterAddress, parse_address
 from epmoe.launch.errors import InputError
 
@@ -35,7 +35,12 @@ def build_run(a: argparse.Namespace):
     if a.ep > 1 and a.tp > 1:
         raise ValueError(f"--ep {a.ep} with --tp {a.tp}: one parallel form per run (the planner "
                          f"mixes them per layer); pick --ep or --tp")
-    cfg = get_preset(a.model)
+    weights = getattr(a, "weights", None)
+    if weights and not os.path.isdir(weights):
+        raise ValueError(f"--weights {weights!r}: no such folder (a Hugging Face checkpoint: "
+                         f"safetensors + config.json)")
+    model = weights if weights and a.model == DEFAULT_PRESET else a.model
+    cfg = get_preset(model)
     if a.quant not in RECIPES:
         raise ValueError(f"--quant {a.quant!r} is not a recipe; choose one of {', '.join(RECIPES)}")
     quant = QuantConfig(a.quant, a.scale_fmt)
@@ -79,7 +84,10 @@ def build_run(a: argparse.Namespace):
         _check_shared_gpus(a, rpg, form, world)
     graph = getattr(a, "cuda_graph", False)
     # a config.json is read here, once: the ranks get its MoEConfig, not the path
-    run = RunConfig(model=a.model, model_config=None if a.model in PRESETS else cfg, quant=quant, form=form, world=world, backend=a.backend,
+    if weights:
+        _check_weights(weights, cfg, model, a.layers)
+    run = RunConfig(model=model, model_config=None if model in PRESETS else cfg, quant=quant,
+                    weights=weights, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, start_timeout_s=start_timeout, check=a.check,
@@ -104,6 +112,29 @@ def build_run(a: argparse.Namespace):
 
 
 SHARED_GPU_BACKENDS = ("symm-ht", "symm-ll")  # NCCL and DeepEP need a GPU per rank
+
+
+def _check_weights(path: str, cfg, model: str, layers: int | None) -> None:
+    """--weights: a checkpoint of this model's layers, with as many MoE layers as the run."""
+    import dataclasses
+
+    from epmoe.checkpoint import SafetensorsCheckpoint
+    from epmoe.hf_config import read_hf_config
+
+    hf = read_hf_config(path)  # the naming and layer indices the ranks will read by
+    try:
+        SafetensorsCheckpoint(path)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise ValueError(f"--weights {path!r}: {exc}") from None
+    for f in dataclasses.fields(cfg):
+        mine, theirs = getattr(cfg, f.name), getattr(hf.cfg, f.name)
+        if f.name not in ("name", "num_moe_layers") and mine != theirs:
+            raise ValueError(f"--weights {path!r}: its config.json has {f.name} {theirs!r}, "
+                             f"--model {model} has {mine!r}")
+    n = cfg.num_moe_layers if layers is None else layers
+    if n > len(hf.moe_layers):
+        raise ValueError(f"--layers {n}: the checkpoint {path!r} has {len(hf.moe_layers)} MoE "
+                         f"layers")
 
 
 def _check_shared_gpus(a: argparse.Namespace, rpg: int, form: str, world: int) -> None:

@@ -55,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=DEFAULT_PRESET,
                    help=f"preset ({', '.join(PRESETS)}), or a Hugging Face config.json "
                         f"(or the folder holding it)")
+    m.add_argument("--weights", default=None, metavar="DIR",
+                   help="read the layers' weights from this Hugging Face checkpoint folder "
+                        "(safetensors + config.json; every rank reads it: on a cluster, a path "
+                        "every node sees) instead of synthetic ones; --model defaults to it")
     m.add_argument("--quant", default="bf16", help=f"recipe: {', '.join(RECIPES)}")
     m.add_argument("--scale-fmt", default="fp32", help=f"fp8_block scales: {', '.join(SCALE_FMTS)}")
     m.add_argument("--tokens", type=int, default=64,

@@ -55,7 +55,9 @@ def run_table(s: dict):
     from rich.markup import escape
 
     c, w, t, ld, cfg = s["correctness"], s["world"], s["timing"], s["load"], s["config"]
-    rows = [["backend", escape(f"{w['backend']} ({w['backend_reason']})")],
+    rows = [*([["weights", escape(cfg["weights"])]] if cfg.get("weights", "synthetic")
+               != "synthetic" else []),
+            ["backend", escape(f"{w['backend']} ({w['backend_reason']})")],
             ["experts", escape(str(w["experts"]))],
             ["device", escape(w["device"]) + (
                 f" ({w['ranks_per_gpu']} ranks per GPU, time-sliced: the times are not speeds)"

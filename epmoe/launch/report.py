@@ -11,7 +11,7 @@ import torch
 from epmoe import __version__
 from epmoe.plan.run import RunConfig
 from epmoe.reference import Oracle, max_rel_err, reference_moe, reference_route, tolerance
-from epmoe.weights import synthetic_layer
+from epmoe.weights import layer_weights
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
 MAX_CHECK_TOKENS_PER_RANK = 64
@@ -23,7 +23,12 @@ class LazyOracleLayer:
 
     def __init__(self, run: RunConfig, layer: int):
         self.run, self.layer = run, layer
-        lw = synthetic_layer(run.cfg, run.quant, layer, run.seed, [], with_shared=True)
+        self.ckpt = None
+        if run.weights is not None:
+            from epmoe.checkpoint import SafetensorsCheckpoint
+
+            self.ckpt = SafetensorsCheckpoint(run.weights)
+        lw = layer_weights(run.cfg, run.quant, layer, run.seed, [], checkpoint=self.ckpt)
         from epmoe.weights import layer_to_oracle
 
         o = layer_to_oracle(lw)
@@ -47,8 +52,8 @@ class LazyOracleLayer:
         if e not in self._cache:
             from epmoe.quant import dequantize_weight
 
-            lw = synthetic_layer(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
-                                 with_shared=False)
+            lw = layer_weights(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
+                               with_shared=False, checkpoint=self.ckpt)
             ex = lw.experts
 
             def first(t):
@@ -191,7 +196,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     summary = dict(
         epmoe_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        config=dict(model=run.model, recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
+        config=dict(model=run.model, weights=run.weights or "synthetic",
+                    recipe=run.quant.recipe, scale_fmt=run.quant.scale_fmt,
                     tokens_per_rank=run.tokens if run.own_tokens else None,
                     tokens=tokens_step, layers=run.num_layers, steps=run.steps, seed=run.seed,
                     routing=run.routing, hidden=cfg.hidden, moe_intermediate=cfg.moe_intermediate,

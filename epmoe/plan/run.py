@@ -22,6 +22,9 @@ class RunConfig:
     model: str = "deepseek-v3-tiny"  # a preset, or the config.json `model_config` came from
     # a model read from a config.json by the launcher (epmoe.hf_config), so no rank reads files
     model_config: MoEConfig | None = None
+    # a Hugging Face checkpoint folder (safetensors + config.json) the layers' weights are read
+    # from, on every rank (a cluster: a path every node sees); None = synthetic weights
+    weights: str | None = None
     quant: QuantConfig = field(default_factory=QuantConfig)
     form: str = "ep_dp"  # tp | ep | ep_dp
     world: int = 1
