@@ -9,13 +9,13 @@ between families and releases (`n_routed_experts` / `num_experts` / `num_local_e
 each figure is read from the first name present; a figure no name gives is an error naming
 them, and so is a router or expert feature epmoe does not compute (the model is refused, not
 approximated). The router's semantics follow each family's Hugging Face modeling code:
-  deepseek_v3, kimi_k2, glm4_moe  sigmoid scores + selection bias, group-limited top-k,
-                                  renormalized, then x routed_scaling_factor
-  deepseek_v2                     softmax top-k ("greedy"); x routed_scaling_factor only when
-                                  not renormalized (its modeling code)
-  qwen3_moe, olmoe, mixtral       softmax top-k, renormalized if norm_topk_prob
-  gpt_oss                         softmax over the top-k of logits + bias; expert biases;
-                                  clamped swiglu (swiglu_limit), alpha 1.702
+  deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
+  kimi_k2, glm4_moe           renormalized, then x routed_scaling_factor
+  deepseek_v2                 softmax top-k ("greedy"); x routed_scaling_factor only when not
+                              renormalized (its modeling code)
+  qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
+  gpt_oss                     softmax over the top-k of logits + bias; expert biases; clamped
+                              swiglu (swiglu_limit), alpha 1.702
 MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
 `mlp_only_layers` (Qwen), else every layer.
 """
@@ -51,6 +51,7 @@ class _Family:
 _DEEPSEEK = _Family("deepseek", "sigmoid_grouped", True, "dense_first")
 FAMILIES = {
     "deepseek_v3": _DEEPSEEK,
+    "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
     "deepseek_v2": _Family("deepseek", "softmax", False, "dense_first"),

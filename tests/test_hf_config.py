@@ -109,6 +109,8 @@ def test_glm_olmoe_and_a_multimodal_wrapper():
         hidden_act="silu"), "olmoe").cfg
     assert (olmoe.moe_intermediate, olmoe.num_experts, olmoe.router, olmoe.renormalize) == \
         (1024, 64, "softmax", False)
+    v32 = dict(PUBLISHED["deepseek-v3"], model_type="deepseek_v32", index_topk=2048)
+    assert parse_hf_config(v32, "v").cfg == parse_hf_config(PUBLISHED["deepseek-v3"], "v").cfg
     wrapped = {"model_type": "kimi_vl", "vision_config": {"hidden_size": 1152},
                "text_config": PUBLISHED["deepseek-v3"]}
     assert parse_hf_config(wrapped, "v").cfg == parse_hf_config(PUBLISHED["deepseek-v3"],

@@ -83,9 +83,9 @@ def build_run(a: argparse.Namespace):
     if rpg != 1:
         _check_shared_gpus(a, rpg, form, world)
     graph = getattr(a, "cuda_graph", False)
-    # a config.json is read here, once: the ranks get its MoEConfig, not the path
     if weights:
         _check_weights(weights, cfg, model, a.layers)
+    # a config.json is read here, once: the ranks get its MoEConfig, not the path
     run = RunConfig(model=model, model_config=None if model in PRESETS else cfg, quant=quant,
                     weights=weights, form=form, world=world, backend=a.backend,
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
