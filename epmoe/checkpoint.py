@@ -66,6 +66,23 @@ class SafetensorsCheckpoint:
                 with safe_open(os.path.join(path, fn), "pt") as f:
                     self.weight_map.update({k: fn for k in f.keys()})
         self._handles = {}
+        self._config = ...  # the folder's config.json, read on first use
+
+    @classmethod
+    def open(cls, path: str | None) -> "SafetensorsCheckpoint | None":
+        """The checkpoint at `path`; None for None (synthetic weights)."""
+        return None if path is None else cls(path)
+
+    @property
+    def config(self):
+        """The folder's config.json as an `epmoe.hf_config.HFModel` (read once); None without
+        one."""
+        if self._config is ...:
+            from epmoe.hf_config import read_hf_config
+
+            has = os.path.isfile(os.path.join(self.path, "config.json"))
+            self._config = read_hf_config(self.path) if has else None
+        return self._config
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -122,18 +139,20 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     other combination dequantizes to fp32 and quantizes with the recipe (gpt-oss's MXFP4
     experts loaded with w4a8_mxfp4 come back with the same values: a power-of-two rescale).
     """
-    folder = path.path if isinstance(path, SafetensorsCheckpoint) else path
-    hf = _folder_config(folder, need=naming is None)
-    naming = hf.naming if naming is None else naming
+    ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
+    hf = ckpt.config
+    if naming is None:
+        if hf is None:
+            raise ValueError(f"{ckpt.path!r} has no config.json: name the checkpoint's naming")
+        naming = hf.naming
     if ckpt_layer is None and hf is not None:
         if not 0 <= layer < len(hf.moe_layers):
-            raise ValueError(f"layer {layer}: {folder!r} has {len(hf.moe_layers)} MoE layers")
+            raise ValueError(f"layer {layer}: {ckpt.path!r} has {len(hf.moe_layers)} MoE layers")
         ckpt_layer = hf.moe_layers[layer]
     if naming not in NAMINGS:
         raise ValueError(f"unknown checkpoint naming {naming!r}; choose one of {sorted(NAMINGS)}")
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
     nm = NAMINGS[naming]
-    ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
     cl = layer if ckpt_layer is None else ckpt_layer
     g_name, u_name, d_name = nm["proj"]
     ids = list(expert_ids)
@@ -178,15 +197,6 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     _check_shape(w2, (len(ids), cfg.hidden, n_i), "experts' down")
     experts = build_expert_weights(w13, w2, quant, ids, device)
     return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
-
-
-def _folder_config(folder: str, need: bool):
-    """The HFModel of the folder's config.json; None without one (an error when `need`)."""
-    from epmoe.hf_config import read_hf_config
-
-    if not need and not os.path.isfile(os.path.join(folder, "config.json")):
-        return None
-    return read_hf_config(folder)
 
 
 def _check_shape(t, want, what):

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.comm import CommContext, make_comm
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
@@ -69,11 +70,8 @@ class Runtime:
         # the rebalancer owns the placement (slot s of layer l holds logical expert
         # phy2log[l][s]; initially s mod E), the replica maps and, with run.eplb, rebalancing
         slots = self.plans[0].slots(self.cfg)
-        self.checkpoint = None  # run.weights, opened once: its files are read per layer
-        if run.weights is not None:
-            from epmoe.checkpoint import SafetensorsCheckpoint
-
-            self.checkpoint = SafetensorsCheckpoint(run.weights)
+        # run.weights, opened once (its files are read per layer); None: synthetic weights
+        self.checkpoint = SafetensorsCheckpoint.open(run.weights)
         self.rebalancer = Rebalancer(
             self.cfg, run.quant, run.num_layers, slots, rank=rank,
             world=self.world, group=group, device=self.device, forms=run.forms,

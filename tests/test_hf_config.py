@@ -208,6 +208,11 @@ def test_a_checkpoint_folder_gives_its_naming_and_moe_layer_index(tmp_path):
     assert torch.equal(lw.experts.w13.data[0], want)
     with pytest.raises(ValueError, match="has 2 MoE layers"):
         load_layer(str(tmp_path), None, cfg, QuantConfig("bf16"), 2, [0])
+    (tmp_path / "config.json").unlink()  # without it: the caller names the naming and layer
+    with pytest.raises(ValueError, match="has no config.json: name the checkpoint's naming"):
+        load_layer(str(tmp_path), None, cfg, QuantConfig("bf16"), 1, [0])
+    lw = load_layer(str(tmp_path), "qwen3_moe", cfg, QuantConfig("bf16"), 3, [5])
+    assert torch.equal(lw.gate_ED, tensors["model.layers.3.mlp.gate.weight"])
 
 
 @pytest.mark.timeout(240)

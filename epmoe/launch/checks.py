@@ -124,7 +124,7 @@ def _check_weights(path: str, cfg, model: str, layers: int | None) -> None:
     hf = read_hf_config(path)  # the naming and layer indices the ranks will read by
     try:
         SafetensorsCheckpoint(path)
-    except (FileNotFoundError, NotADirectoryError) as exc:
+    except FileNotFoundError as exc:
         raise ValueError(f"--weights {path!r}: {exc}") from None
     for f in dataclasses.fields(cfg):
         mine, theirs = getattr(cfg, f.name), getattr(hf.cfg, f.name)

@@ -9,6 +9,7 @@ import statistics
 import torch
 
 from epmoe import __version__
+from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.plan.run import RunConfig
 from epmoe.reference import Oracle, max_rel_err, reference_moe, reference_route, tolerance
 from epmoe.weights import layer_weights
@@ -23,11 +24,7 @@ class LazyOracleLayer:
 
     def __init__(self, run: RunConfig, layer: int):
         self.run, self.layer = run, layer
-        self.ckpt = None
-        if run.weights is not None:
-            from epmoe.checkpoint import SafetensorsCheckpoint
-
-            self.ckpt = SafetensorsCheckpoint(run.weights)
+        self.ckpt = SafetensorsCheckpoint.open(run.weights)  # None: synthetic weights
         lw = layer_weights(run.cfg, run.quant, layer, run.seed, [], checkpoint=self.ckpt)
         from epmoe.weights import layer_to_oracle
 
