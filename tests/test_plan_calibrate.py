@@ -63,3 +63,58 @@ def test_recipes_are_checked_before_anything_is_measured(tmp_path, capsys, recip
                  "--recipes", recipes]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and msg in err and not out.exists()
+
+
+def test_a_calibration_at_other_shapes_adds_curves_and_replaces_only_its_own():
+    """merge_onto: calibrating gpt-oss's shapes over a DeepSeek-shaped profile keeps the
+    DeepSeek curves (inherited) and adds the new ones; a curve at a shape the base has
+    replaces it; an MLP curve likewise by (width, hidden) and side; kernel fits by name."""
+    import dataclasses
+
+    from epmoe.bench.calibrate import merge_onto
+    from epmoe.plan.profile import AlphaBeta, GemmCurve, MlpCurve, Provenance
+
+    old, new = Provenance("measured", "base run"), Provenance("measured", "this run")
+
+    def curve(n, k, tf, prov, overlapped=False):
+        return GemmCurve("triton", "bf16", "contiguous", n, k, ((8, tf), (512, 2 * tf)),
+                         prov, overlapped)
+
+    def mlp(width, hidden, us, prov, overlapped=False):
+        return MlpCurve("triton", "bf16", width, hidden, overlapped, ((128, us),), prov)
+
+    base = load_profile("h200")
+    base = base.replace(
+        gemm=(curve(4096, 7168, 100.0, old), curve(4096, 7168, 90.0, old, True),
+              curve(7168, 2048, 80.0, old)),
+        mlp=(mlp(2048, 7168, 50.0, old), mlp(2048, 7168, 60.0, old, True)),
+        kernels={"triton": {"permute": AlphaBeta(1.0, 100.0, old),
+                            "permute.overlapped": AlphaBeta(2.0, 90.0, old),
+                            "gather": AlphaBeta(3.0, 80.0, old)}})
+    oss = (curve(5760, 2880, 300.0, new), curve(2880, 2880, 250.0, new),
+           curve(7168, 2048, 111.0, new))  # the last at a shape the base has
+    gemm, kern, comm, coll, mlps = merge_onto(
+        base, oss, {"triton": {"permute": AlphaBeta(5.0, 200.0, new)}},
+        (mlp(2880, 2880, 40.0, new),))
+
+    by_shape = {(c.n, c.k, c.overlapped): c for c in gemm}
+    assert len(gemm) == 5 == len(by_shape)
+    for key in ((5760, 2880, False), (2880, 2880, False), (7168, 2048, False)):
+        assert by_shape[key].prov == new  # measured here, kept as measured
+    assert by_shape[(7168, 2048, False)].points[0][1] == 111.0  # replaced, not duplicated
+    for key, tf in (((4096, 7168, False), 100.0), ((4096, 7168, True), 90.0)):
+        kept = by_shape[key]
+        assert kept.points[0][1] == tf and kept.prov.source == "inherited"
+        assert "h200" in kept.prov.note
+    # the profile's lookups take the nearest shape: each model finds its own curves
+    prof = dataclasses.replace(base, gemm=gemm, kernels=kern, mlp=mlps)
+    assert prof.curve("triton", "bf16", "contiguous", 5760, 2880).prov == new
+    assert prof.curve("triton", "bf16", "contiguous", 4096, 7168).points[0][1] == 100.0
+    assert prof.mlp_curve("triton", "bf16", 2880, 2880, False).prov == new
+    assert prof.mlp_curve("triton", "bf16", 2048, 7168, False).points[0][1] == 50.0
+    assert prof.mlp_curve("triton", "bf16", 2048, 7168, True).points[0][1] == 60.0
+    # kernel fits by name: permute measured alone replaces both of the base's permute fits
+    assert kern["triton"]["permute"].prov == new and "permute.overlapped" not in kern["triton"]
+    assert kern["triton"]["gather"].prov.source == "inherited"
+    assert comm.keys() == base.comm.keys() and coll.keys() == base.collectives.keys()
+    assert all(f.prov.source == "inherited" for t in coll.values() for f in t.values())

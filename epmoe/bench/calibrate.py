@@ -223,6 +223,37 @@ def _recipes(spec: str | None, kind: str, cfg) -> list[str]:
     return recipes
 
 
+def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
+    """What a calibration measured, over what it inherits from `base` (each kept base figure
+    marked inherited). A curve replaces the base's curves of its backend, recipe and layout
+    at its own (N, K) only, an MLP curve the base's at its (width, hidden) and side: the
+    base keeps its other shapes, so calibrating gpt-oss's shapes over a DeepSeek-shaped
+    profile adds curves (the lookups take the nearest shape) instead of dropping them. A
+    kernel fit measured here replaces the base's of its name (and its `.overlapped` twin when
+    only the alone fit was measured). -> (gemm, kernels, comm, collectives, mlp)."""
+    shapes = {(c.backend, c.recipe, c.layout, c.n, c.k) for c in gemm}
+    mlp_shapes = {(c.backend, c.recipe, c.overlapped, c.width, c.hidden) for c in mlp}
+    kern, comm, coll, kept_gemm, kept_mlp = {}, {}, {}, (), ()
+    if base is not None:
+        kept_gemm = tuple(_inherited(c, base.name) for c in base.gemm
+                          if (c.backend, c.recipe, c.layout, c.n, c.k) not in shapes)
+        kept_mlp = tuple(_inherited(c, base.name) for c in base.mlp
+                         if (c.backend, c.recipe, c.overlapped, c.width, c.hidden)
+                         not in mlp_shapes)
+        kern = {b: {k: _inherited(v, base.name) for k, v in t.items()}
+                for b, t in base.kernels.items()}
+        comm = {b: {l: {d: _inherited(f, base.name) for d, f in t.items()}
+                    for l, t in lt.items()} for b, lt in base.comm.items()}
+        coll = {c: {l: _inherited(f, base.name) for l, f in t.items()}
+                for c, t in base.collectives.items()}
+    for b, t in kernels.items():
+        kern.setdefault(b, {}).update(t)
+        for name in t:  # a fit measured alone here outdates the base's fit beside the shared
+            if f"{name}.overlapped" not in t:
+                kern[b].pop(f"{name}.overlapped", None)
+    return tuple(gemm) + kept_gemm, kern, comm, coll, tuple(mlp) + kept_mlp
+
+
 def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     import torch
 
@@ -269,27 +300,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     if "quantize" not in kernels.get("comm", {}):  # no quantized recipe ran through the layer
         kernels.setdefault("comm", {})["quantize"] = measure_quantize(
             cfg, QuantConfig("fp8_block"), dev, clock)
-    curves = fits.gemm
-    measured = {(c.backend, c.recipe, c.layout) for c in curves}
-    gemm, kern, comm, coll = tuple(curves), {}, {}, {}
-    if base is not None:  # curves measured here replace the base's of the same kind
-        gemm += tuple(_inherited(c, base.name) for c in base.gemm
-                      if (c.backend, c.recipe, c.layout) not in measured)
-        kern = {b: {k: _inherited(v, base.name) for k, v in t.items()}
-                for b, t in base.kernels.items()}
-        comm = {b: {l: {d: _inherited(f, base.name) for d, f in t.items()}
-                    for l, t in lt.items()} for b, lt in base.comm.items()}
-        coll = {c: {l: _inherited(f, base.name) for l, f in t.items()}
-                for c, t in base.collectives.items()}
-    for b, t in kernels.items():
-        kern.setdefault(b, {}).update(t)
-        for name in t:  # a fit measured alone here outdates the base's fit beside the shared
-            if f"{name}.overlapped" not in t:
-                kern[b].pop(f"{name}.overlapped", None)
-    mlp_keys = {(c.backend, c.recipe, c.overlapped) for c in fits.mlp}
-    mlp = tuple(fits.mlp) + (() if base is None else tuple(
-        _inherited(c, base.name) for c in base.mlp
-        if (c.backend, c.recipe, c.overlapped) not in mlp_keys))
+    gemm, kern, comm, coll, mlp = merge_onto(base, fits.gemm, kernels, fits.mlp)
     prof = HardwareProfile(args.name or f"{gpu}-calibrated", gpu,
                            f"calibrated on {clock.note}", device, gemm, kern, comm, coll, mlp)
     world = args.ranks if args.ranks is not None else \
