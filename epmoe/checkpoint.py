@@ -1,6 +1,7 @@
 """Hugging Face safetensors checkpoints: one MoE layer's router and experts, read lazily.
 
-Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral), and
+Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
+MiniMax-M2: Mixtral's names with DeepSeek's selection bias), and
 gpt-oss's fused expert tensors, in either of its published forms:
   bf16    experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate = 0::2,
           up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
@@ -36,6 +37,10 @@ NAMINGS = {
                       expert="model.layers.{l}.mlp.experts.{e}.", shared=None,
                       proj=("gate_proj", "up_proj", "down_proj")),
     "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
+                    expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
+                    proj=("w1", "w3", "w2")),
+    "minimax": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight",
+                    bias="model.layers.{l}.block_sparse_moe.e_score_correction_bias",
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),
     "gpt_oss": dict(gate="model.layers.{l}.mlp.router.weight",

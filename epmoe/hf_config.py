@@ -10,7 +10,9 @@ each figure is read from the first name present; a figure no name gives is an er
 them, and so is a router or expert feature epmoe does not compute (the model is refused, not
 approximated). The router's semantics follow each family's Hugging Face modeling code:
   deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
-  kimi_k2, glm4_moe           renormalized, then x routed_scaling_factor
+  kimi_k2, glm4_moe, dots1    renormalized if norm_topk_prob, then x routed_scaling_factor
+  minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
+                              all experts, always renormalized, no scale; no shared expert
   deepseek_v2                 softmax top-k ("greedy"); x routed_scaling_factor only when not
                               renormalized (its modeling code)
   qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
@@ -46,6 +48,8 @@ class _Family:
     router: str  # without a scoring_func field
     renormalize: bool  # without a norm_topk_prob field: the HF config class's default
     layers: str  # dense_first | sparse_step | all
+    fixed_norm: bool = False  # its modeling code renormalizes and never scales, whatever the
+    #                           config says (norm_topk_prob / routed_scaling_factor unread)
 
 
 _DEEPSEEK = _Family("deepseek", "sigmoid_grouped", True, "dense_first")
@@ -54,6 +58,8 @@ FAMILIES = {
     "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
+    "dots1": _Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
+    "minimax_m2": _Family("minimax", "sigmoid_grouped", True, "all", fixed_norm=True),
     "deepseek_v2": _Family("deepseek", "softmax", False, "dense_first"),
     "qwen3_moe": _Family("qwen3_moe", "softmax", False, "sparse_step"),
     "olmoe": _Family("qwen3_moe", "softmax", False, "all"),
@@ -119,6 +125,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     experts = _get(d, at, "n_routed_experts", "num_experts", "num_local_experts")
     if d.get("shared_expert_intermediate_size"):
         raise ValueError(f"{at}: shared_expert_intermediate_size: {_GATED_SHARED}")
+    if mtype == "minimax_m2" and d.get("shared_intermediate_size"):
+        raise ValueError(f"{at}: shared_intermediate_size {d['shared_intermediate_size']}: "
+                         f"MiniMax-M2's modeling code has no shared expert to compute it with")
     router = {"sigmoid": "sigmoid_grouped", "softmax": "softmax", None: fam.router}.get(
         d.get("scoring_func"), "?")
     if router == "?":
@@ -131,8 +140,8 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
                          f"their best expert) is not one of epmoe's routers")
     if router == "softmax":
         n_group = topk_group = 1  # softmax routers here pick among all experts ("greedy")
-    renorm = bool(_get(d, at, "norm_topk_prob", default=fam.renormalize))
-    scale = float(d.get("routed_scaling_factor") or 1.0)
+    renorm = fam.fixed_norm or bool(_get(d, at, "norm_topk_prob", default=fam.renormalize))
+    scale = 1.0 if fam.fixed_norm else float(d.get("routed_scaling_factor") or 1.0)
     if mtype == "deepseek_v2" and renorm:
         scale = 1.0  # V2 scales the weights only when it does not renormalize them
     act = d.get("hidden_act", "silu")

@@ -143,6 +143,94 @@ def test_deepseek_v2_routes_as_its_modeling_code(norm):
     torch.testing.assert_close(w, want_w, rtol=1e-12, atol=0)
 
 
+# MiniMaxAI/MiniMax-M2 and rednote-hilab/dots.llm1.inst: config.json (MoE fields as released)
+MINIMAX_M2 = dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2",
+                  hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+                  num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                  num_local_experts=256, num_experts_per_tok=8, shared_intermediate_size=0,
+                  scoring_func="sigmoid", use_routing_bias=True, use_mtp=True,
+                  num_mtp_modules=3, rotary_dim=64, hidden_act="silu",
+                  quantization_config=FP8_BLOCK)
+DOTS1 = dict(model_type="dots1", hidden_size=4096, num_hidden_layers=62,
+             intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+             n_shared_experts=2, num_experts_per_tok=6, norm_topk_prob=True,
+             routed_scaling_factor=2.5, first_k_dense_replace=1, n_group=None, topk_group=None,
+             scoring_func="sigmoid", hidden_act="silu")
+
+
+def _minimax_m2_gate(logits, bias, k):
+    """MiniMax-M2's router as its modeling code defines it: sigmoid scores; the top-k of
+    scores + e_score_correction_bias; the chosen experts' unbiased scores over their sum."""
+    s = torch.sigmoid(logits.double())
+    ids = torch.topk(s + bias.double(), k, dim=-1).indices
+    w = s.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(norm_topk_prob=False, routed_scaling_factor=2.5)])
+def test_minimax_m2_routes_as_its_modeling_code(extra):
+    """Its modeling code renormalizes and never scales: fields saying otherwise are unread."""
+    hf = parse_hf_config(dict(MINIMAX_M2, **extra), "m2")
+    c = hf.cfg
+    assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts) == \
+        (3072, 1536, 256, 8, 0)
+    assert (c.router, c.n_group, c.topk_group, c.renormalize, c.routed_scaling_factor) == \
+        ("sigmoid_grouped", 1, 1, True, 1.0)
+    assert hf.naming == "minimax" and hf.moe_layers == tuple(range(62))
+    assert hf.stored_recipe == "fp8_block" and c.num_moe_layers == 62
+    g = torch.Generator().manual_seed(11)
+    logits, bias = torch.randn(48, 256, generator=g), torch.randn(256, generator=g)
+    ids, w = reference_route(logits, c, bias)
+    want_ids, want_w = _minimax_m2_gate(logits, bias, 8)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="shared_intermediate_size 1024: MiniMax-M2's"):
+        parse_hf_config(dict(MINIMAX_M2, shared_intermediate_size=1024), "m2")
+
+
+def test_dots1_is_deepseek_v3s_moe_layer():
+    hf = parse_hf_config(DOTS1, "dots")
+    c = hf.cfg
+    assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts) == \
+        (4096, 1408, 128, 6, 2)
+    assert (c.router, c.n_group, c.topk_group, c.renormalize, c.routed_scaling_factor) == \
+        ("sigmoid_grouped", 1, 1, True, 2.5)
+    assert hf.naming == "deepseek" and hf.moe_layers == tuple(range(1, 62))
+    # the HF config class's default: not renormalized when the field is absent
+    raw = {k: v for k, v in DOTS1.items() if k != "norm_topk_prob"}
+    assert parse_hf_config(raw, "dots").cfg.renormalize is False
+
+
+def test_a_minimax_checkpoint_folder_loads_with_its_selection_bias(tmp_path):
+    """Mixtral's names (w1 / w3 / w2 under block_sparse_moe) and the bias beside the gate."""
+    from safetensors.torch import save_file
+
+    from epmoe.checkpoint import load_layer
+
+    raw = dict(MINIMAX_M2, hidden_size=256, intermediate_size=128, num_local_experts=8,
+               num_experts_per_tok=2, num_hidden_layers=2)
+    raw.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = read_hf_config(str(tmp_path)).cfg
+    g = torch.Generator().manual_seed(5)
+    t = {}
+    for cl in (0, 1):
+        pre = f"model.layers.{cl}.block_sparse_moe."
+        t[pre + "gate.weight"] = torch.randn(8, 256, generator=g)
+        t[pre + "e_score_correction_bias"] = torch.randn(8, generator=g)
+        for e in range(8):
+            for n, shape in (("w1", (128, 256)), ("w3", (128, 256)), ("w2", (256, 128))):
+                t[f"{pre}experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g).bfloat16()
+    save_file(t, str(tmp_path / "model.safetensors"))
+    lw = load_layer(str(tmp_path), None, cfg, QuantConfig("bf16"), 1, [6, 3])
+    pre = "model.layers.1.block_sparse_moe."
+    assert torch.equal(lw.gate_ED, t[pre + "gate.weight"])
+    assert torch.equal(lw.bias_E, t[pre + "e_score_correction_bias"])
+    assert torch.equal(lw.experts.w13.data[1], torch.cat([t[pre + "experts.3.w1.weight"],
+                                                          t[pre + "experts.3.w3.weight"]]))
+    assert torch.equal(lw.experts.w2.data[0], t[pre + "experts.6.w2.weight"])
+
+
 @pytest.mark.parametrize("change,msg", [
     (dict(model_type="qwen2_moe", shared_expert_intermediate_size=5632), "sigmoid gate"),
     (dict(model_type="llama4_text"), "top-1 logit"),
