@@ -150,6 +150,8 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
         if hf is None:
             raise ValueError(f"{ckpt.path!r} has no config.json: name the checkpoint's naming")
         naming = hf.naming
+        if naming is None:
+            raise ValueError(f"{ckpt.path!r}: epmoe does not read {hf.model_type} checkpoints")
     if ckpt_layer is None and hf is not None:
         if not 0 <= layer < len(hf.moe_layers):
             raise ValueError(f"layer {layer}: {ckpt.path!r} has {len(hf.moe_layers)} MoE layers")

@@ -48,7 +48,8 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     activation: ActivationKind = "swiglu"
     activation_alpha: float = 1.702  # swigluoai only
-    swiglu_limit: float | None = None  # clamp limit (gpt-oss: 7.0); None = no clamp
+    swiglu_limit: float | None = None  # the routed experts' gate/up clamp (gpt-oss 7.0,
+    #                                    DeepSeek-V4 10.0); None = no clamp; never the shared
     num_moe_layers: int = 1
     apply_router_weight_on_input: bool = False
     router_bias: bool = False  # softmax router: a learned bias added to the logits (gpt-oss)
@@ -92,6 +93,13 @@ class MoEConfig:
     def shared_intermediate(self) -> int:
         """The shared experts run as one MLP of width num_shared_experts * moe_intermediate."""
         return self.num_shared_experts * self.moe_intermediate
+
+    @property
+    def shared_mlp_cfg(self) -> "MoEConfig":
+        """The config the shared experts' MLP computes with: the routed experts' SwiGLU clamp
+        (swiglu_limit) does not apply to it (DeepSeek-V4's shared expert is a plain SwiGLU
+        MLP; gpt-oss, the other clamped model, has none)."""
+        return self if self.swiglu_limit is None else self.replace(swiglu_limit=None)
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)

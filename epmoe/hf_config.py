@@ -13,13 +13,19 @@ approximated). The router's semantics follow each family's Hugging Face modeling
   kimi_k2, glm4_moe, dots1    renormalized if norm_topk_prob, then x routed_scaling_factor
   minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
                               all experts, always renormalized, no scale; no shared expert
+  deepseek_v4                 sqrt(softplus) (or sigmoid) scores + selection bias, top-k
+                              over all experts, always renormalized, x routed_scaling_factor;
+                              routed experts clamp gate / up at swiglu_limit (the shared expert
+                              does not). Its first hash-routed layers (mlp_layer_types
+                              "hash_moe": experts picked by token id) are not MoE layers here,
+                              and its checkpoints (DeepSeek's own layout) are not read.
   deepseek_v2                 softmax top-k ("greedy"); x routed_scaling_factor only when not
                               renormalized (its modeling code)
   qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
   gpt_oss                     softmax over the top-k of logits + bias; expert biases; clamped
                               swiglu (swiglu_limit), alpha 1.702
 MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
-`mlp_only_layers` (Qwen), else every layer.
+`mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), else every layer.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class HFModel:
     """What a config.json says about a model's MoE layers."""
 
     cfg: MoEConfig
-    naming: str  # epmoe.checkpoint.NAMINGS key
+    naming: str | None  # epmoe.checkpoint.NAMINGS key; None: its checkpoints are not read
     moe_layers: tuple[int, ...]  # the checkpoint's layer index of MoE layer 0, 1, ...
     stored_recipe: str | None  # experts as stored: bf16 | fp8_block | w4a8_mxfp4 (None: other)
     model_type: str
@@ -44,12 +50,13 @@ class HFModel:
 
 @dataclass(frozen=True)
 class _Family:
-    naming: str
+    naming: str | None
     router: str  # without a scoring_func field
     renormalize: bool  # without a norm_topk_prob field: the HF config class's default
-    layers: str  # dense_first | sparse_step | all
-    fixed_norm: bool = False  # its modeling code renormalizes and never scales, whatever the
-    #                           config says (norm_topk_prob / routed_scaling_factor unread)
+    layers: str  # dense_first | sparse_step | hash_first | all
+    reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
+    reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
+    clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
 
 
 _DEEPSEEK = _Family("deepseek", "sigmoid_grouped", True, "dense_first")
@@ -59,12 +66,16 @@ FAMILIES = {
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
     "dots1": _Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
-    "minimax_m2": _Family("minimax", "sigmoid_grouped", True, "all", fixed_norm=True),
+    "minimax_m2": _Family("minimax", "sigmoid_grouped", True, "all", reads_norm=False,
+                          reads_scale=False),
+    # V4: checkpoints in DeepSeek's own layout, not read; hash-routed layers not run
+    "deepseek_v4": _Family(None, "sqrtsoftplus", True, "hash_first", reads_norm=False,
+                           clamps=True),
     "deepseek_v2": _Family("deepseek", "softmax", False, "dense_first"),
     "qwen3_moe": _Family("qwen3_moe", "softmax", False, "sparse_step"),
     "olmoe": _Family("qwen3_moe", "softmax", False, "all"),
     "mixtral": _Family("mixtral", "softmax", True, "all"),
-    "gpt_oss": _Family("gpt_oss", "softmax", True, "all"),
+    "gpt_oss": _Family("gpt_oss", "softmax", True, "all", clamps=True),
 }
 _GATED_SHARED = ("its shared expert's output is scaled by a learned sigmoid gate "
                  "(shared_expert_gate), which epmoe's shared MLP does not compute")
@@ -128,11 +139,14 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     if mtype == "minimax_m2" and d.get("shared_intermediate_size"):
         raise ValueError(f"{at}: shared_intermediate_size {d['shared_intermediate_size']}: "
                          f"MiniMax-M2's modeling code has no shared expert to compute it with")
-    router = {"sigmoid": "sigmoid_grouped", "softmax": "softmax", None: fam.router}.get(
-        d.get("scoring_func"), "?")
+    router = {"sigmoid": "sigmoid_grouped", "softmax": "softmax", "sqrtsoftplus": "sqrtsoftplus",
+              None: fam.router}.get(d.get("scoring_func"), "?")
     if router == "?":
         raise ValueError(f"{at}: scoring_func {d['scoring_func']!r} is not one of sigmoid, "
-                         f"softmax")
+                         f"softmax, sqrtsoftplus")
+    if mtype == "deepseek_v4" and router == "softmax":
+        raise ValueError(f"{at}: scoring_func 'softmax' with V4's selection bias (added to the "
+                         f"scores, not the logits) is not one of epmoe's routers")
     n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
     method = d.get("topk_method")
     if method == "group_limited_greedy" and n_group > 1:
@@ -140,8 +154,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
                          f"their best expert) is not one of epmoe's routers")
     if router == "softmax":
         n_group = topk_group = 1  # softmax routers here pick among all experts ("greedy")
-    renorm = fam.fixed_norm or bool(_get(d, at, "norm_topk_prob", default=fam.renormalize))
-    scale = 1.0 if fam.fixed_norm else float(d.get("routed_scaling_factor") or 1.0)
+    renorm = fam.renormalize if not fam.reads_norm else \
+        bool(_get(d, at, "norm_topk_prob", default=fam.renormalize))
+    scale = float(d.get("routed_scaling_factor") or 1.0) if fam.reads_scale else 1.0
     if mtype == "deepseek_v2" and renorm:
         scale = 1.0  # V2 scales the weights only when it does not renormalize them
     act = d.get("hidden_act", "silu")
@@ -157,7 +172,7 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
         num_shared_experts=int(d.get("n_shared_experts") or 0), router=router,
         renormalize=renorm, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=scale, activation="swigluoai" if oss else "swiglu",
-        swiglu_limit=float(d["swiglu_limit"]) if oss and d.get("swiglu_limit") else None,
+        swiglu_limit=float(d["swiglu_limit"]) if fam.clamps and d.get("swiglu_limit") else None,
         num_moe_layers=len(moe_layers), router_bias=oss, expert_bias=oss)
     return HFModel(cfg, fam.naming, moe_layers, _stored_recipe(d), mtype)
 
@@ -172,6 +187,15 @@ def _moe_layers(d: dict, fam: _Family, at: str) -> tuple[int, ...]:
         step = int(d.get("decoder_sparse_step") or 1)
         dense = set(d.get("mlp_only_layers") or ())
         layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    elif fam.layers == "hash_first":  # DeepSeek-V4: "hash_moe" layers pick experts by token id
+        types = d.get("mlp_layer_types")
+        if types is None:
+            hashed = int(d.get("num_hash_layers", 3))
+            types = ["hash_moe"] * hashed + ["moe"] * (n - hashed)
+        if len(types) != n or set(types) - {"moe", "hash_moe"}:
+            raise ValueError(f"{at}: mlp_layer_types must give moe or hash_moe for each of its "
+                             f"{n} layers")
+        layers = [i for i, t in enumerate(types) if t == "moe"]
     else:
         layers = list(range(n))
     if not layers:

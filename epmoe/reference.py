@@ -181,6 +181,6 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
                 acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant,
                                 *_biases(b13, b2, e))
         if shared is not None:
-            acc += _mlp(xq, shared[0], shared[1], cfg, quant, fake_quant)
+            acc += _mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
         out[n] = acc
     return out

@@ -120,11 +120,12 @@ class Runtime:
         return "mixed", ", ".join(f"layer {l}: {b}" for l, b in enumerate(names))
 
     # ---------------------------------------------------------------- building
-    def _make_experts(self, weights, name: str | None = None) -> Experts:
-        """The experts backend `name` (default: the run's) for these weights."""
+    def _make_experts(self, weights, name: str | None = None, cfg=None) -> Experts:
+        """The experts backend `name` (default: the run's) for these weights (computing with
+        `cfg`, default the model's)."""
         from epmoe.experts.select import make_experts
 
-        experts, reason = make_experts(name or self.run.experts, weights, self.cfg,
+        experts, reason = make_experts(name or self.run.experts, weights, cfg or self.cfg,
                                        self.run.quant, self.device)
         self._experts_reason = reason
         return experts
@@ -140,7 +141,8 @@ class Runtime:
         w = dataclasses.replace(w, experts=dataclasses.replace(
             w.experts, expert_ids_E=torch.as_tensor(slots, dtype=torch.long, device=self.device)))
         experts = self._make_experts(w.experts, plan.experts)
-        shared = self._make_experts(w.shared, plan.experts) if w.shared is not None else None
+        shared = None if w.shared is None else \
+            self._make_experts(w.shared, plan.experts, cfg.shared_mlp_cfg)
         comm = make_comm(plan.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
                          self.comm_ctx)
         comm.set_alignment(experts.alignment)

@@ -122,6 +122,9 @@ def _check_weights(path: str, cfg, model: str, layers: int | None) -> None:
     from epmoe.hf_config import read_hf_config
 
     hf = read_hf_config(path)  # the naming and layer indices the ranks will read by
+    if hf.naming is None:
+        raise ValueError(f"--weights {path!r}: epmoe does not read {hf.model_type} "
+                         f"checkpoints (their config.json runs on synthetic weights: --model)")
     try:
         SafetensorsCheckpoint(path)
     except FileNotFoundError as exc:
