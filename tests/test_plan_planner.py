@@ -152,3 +152,29 @@ def test_cpu_plan_uses_what_cpu_runs():
                    (64,))
     c = p.layers[0].choice(64)
     assert c.experts == "torch" and c.backend in ("local", "all2all", "allgather")
+
+
+def test_the_explanation_names_the_stage_where_the_pick_gains():
+    """Not the stage with the largest difference: here the pick's shared MLP is slower, but
+    it hides behind its routed stages on the side stream, and its experts are faster."""
+    from epmoe.plan.cost import LayerPrediction, Memory
+    from epmoe.plan.planner import explain
+
+    mem = Memory(0.0, 0.0, 0.0)
+
+    def pred(experts_name, experts_us, shared_us, tail_us=0.0):
+        stages = dict(relayout=0.0, router=10.0, dispatch=50.0, experts=experts_us,
+                      combine=50.0, shared=shared_us, all_reduce=0.0)
+        return LayerPrediction(Candidate("ep_dp", "symm-ht", experts_name), stages, {}, mem, {},
+                               overlap_shared=True, tail_us=tail_us)
+
+    best, runner = pred("deepgemm", 300.0, 380.0), pred("triton", 330.0, 200.0)
+    assert best.total_us < runner.total_us
+    why = explain(best, runner)
+    assert why.endswith(": experts 300 vs 330 us"), why
+    # the shared MLP outlasting its routed stages shows as what it adds; the tail as a stage
+    best, runner = pred("deepgemm", 300.0, 500.0), pred("triton", 300.0, 600.0, tail_us=9.0)
+    assert explain(best, runner).endswith(": shared 100 vs 200 us")
+    best, runner = pred("deepgemm", 300.0, 100.0), pred("triton", 300.0, 100.0, tail_us=50.0)
+    assert explain(best, runner).endswith(": tail 0 vs 50 us")
+    assert explain(best, pred("triton", 300.5, 100.0)).endswith("a tie (stages within 0.5%)")

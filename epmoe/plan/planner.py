@@ -180,12 +180,23 @@ def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) 
         extra = f" ({len(rejected)} rejected, e.g. {rejected[0][0]}: {rejected[0][1]})" \
             if rejected else ""
         return f"the only feasible candidate{extra}"
-    gap = max(TOP_STAGES, key=lambda k: abs(runner.stages_us[k] - best.stages_us[k]))
+    mine, theirs = _visible_us(best), _visible_us(runner)
+    gap = max(mine, key=lambda k: theirs[k] - mine[k])  # where the pick gains the most
     pct = 100 * (runner.total_us / best.total_us - 1)
     head = f"beats {runner.candidate.label} {runner.total_us / 1e3:.3f} ms by {pct:.0f}%"
-    if abs(runner.stages_us[gap] - best.stages_us[gap]) < 0.005 * best.total_us:
+    if theirs[gap] - mine[gap] < 0.005 * best.total_us:
         return f"{head}: a tie (stages within 0.5%)"
-    return f"{head}: {gap} {best.stages_us[gap]:.0f} vs {runner.stages_us[gap]:.0f} us"
+    return f"{head}: {gap} {mine[gap]:.0f} vs {theirs[gap]:.0f} us"
+
+
+def _visible_us(p: LayerPrediction) -> dict:
+    """Each top-level stage's share of the layer's time: an overlapped shared MLP counts only
+    what outlasts dispatch -> combine; the layer's calibrated tail is a stage of its own."""
+    s = dict(p.stages_us)
+    if p.overlap_shared:
+        routed = sum(s.get(k, 0.0) for k in ("dispatch", "experts", "combine"))
+        s["shared"] = max(0.0, s.get("shared", 0.0) - routed)
+    return {**{k: s.get(k, 0.0) for k in TOP_STAGES}, "tail": p.tail_us}
 
 
 def transition_us(prev: str | None, form: str, case: CommCase) -> float:
