@@ -36,6 +36,11 @@ NAMINGS = {
     "qwen3_moe": dict(gate="model.layers.{l}.mlp.gate.weight", bias=None,
                       expert="model.layers.{l}.mlp.experts.{e}.", shared=None,
                       proj=("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": dict(gate="model.layers.{l}.mlp.gate.weight", bias=None,
+                      expert="model.layers.{l}.mlp.experts.{e}.",
+                      shared="model.layers.{l}.mlp.shared_expert.",
+                      shared_gate="model.layers.{l}.mlp.shared_expert_gate.weight",
+                      proj=("gate_proj", "up_proj", "down_proj")),
     "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),
@@ -222,17 +227,24 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
     if cfg.router_bias and bias is None:
         raise ValueError(f"config {cfg.name!r} has a router bias; the checkpoint has no "
                          f"{nm['bias'] and nm['bias'].format(l=cl)!r}")
-    shared = None
+    shared = sgate = None
+    if cfg.shared_gate and not nm.get("shared_gate"):
+        raise ValueError(f"config {cfg.name!r} gates its shared expert; naming stores no "
+                         f"shared_expert_gate (Qwen2-MoE / Qwen3-Next: 'qwen2_moe')")
     if with_shared and nm["shared"] and cfg.num_shared_experts:
         pre = nm["shared"].format(l=cl)
         g_name, u_name, d_name = nm["proj"]
         w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
         w13, w2 = slice_inter(w13, _load_proj(ckpt, pre, d_name), shared_slice)
         shared = build_expert_weights(w13[None], w2[None], quant, [-1], device)
+        if cfg.shared_gate:
+            sgate = ckpt.get(nm["shared_gate"].format(l=cl)).float().reshape(-1)
+            _check_shape(sgate, (cfg.hidden,), "shared expert gate")
     if device is not None:
         gate = gate.to(device)
         bias = None if bias is None else bias.to(device)
-    return LayerWeights(gate, bias, experts, shared)
+        sgate = None if sgate is None else sgate.to(device)
+    return LayerWeights(gate, bias, experts, shared, sgate)
 
 
 # --------------------------------------------------------------------------------------------

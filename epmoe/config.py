@@ -54,6 +54,8 @@ class MoEConfig:
     apply_router_weight_on_input: bool = False
     router_bias: bool = False  # softmax router: a learned bias added to the logits (gpt-oss)
     expert_bias: bool = False  # expert MLPs: gate/up and down projection biases (gpt-oss)
+    shared_gate: bool = False  # the shared MLP's output x sigmoid(x . w_g), w_g [D] learned
+    #                            (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
 
     def __post_init__(self) -> None:
         for f in ("hidden", "moe_intermediate", "num_experts", "top_k", "n_group", "topk_group",
@@ -85,6 +87,8 @@ class MoEConfig:
                f"MLP is not linear, so per-slot input weights are ill-defined for top_k > 1")
         _check(self.swiglu_limit is None or self.swiglu_limit > 0,
                f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
+        _check(not self.shared_gate or self.num_shared_experts >= 1,
+               "shared_gate scales the shared experts' output: it needs num_shared_experts >= 1")
         _check(not self.router_bias or self.router == "softmax",
                f"router_bias applies to the softmax router; router {self.router!r} always "
                f"carries its selection bias (e_score_correction_bias)")

@@ -22,6 +22,9 @@ approximated). The router's semantics follow each family's Hugging Face modeling
   deepseek_v2                 softmax top-k ("greedy"); x routed_scaling_factor only when not
                               renormalized (its modeling code)
   qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
+  qwen2_moe, qwen3_next       the same, plus a gated shared expert: one SwiGLU MLP of
+                              shared_expert_intermediate_size, its output x sigmoid(x . w_g)
+  qwen3_5_moe_text            Qwen3-Next's block, always renormalized (checkpoints not read)
   gpt_oss                     softmax over the top-k of logits + bias; expert biases; clamped
                               swiglu (swiglu_limit), alpha 1.702
 MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
@@ -57,6 +60,7 @@ class _Family:
     reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
     reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
     clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
+    gated_shared: bool = False  # shared_expert_intermediate_size wide, x sigmoid(x . w_g)
 
 
 _DEEPSEEK = _Family("deepseek", "sigmoid_grouped", True, "dense_first")
@@ -73,15 +77,16 @@ FAMILIES = {
                            clamps=True),
     "deepseek_v2": _Family("deepseek", "softmax", False, "dense_first"),
     "qwen3_moe": _Family("qwen3_moe", "softmax", False, "sparse_step"),
+    "qwen2_moe": _Family("qwen2_moe", "softmax", False, "sparse_step", gated_shared=True),
+    "qwen3_next": _Family("qwen2_moe", "softmax", True, "sparse_step", gated_shared=True),
+    # Qwen3.5: Qwen3-Next's MoE block, always renormalized; its checkpoints are not read
+    "qwen3_5_moe_text": _Family(None, "softmax", True, "all", reads_norm=False,
+                                gated_shared=True),
     "olmoe": _Family("qwen3_moe", "softmax", False, "all"),
     "mixtral": _Family("mixtral", "softmax", True, "all"),
     "gpt_oss": _Family("gpt_oss", "softmax", True, "all", clamps=True),
 }
-_GATED_SHARED = ("its shared expert's output is scaled by a learned sigmoid gate "
-                 "(shared_expert_gate), which epmoe's shared MLP does not compute")
 UNSUPPORTED = {
-    "qwen2_moe": _GATED_SHARED,
-    "qwen3_next": _GATED_SHARED,
     "llama4": "its router weights the expert input by a sigmoid of the top-1 logit",
     "llama4_text": "its router weights the expert input by a sigmoid of the top-1 logit",
 }
@@ -134,8 +139,17 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     fam = FAMILIES[mtype]
     at = f"{where} ({mtype})"
     experts = _get(d, at, "n_routed_experts", "num_experts", "num_local_experts")
-    if d.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{at}: shared_expert_intermediate_size: {_GATED_SHARED}")
+    shared, moe_inter = int(d.get("n_shared_experts") or 0), \
+        int(_get(d, at, "moe_intermediate_size", "intermediate_size"))
+    sis = int(d.get("shared_expert_intermediate_size") or 0)
+    if sis and not fam.gated_shared:
+        raise ValueError(f"{at}: shared_expert_intermediate_size is a gated shared expert "
+                         f"(Qwen2-MoE's), not one of {mtype}'s")
+    if sis:  # one MLP of that width: epmoe's shared MLP is num_shared x moe_intermediate wide
+        if sis % moe_inter:
+            raise ValueError(f"{at}: shared_expert_intermediate_size ({sis}) is not a multiple "
+                             f"of moe_intermediate_size ({moe_inter})")
+        shared = sis // moe_inter
     if mtype == "minimax_m2" and d.get("shared_intermediate_size"):
         raise ValueError(f"{at}: shared_intermediate_size {d['shared_intermediate_size']}: "
                          f"MiniMax-M2's modeling code has no shared expert to compute it with")
@@ -166,10 +180,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     oss = mtype == "gpt_oss"
     cfg = MoEConfig(
         name=name, hidden=int(_get(d, at, "hidden_size")),
-        moe_intermediate=int(_get(d, at, "moe_intermediate_size", "intermediate_size")),
-        num_experts=int(experts),
+        moe_intermediate=moe_inter, num_experts=int(experts),
         top_k=int(_get(d, at, "num_experts_per_tok", "experts_per_token", "moe_topk")),
-        num_shared_experts=int(d.get("n_shared_experts") or 0), router=router,
+        num_shared_experts=shared, shared_gate=bool(sis), router=router,
         renormalize=renorm, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=scale, activation="swigluoai" if oss else "swiglu",
         swiglu_limit=float(d["swiglu_limit"]) if fam.clamps and d.get("swiglu_limit") else None,

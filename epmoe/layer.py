@@ -115,8 +115,11 @@ class MoELayer:
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared MLP over every token: plain GEMMs (no permute / gather), bf16 [T, D]."""
-        ex = self.shared_experts
-        return ex.run_dense(ex.quantize_input(x_TD))
+        ex, g = self.shared_experts, self.weights.shared_gate_D
+        y = ex.run_dense(ex.quantize_input(x_TD))
+        if g is None:
+            return y
+        return y.float() * torch.sigmoid(x_TD.float() @ g)[:, None]  # Qwen2-MoE's gate
 
     def _routed_micro_batches(self, x_TD, ids_TK, w_TK) -> torch.Tensor:
         """Two halves: dispatch/combine on the comm stream, experts on this one, each half in

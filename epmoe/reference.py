@@ -48,8 +48,9 @@ class Oracle(NamedTuple):
 
     gate [E, D]; bias [E] or None (softmax router: added to the logits; score routers: the
     selection-only correction bias); w13 [E, 2I, D]; w2 [E, D, I]; shared (w13 [2Is, D],
-    w2 [D, Is]) or None; b13 [E, 2I] / b2 [E, D] expert biases or None. A plain 5-tuple
-    (gate, bias, w13, w2, shared) is accepted wherever an Oracle is."""
+    w2 [D, Is]) or None; b13 [E, 2I] / b2 [E, D] expert biases or None; shared_gate [D] or
+    None (the shared output x sigmoid(x . shared_gate)). A plain 5-tuple (gate, bias, w13, w2,
+    shared) is accepted wherever an Oracle is."""
 
     gate: torch.Tensor
     bias: torch.Tensor | None
@@ -58,6 +59,7 @@ class Oracle(NamedTuple):
     shared: tuple | None
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
@@ -157,7 +159,7 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
     """float64 [T, D]. oracle: an `Oracle` (or its first five fields as a tuple) in float64
     (see weights.dequantized_full_layer). Routing from the oracle's own router unless given
     (given ids are logical expert ids; -1 = empty slot)."""
-    gate, bias, w13, w2, shared, b13, b2 = Oracle(*oracle)
+    gate, bias, w13, w2, shared, b13, b2, shared_gate = Oracle(*oracle)
     x = x_TD.double()
     if topk_ids_TK is None:
         topk_ids_TK, topk_weights_TK = reference_route(x @ gate.T, cfg, bias)
@@ -181,6 +183,9 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
                 acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant,
                                 *_biases(b13, b2, e))
         if shared is not None:
-            acc += _mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
+            y = _mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
+            if shared_gate is not None:  # on the layer's input, as the model's gate sees it
+                y = y / (1.0 + torch.exp(-(x[n] @ shared_gate.double())))
+            acc += y
         out[n] = acc
     return out

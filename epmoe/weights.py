@@ -37,12 +37,15 @@ class LayerWeights:
                                logits (gpt-oss's router bias)
     experts   ExpertWeights   the rank's routed experts (or intermediate slice of all, under TP)
     shared    ExpertWeights | None  the shared experts as one MLP (E=1), or this rank's slice
+    shared_gate_D  fp32 [D] | None  with cfg.shared_gate: the shared MLP's output is scaled by
+                               sigmoid(x . shared_gate_D) (held wherever a shared share is)
     """
 
     gate_ED: torch.Tensor
     bias_E: torch.Tensor | None
     experts: ExpertWeights
     shared: ExpertWeights | None
+    shared_gate_D: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,7 +55,7 @@ _M32 = 0xFFFFFFFF
 # A 32-bit integer hash (H. Wellons' hash-prospector family); both multipliers are < 2**31, so
 # every product of a 32-bit state fits in int64 without overflow on any device.
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
-_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3, "b13": 4, "b2": 5}
+_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3, "b13": 4, "b2": 5, "sgate": 6}
 # standard deviations of the synthetic biases (see the module docstring)
 _ROUTER_BIAS_STD, _SCORE_BIAS_STD, _B13_STD, _B2_STD = 0.5, 0.1, 0.5, 0.25
 _SHARED, _ROUTER = -1, -7  # the expert numbers of the shared MLP and of the router
@@ -242,12 +245,15 @@ def synthetic_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int,
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
     experts = _synthetic_experts(cfg, quant, layer, seed, expert_ids, cfg.moe_intermediate,
                                  inter_slice, device)
-    shared = None
+    shared = sgate = None
     if with_shared and cfg.num_shared_experts:
         shared = _synthetic_experts(cfg, quant, layer, seed, [_SHARED], cfg.shared_intermediate,
                                     shared_slice, device)
+        if cfg.shared_gate:
+            sgate = counter_normal((cfg.hidden,), weight_key(seed, layer, _SHARED, "sgate"),
+                                   cfg.hidden ** -0.5, device)
     gate, bias = synthetic_router(cfg, layer, seed, device)
-    return LayerWeights(gate, bias, experts, shared)
+    return LayerWeights(gate, bias, experts, shared, sgate)
 
 
 def layer_weights(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, expert_ids,
@@ -283,4 +289,4 @@ def layer_to_oracle(lw: LayerWeights) -> Oracle:
     def f64(t):
         return None if t is None else t.double()
     return Oracle(lw.gate_ED.double(), f64(lw.bias_E), w13, w2, shared, f64(lw.experts.b13),
-                  f64(lw.experts.b2))
+                  f64(lw.experts.b2), f64(lw.shared_gate_D))

@@ -29,7 +29,8 @@ class LazyOracleLayer:
         from epmoe.weights import layer_to_oracle
 
         o = layer_to_oracle(lw)
-        self.gate, self.bias, self.shared = o.gate, o.bias, o.shared
+        self.gate, self.bias, self.shared, self.shared_gate = o.gate, o.bias, o.shared, \
+            o.shared_gate
         self._cache: dict[int, tuple] = {}
         outer = self
 
@@ -60,7 +61,8 @@ class LazyOracleLayer:
         return self._cache[e]
 
     def as_tuple(self) -> Oracle:
-        return Oracle(self.gate, self.bias, self.w13, self.w2, self.shared, self.b13, self.b2)
+        return Oracle(self.gate, self.bias, self.w13, self.w2, self.shared, self.b13, self.b2,
+                      self.shared_gate)
 
 
 def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
