@@ -53,6 +53,8 @@ class MoEConfig:
     num_moe_layers: int = 1
     apply_router_weight_on_input: bool = False
     router_bias: bool = False  # softmax router: a learned bias added to the logits (gpt-oss)
+    selection_bias: bool = True  # score routers: select on scores + a learned bias
+    #                              (e_score_correction_bias); False: on the scores (Llama 4)
     expert_bias: bool = False  # expert MLPs: gate/up and down projection biases (gpt-oss)
     shared_gate: bool = False  # the shared MLP's output x sigmoid(x . w_g), w_g [D] learned
     #                            (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)

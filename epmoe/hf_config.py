@@ -27,8 +27,11 @@ approximated). The router's semantics follow each family's Hugging Face modeling
   qwen3_5_moe_text            Qwen3-Next's block, always renormalized (checkpoints not read)
   gpt_oss                     softmax over the top-k of logits + bias; expert biases; clamped
                               swiglu (swiglu_limit), alpha 1.702
+  llama4_text                 top-1 of the logits; the chosen expert's input x sigmoid(logit)
+                              (no weight on its output); one shared expert, ungated
 MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
-`mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), else every layer.
+`mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), `moe_layers` /
+`interleave_moe_layer_step` (Llama 4), else every layer.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class _Family:
     naming: str | None
     router: str  # without a scoring_func field
     renormalize: bool  # without a norm_topk_prob field: the HF config class's default
-    layers: str  # dense_first | sparse_step | hash_first | all
+    layers: str  # dense_first | sparse_step | hash_first | interleave | all
     reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
     reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
     clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
@@ -85,10 +88,10 @@ FAMILIES = {
     "olmoe": _Family("qwen3_moe", "softmax", False, "all"),
     "mixtral": _Family("mixtral", "softmax", True, "all"),
     "gpt_oss": _Family("gpt_oss", "softmax", True, "all", clamps=True),
-}
-UNSUPPORTED = {
-    "llama4": "its router weights the expert input by a sigmoid of the top-1 logit",
-    "llama4_text": "its router weights the expert input by a sigmoid of the top-1 logit",
+    # Llama 4: top-1 of the logits, the expert's input x sigmoid(logit), one shared expert;
+    # its fused checkpoints are not read
+    "llama4_text": _Family(None, "sigmoid_grouped", False, "interleave", reads_norm=False,
+                           reads_scale=False),
 }
 
 
@@ -131,8 +134,6 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     if "hidden_size" not in raw and isinstance(text, dict):
         d = {**raw, **text}  # a multimodal config: its language model's figures
     mtype = d.get("model_type")
-    if mtype in UNSUPPORTED:
-        raise ValueError(f"{where}: model_type {mtype!r} is not supported: {UNSUPPORTED[mtype]}")
     if mtype not in FAMILIES:
         raise ValueError(f"{where}: model_type {mtype!r} is not a MoE family epmoe reads; "
                          f"supported: {', '.join(FAMILIES)}")
@@ -177,7 +178,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     if mtype != "gpt_oss" and act not in ("silu", "swish"):
         raise ValueError(f"{at}: hidden_act {act!r}: epmoe's experts compute SwiGLU (silu)")
     moe_layers = _moe_layers(d, fam, at)
-    oss = mtype == "gpt_oss"
+    oss, llama4 = mtype == "gpt_oss", mtype == "llama4_text"
+    if llama4:
+        shared = 1  # Llama4TextMoe's shared_expert: one MLP of the experts' intermediate size
     cfg = MoEConfig(
         name=name, hidden=int(_get(d, at, "hidden_size")),
         moe_intermediate=moe_inter, num_experts=int(experts),
@@ -186,7 +189,8 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
         renormalize=renorm, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=scale, activation="swigluoai" if oss else "swiglu",
         swiglu_limit=float(d["swiglu_limit"]) if fam.clamps and d.get("swiglu_limit") else None,
-        num_moe_layers=len(moe_layers), router_bias=oss, expert_bias=oss)
+        num_moe_layers=len(moe_layers), router_bias=oss, expert_bias=oss,
+        apply_router_weight_on_input=llama4, selection_bias=not llama4)
     return HFModel(cfg, fam.naming, moe_layers, _stored_recipe(d), mtype)
 
 
@@ -200,6 +204,9 @@ def _moe_layers(d: dict, fam: _Family, at: str) -> tuple[int, ...]:
         step = int(d.get("decoder_sparse_step") or 1)
         dense = set(d.get("mlp_only_layers") or ())
         layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    elif fam.layers == "interleave":  # Llama 4: moe_layers, else every step-th layer
+        step = int(d.get("interleave_moe_layer_step") or 1)
+        layers = d.get("moe_layers") or list(range(step - 1, n, step))
     elif fam.layers == "hash_first":  # DeepSeek-V4: "hash_moe" layers pick experts by token id
         types = d.get("mlp_layer_types")
         if types is None:

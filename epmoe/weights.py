@@ -140,7 +140,7 @@ def synthetic_router(cfg: MoEConfig, layer: int, seed: int,
     gate = counter_normal((cfg.num_experts, cfg.hidden), weight_key(seed, layer, _ROUTER, "gate"),
                           cfg.hidden ** -0.5, device)
     bias = None
-    if cfg.router != "softmax" or cfg.router_bias:
+    if cfg.router_bias if cfg.router == "softmax" else cfg.selection_bias:
         std = _ROUTER_BIAS_STD if cfg.router == "softmax" else _SCORE_BIAS_STD
         bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), std,
                               device)
