@@ -63,7 +63,8 @@ def test_synthetic_is_deterministic_and_per_expert(recipe, fmt, seed):
 
 def test_synthetic_scales_keep_activations_order_one(seed):
     cfg = get_preset("qwen3-moe-tiny")
-    gate, _, w13, w2, _, _, _ = dequantized_full_layer(cfg, QuantConfig(), 0, seed)
+    o = dequantized_full_layer(cfg, QuantConfig(), 0, seed)
+    w13, w2 = o.w13, o.w2
     assert w13.shape == (16, 256, 256) and w2.shape == (16, 256, 128)
     assert 0.8 < float(w13.std() * cfg.hidden ** 0.5) < 1.2
     assert 0.8 < float(w2.std() * cfg.moe_intermediate ** 0.5) < 1.2
