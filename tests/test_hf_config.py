@@ -330,3 +330,19 @@ def test_launch_and_plan_take_a_config_json(tmp_path, capsys):
     (folder / "config.json").unlink()  # a rank on another node has no such file
     shipped = pickle.loads(pickle.dumps(run))
     assert shipped.cfg == want and shipped.num_layers == 2
+
+
+def test_the_cli_prints_what_launch_will_run(tmp_path, capsys):
+    from epmoe.hf_config import main
+
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED["deepseek-v3"]))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "58: checkpoint layers 3-60" in out and "naming deepseek, experts stored fp8_block" in out
+    assert "sigmoid + selection bias, 4 of 8 groups, renormalized, x 2.5" in out
+    assert max(len(line) for line in out.splitlines()[1:]) <= 80  # the rows; line 1: the path
+    assert main([str(tmp_path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["cfg"]["num_experts"] == 256 and d["moe_layers"][0] == 3 and d["naming"] == "deepseek"
+    assert main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

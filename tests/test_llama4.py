@@ -100,3 +100,9 @@ def test_a_llama4_config_launches_against_the_oracle(tmp_path):
     s = json.loads(out.read_text())
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     assert len(s["correctness"]["per_layer"]) == 2  # layers 1 and 3 of 4
+
+
+def test_moe_layers_outside_the_model_are_refused():
+    bad = dict(SCOUT, text_config=dict(SCOUT_TEXT, moe_layers=[1, 48]))
+    with pytest.raises(ValueError, match=r"moe_layers \[1, 48\] name layers outside its 48"):
+        parse_hf_config(bad, "s")
