@@ -287,3 +287,26 @@ def run_launch(args: list[str], tag: str, timeout: float, auth: dict | None = No
         if p.poll() is None:
             p.kill()
     return p.returncode, out, err, time.monotonic() - t0, seen
+
+
+def launch_in_process(tmp_path, model_args: list[str], *args: str) -> tuple[int, dict]:
+    """`python -m epmoe.launch` in this process (one CPU rank unless `args` say otherwise), 16
+    tokens, one step -> (exit code, its JSON summary). model_args: e.g. ["--model", folder]."""
+    import json
+
+    from epmoe.launch.cli import main as launch
+
+    out = tmp_path / "summary.json"
+    rc = launch([*model_args, "--tokens", "16", "--steps", "1", "--device", "cpu", "--quiet",
+                 "--out", str(out), *args])
+    return rc, json.loads(out.read_text())
+
+
+def config_folder(tmp_path, name: str, config: dict):
+    """A folder `name` holding `config` as its config.json (a model for --model)."""
+    import json
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

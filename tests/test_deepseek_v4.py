@@ -9,14 +9,13 @@ expert is a plain SwiGLU MLP (no clamp). Its first layers route by token id (has
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.hf_config import parse_hf_config
 from epmoe.reference import reference_moe, reference_route
+from tests.launch_util import config_folder, launch_in_process
 
 V4 = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], hidden_size=4096,
           moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
@@ -113,15 +112,10 @@ def test_a_v4_config_launches_against_the_oracle_and_its_checkpoint_is_refused(t
     alike: the runtime's shared MLP must not clamp, as the oracle's does not."""
     from epmoe.launch.cli import main as launch
 
-    folder = tmp_path / "Tiny-V4"
-    folder.mkdir()
-    tiny = dict(V4, hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
-                num_experts_per_tok=4, num_hidden_layers=5, swiglu_limit=0.25)
-    (folder / "config.json").write_text(json.dumps(tiny))
-    out = tmp_path / "s.json"
-    rc = launch(["--model", str(folder), "--ep", "1", "--tokens", "16", "--steps", "1",
-                 "--device", "cpu", "--quiet", "--out", str(out)])
-    s = json.loads(out.read_text())
+    folder = config_folder(tmp_path, "Tiny-V4", dict(
+        V4, hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
+        num_experts_per_tok=4, num_hidden_layers=5, swiglu_limit=0.25))
+    rc, s = launch_in_process(tmp_path, ["--model", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     assert len(s["correctness"]["per_layer"]) == 2  # layers 3 and 4; 0-2 are hash-routed
     (folder / "model.safetensors").write_bytes(b"")

@@ -16,6 +16,7 @@ import torch
 from epmoe.config import PRESETS, QuantConfig, get_preset
 from epmoe.hf_config import parse_hf_config, read_hf_config
 from epmoe.reference import reference_route
+from tests.launch_util import config_folder, launch_in_process
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128]}
@@ -309,17 +310,11 @@ def test_launch_and_plan_take_a_config_json(tmp_path, capsys):
     import pickle
 
     from epmoe.launch.checks import build_run
-    from epmoe.launch.cli import main as launch
     from epmoe.launch.cli import parser
     from epmoe.plan.__main__ import main as plan
 
-    folder = tmp_path / "Tiny-Qwen3-MoE"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(TINY_QWEN))
-    out = tmp_path / "s.json"
-    rc = launch(["--model", str(folder), "--ep", "1", "--tokens", "8", "--steps", "1",
-                 "--device", "cpu", "--quiet", "--out", str(out)])
-    s = json.loads(out.read_text())
+    folder = config_folder(tmp_path, "Tiny-Qwen3-MoE", TINY_QWEN)
+    rc, s = launch_in_process(tmp_path, ["--model", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     assert s["config"]["model"] == str(folder) and len(s["correctness"]["per_layer"]) == 2
     assert plan(["--model", str(folder / "config.json"), "--topology", "1x8", "--tokens",

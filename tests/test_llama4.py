@@ -9,8 +9,6 @@ forward re-written literally, and a launch."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from epmoe.config import QuantConfig
 from epmoe.hf_config import parse_hf_config
 from epmoe.reference import Oracle, reference_moe
 from epmoe.weights import synthetic_router
+from tests.launch_util import config_folder, launch_in_process
 
 # meta-llama/Llama-4-Scout-17B-16E and Llama-4-Maverick-17B-128E: config.json text_config
 # (MoE fields as released) inside the multimodal wrapper
@@ -86,18 +85,10 @@ def test_the_oracle_is_llama4s_forward():
 
 @pytest.mark.timeout(240)
 def test_a_llama4_config_launches_against_the_oracle(tmp_path):
-    from epmoe.launch.cli import main as launch
-
-    folder = tmp_path / "Tiny-Llama-4"
-    folder.mkdir()
-    tiny = dict(MAVERICK, text_config=dict(MAVERICK["text_config"], hidden_size=256,
-                                           intermediate_size=128, num_local_experts=16,
-                                           num_hidden_layers=4))
-    (folder / "config.json").write_text(json.dumps(tiny))
-    out = tmp_path / "s.json"
-    rc = launch(["--model", str(folder), "--ep", "1", "--tokens", "16", "--steps", "1",
-                 "--device", "cpu", "--quiet", "--out", str(out)])
-    s = json.loads(out.read_text())
+    folder = config_folder(tmp_path, "Tiny-Llama-4", dict(MAVERICK, text_config=dict(
+        MAVERICK["text_config"], hidden_size=256, intermediate_size=128, num_local_experts=16,
+        num_hidden_layers=4)))
+    rc, s = launch_in_process(tmp_path, ["--model", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     assert len(s["correctness"]["per_layer"]) == 2  # layers 1 and 3 of 4
 

@@ -16,6 +16,7 @@ import torch
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.hf_config import parse_hf_config, read_hf_config
 from epmoe.reference import Oracle, reference_moe
+from tests.launch_util import launch_in_process
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct, Qwen/Qwen2-57B-A14B, Qwen/Qwen1.5-MoE-A2.7B: config.json
 # (MoE fields as released)
@@ -132,13 +133,8 @@ def test_the_checkpoints_gate_is_what_the_ranks_hold(tmp_path):
 @pytest.mark.parametrize("extra", [[], ["--ep", "2", "--no-dp"]], ids=["one-rank", "ep2-split"])
 def test_launches_with_the_gated_shared_expert_pass_the_oracle(tmp_path, extra):
     """Synthetic weights and the checkpoint's; two ranks split the shared MLP (form ep)."""
-    from epmoe.launch.cli import main as launch
-
     folder = tmp_path / "Tiny-Qwen3-Next"
     _tiny_checkpoint(folder)
     for src in (["--model", str(folder)], ["--weights", str(folder)]):
-        out = tmp_path / "s.json"
-        rc = launch([*src, *extra, "--tokens", "16", "--steps", "1", "--device", "cpu",
-                     "--quiet", "--out", str(out)])
-        s = json.loads(out.read_text())
+        rc, s = launch_in_process(tmp_path, src, *extra)
         assert rc == 0 and s["correctness"]["passed"] is True, (src, s["correctness"])
