@@ -41,6 +41,11 @@ NAMINGS = {
                       shared="model.layers.{l}.mlp.shared_expert.",
                       shared_gate="model.layers.{l}.mlp.shared_expert_gate.weight",
                       proj=("gate_proj", "up_proj", "down_proj")),
+    "ernie": dict(gate="model.layers.{l}.mlp.gate.weight",
+                  bias="model.layers.{l}.mlp.moe_statics.e_score_correction_bias",  # [1, E]
+                  expert="model.layers.{l}.mlp.experts.{e}.",
+                  shared="model.layers.{l}.mlp.shared_experts.",
+                  proj=("gate_proj", "up_proj", "down_proj")),
     "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),
@@ -222,7 +227,7 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
     _check_shape(gate, (cfg.num_experts, cfg.hidden), "router gate")
     bias = None
     if nm["bias"] and ckpt.has(nm["bias"].format(l=cl)):
-        bias = ckpt.get(nm["bias"].format(l=cl)).float()
+        bias = ckpt.get(nm["bias"].format(l=cl)).float().reshape(-1)
         _check_shape(bias, (cfg.num_experts,), "router bias")
     if cfg.router_bias and bias is None:
         raise ValueError(f"config {cfg.name!r} has a router bias; the checkpoint has no "

@@ -12,12 +12,15 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-RouterKind = Literal["softmax", "sigmoid_grouped", "sqrtsoftplus"]
+# softmax: top-k of softmax(logits) (+ router_bias on the logits); the score routers select on
+# score + a selection bias (e_score_correction_bias) and weight by the score: sigmoid_grouped
+# (group-limited when n_group > 1), sqrtsoftplus, and softmax_biased (softmax scores: ERNIE 4.5)
+RouterKind = Literal["softmax", "sigmoid_grouped", "sqrtsoftplus", "softmax_biased"]
 ActivationKind = Literal["swiglu", "swigluoai"]
 Recipe = Literal["bf16", "fp8_block", "mxfp8", "w4a8_mxfp4"]
 ScaleFmt = Literal["fp32", "ue8m0_fp32", "ue8m0_packed"]
 
-ROUTER_KINDS = ("softmax", "sigmoid_grouped", "sqrtsoftplus")
+ROUTER_KINDS = ("softmax", "sigmoid_grouped", "sqrtsoftplus", "softmax_biased")
 ACTIVATION_KINDS = ("swiglu", "swigluoai")
 RECIPES = ("bf16", "fp8_block", "mxfp8", "w4a8_mxfp4")
 SCALE_FMTS = ("fp32", "ue8m0_fp32", "ue8m0_packed")
@@ -77,7 +80,7 @@ class MoEConfig:
                f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         _check(self.topk_group <= self.n_group,
                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
-        if self.router != "softmax" and self.n_group > 1:  # both score routers group-limit
+        if self.router != "softmax" and self.n_group > 1:  # the score routers group-limit
             per_group = self.num_experts // self.n_group
             _check(self.top_k <= self.topk_group * per_group,
                    f"top_k ({self.top_k}) must be <= topk_group*experts_per_group "

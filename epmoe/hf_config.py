@@ -29,9 +29,12 @@ approximated). The router's semantics follow each family's Hugging Face modeling
                               swiglu (swiglu_limit), alpha 1.702
   llama4_text                 top-1 of the logits; the chosen expert's input x sigmoid(logit)
                               (no weight on its output); one shared expert, ungated
+  ernie4_5_moe                softmax scores, top-k of score + selection bias (moe_statics),
+                              always renormalized, never scaled; moe_num_shared_experts
 MoE layers: `first_k_dense_replace` / `moe_layer_freq` (DeepSeek, GLM), `decoder_sparse_step` /
 `mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), `moe_layers` /
-`interleave_moe_layer_step` (Llama 4), else every layer.
+`interleave_moe_layer_step` (Llama 4), `moe_layer_start_index` / `moe_layer_end_index` /
+`moe_layer_interval` (ERNIE 4.5), else every layer.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class _Family:
     naming: str | None
     router: str  # without a scoring_func field
     renormalize: bool  # without a norm_topk_prob field: the HF config class's default
-    layers: str  # dense_first | sparse_step | hash_first | interleave | all
+    layers: str  # dense_first | sparse_step | hash_first | interleave | ernie | all
     reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
     reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
     clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
@@ -92,6 +95,9 @@ FAMILIES = {
     # its fused checkpoints are not read
     "llama4_text": _Family(None, "sigmoid_grouped", False, "interleave", reads_norm=False,
                            reads_scale=False),
+    # ERNIE 4.5: softmax scores selected on score + moe_statics' bias, always renormalized
+    "ernie4_5_moe": _Family("ernie", "softmax_biased", True, "ernie", reads_norm=False,
+                            reads_scale=False),
 }
 
 
@@ -139,8 +145,10 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
                          f"supported: {', '.join(FAMILIES)}")
     fam = FAMILIES[mtype]
     at = f"{where} ({mtype})"
-    experts = _get(d, at, "n_routed_experts", "num_experts", "num_local_experts")
-    shared, moe_inter = int(d.get("n_shared_experts") or 0), \
+    experts = _get(d, at, "n_routed_experts", "num_experts", "num_local_experts",
+                   "moe_num_experts")
+    shared, moe_inter = int(_get(d, at, "n_shared_experts", "moe_num_shared_experts",
+                                 default=0)), \
         int(_get(d, at, "moe_intermediate_size", "intermediate_size"))
     sis = int(d.get("shared_expert_intermediate_size") or 0)
     if sis and not fam.gated_shared:
@@ -151,6 +159,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
             raise ValueError(f"{at}: shared_expert_intermediate_size ({sis}) is not a multiple "
                              f"of moe_intermediate_size ({moe_inter})")
         shared = sis // moe_inter
+    if mtype == "ernie4_5_moe" and d.get("use_bias"):
+        raise ValueError(f"{at}: use_bias: its expert MLPs carry linear biases, which epmoe's "
+                         f"experts compute only in gpt-oss's form")
     if mtype == "minimax_m2" and d.get("shared_intermediate_size"):
         raise ValueError(f"{at}: shared_intermediate_size {d['shared_intermediate_size']}: "
                          f"MiniMax-M2's modeling code has no shared expert to compute it with")
@@ -184,7 +195,7 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     cfg = MoEConfig(
         name=name, hidden=int(_get(d, at, "hidden_size")),
         moe_intermediate=moe_inter, num_experts=int(experts),
-        top_k=int(_get(d, at, "num_experts_per_tok", "experts_per_token", "moe_topk")),
+        top_k=int(_get(d, at, "num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k")),
         num_shared_experts=shared, shared_gate=bool(sis), router=router,
         renormalize=renorm, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=scale, activation="swigluoai" if oss else "swiglu",
@@ -204,6 +215,14 @@ def _moe_layers(d: dict, fam: _Family, at: str) -> tuple[int, ...]:
         step = int(d.get("decoder_sparse_step") or 1)
         dense = set(d.get("mlp_only_layers") or ())
         layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    elif fam.layers == "ernie":  # every interval-th layer from start to end (-1: the last)
+        start, end = d.get("moe_layer_start_index", 1), d.get("moe_layer_end_index", -1)
+        if not isinstance(start, int) or not isinstance(end, int):
+            raise ValueError(f"{at}: moe_layer_start_index / moe_layer_end_index per modality "
+                             f"(a vision-language model) are not read")
+        end = n - 1 if end == -1 else end
+        step = int(d.get("moe_layer_interval") or 1)
+        layers = [i for i in range(n) if (i + 1) % step == 0 and start <= i <= end]
     elif fam.layers == "interleave":  # Llama 4: moe_layers, else every step-th layer
         step = int(d.get("interleave_moe_layer_step") or 1)
         layers = [int(i) for i in d.get("moe_layers") or range(step - 1, n, step)]
@@ -261,7 +280,7 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
     shared = "none" if not c.num_shared_experts else \
         f"{c.num_shared_experts} x {c.moe_intermediate} wide" + (", gated" if c.shared_gate else "")
     route = {"softmax": "softmax", "sigmoid_grouped": "sigmoid",
-             "sqrtsoftplus": "sqrt(softplus)"}[c.router]
+             "sqrtsoftplus": "sqrt(softplus)", "softmax_biased": "softmax scores"}[c.router]
     if c.router != "softmax":
         route += " + selection bias" if c.selection_bias else ""
         route += f", {c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""

@@ -80,6 +80,9 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
         else:
             if cfg.router == "sigmoid_grouped":
                 s = 1.0 / (1.0 + torch.exp(-lg))
+            elif cfg.router == "softmax_biased":
+                s = torch.exp(lg - lg.max())
+                s = s / s.sum()
             else:
                 s = torch.sqrt(torch.log1p(torch.exp(lg)))
             b = s + (bias_E.double() if bias_E is not None else 0.0)

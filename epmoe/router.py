@@ -82,6 +82,7 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
         w, ids = torch.topk(probs, k, dim=-1)
     else:
         scores = torch.sigmoid(logits) if cfg.router == "sigmoid_grouped" else \
+            torch.softmax(logits, dim=-1) if cfg.router == "softmax_biased" else \
             torch.sqrt(torch.nn.functional.softplus(logits))
         biased = scores if bias_E is None else scores + bias_E.float()
         if cfg.n_group > 1:

@@ -142,6 +142,8 @@ def synthetic_router(cfg: MoEConfig, layer: int, seed: int,
     bias = None
     if cfg.router_bias if cfg.router == "softmax" else cfg.selection_bias:
         std = _ROUTER_BIAS_STD if cfg.router == "softmax" else _SCORE_BIAS_STD
+        if cfg.router == "softmax_biased":  # its scores sum to 1: ~1 / E each
+            std /= cfg.num_experts
         bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), std,
                               device)
     return gate, bias

@@ -34,6 +34,7 @@ ROUTERS = {
                             routed_scaling_factor=2.5),
     "sigmoid_kimi": dict(router="sigmoid_grouped", n_group=1, routed_scaling_factor=2.827),
     "sqrtsoftplus": dict(router="sqrtsoftplus", routed_scaling_factor=1.5),
+    "softmax_biased": dict(router="softmax_biased"),
 }
 # (config fields, input scale): clamped activations get inputs large enough to hit the clamp
 # (h ~ N(0, scale^2)), but not so large that whole groups saturate: when a group's amax comes

@@ -18,6 +18,7 @@ ROUTERS = {
     "sigmoid_kimi": dict(router="sigmoid_grouped", n_group=1, topk_group=1,
                          routed_scaling_factor=2.827),
     "sqrtsoftplus": dict(router="sqrtsoftplus", routed_scaling_factor=1.5),
+    "softmax_biased": dict(router="softmax_biased"),
 }
 
 
@@ -68,7 +69,8 @@ def test_bf16_logits_computed_in_fp32(kind, seed):
 
 def test_renormalize_and_scaling_factor(seed):
     logits = torch.randn(32, 16)
-    for kind in ("softmax_renorm", "sigmoid_grouped", "sigmoid_kimi", "sqrtsoftplus"):
+    for kind in ("softmax_renorm", "sigmoid_grouped", "sigmoid_kimi", "sqrtsoftplus",
+                 "softmax_biased"):
         cfg = _cfg(kind)
         s = route(logits, cfg).topk_weights_TK.sum(-1)
         torch.testing.assert_close(s, torch.full_like(s, cfg.routed_scaling_factor),
@@ -205,6 +207,7 @@ def _separated(logits64, cfg, bias):
         b = lg
     else:
         s = torch.sigmoid(lg) if cfg.router == "sigmoid_grouped" else \
+            torch.softmax(lg, -1) if cfg.router == "softmax_biased" else \
             torch.sqrt(torch.nn.functional.softplus(lg))
         b = s + (0 if bias is None else bias.double())
     ok = torch.ones(b.shape[0], dtype=torch.bool)
@@ -244,7 +247,7 @@ def test_triton_route_logits_matches_torch(kind, seed):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["sigmoid_grouped", "dsv3_like", "softmax_renorm",
-                                  "sqrtsoftplus"])
+                                  "sqrtsoftplus", "softmax_biased"])
 def test_fused_gate_route_matches_float64_logits(kind, seed):
     """The fused bf16 gate GEMM (fp32 accumulation) against the float64 product of the same
     bf16 values, routed by the torch path; weights within 1e-5 of the float64 oracle."""

@@ -3,8 +3,8 @@
 One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns in registers):
   FUSED   logits = x [T, D] @ gate [E, D].T as a bf16 GEMM with fp32 accumulation (the logits
           never reach memory), else fp32 logits are read
-  scores  softmax (selection on the logits: same order), sigmoid, or sqrt(softplus) (softplus
-          = x above 20, else an accurate log1p(exp(x)))
+  scores  softmax (selection on the logits: same order), sigmoid, sqrt(softplus) (softplus
+          = x above 20, else an accurate log1p(exp(x))), or softmax_biased's softmax
   bias    softmax: added to the logits (gpt-oss); score routers: added to the scores for
           selection only (e_score_correction_bias)
   select  scores (+ bias); with n_group > 1 only the topk_group groups with the best sum of
@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.config import MoEConfig  # noqa: E402
 
-_KIND = {"softmax": 0, "sigmoid_grouped": 1, "sqrtsoftplus": 2}
+_KIND = {"softmax": 0, "sigmoid_grouped": 1, "sqrtsoftplus": 2, "softmax_biased": 3}
 _MAX_BLOCK_E = 512
 
 
@@ -93,6 +93,10 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
     else:
         if KIND == 1:
             score = 1.0 / (1.0 + tl.exp(-logits))
+        elif KIND == 3:  # softmax scores, selected on score + bias (ERNIE 4.5)
+            lg = tl.where(cm[None, :], logits, neg)
+            p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+            score = p / tl.sum(p, axis=1)[:, None]
         else:
             u = tl.exp(logits)
             y = 1.0 + u

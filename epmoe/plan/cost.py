@@ -46,7 +46,7 @@ COMM_STAGES = ("dispatch", "combine", "all_reduce")
 ALIGN = {"deepgemm": 128, "triton": 128, "torch": 1}
 MASKED_BLOCK = 64
 # Torch ops the router launches (epmoe/router.py + the gate matmul in layer.py), per kind.
-ROUTER_OPS = {"softmax": 6, "sigmoid_grouped": 16, "sqrtsoftplus": 12}
+ROUTER_OPS = {"softmax": 6, "sigmoid_grouped": 16, "sqrtsoftplus": 12, "softmax_biased": 10}
 # The torch reference's per-expert loop (experts/torch_experts.py): ops per non-empty expert.
 TORCH_OPS = {"experts.gemm1": 3, "experts.act_quant": 8, "experts.gemm2": 2}
 FP32_EFFICIENCY = 0.7  # estimate: fp32 SIMT matmul reaches ~70% of peak (router's gate GEMM)
