@@ -114,12 +114,13 @@ class MoELayer:
         return out.to(x_TD.dtype)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The shared MLP over every token: plain GEMMs (no permute / gather), bf16 [T, D]."""
+        """The shared MLP over every token: plain GEMMs (no permute / gather), bf16 [T, D]; with
+        a shared gate (Qwen2-MoE) x sigmoid(x . w_g) per token, in fp32."""
         ex, g = self.shared_experts, self.weights.shared_gate_D
         y = ex.run_dense(ex.quantize_input(x_TD))
         if g is None:
             return y
-        return y.float() * torch.sigmoid(x_TD.float() @ g)[:, None]  # Qwen2-MoE's gate
+        return y.float() * torch.sigmoid(x_TD.float() @ g)[:, None]
 
     def _routed_micro_batches(self, x_TD, ids_TK, w_TK) -> torch.Tensor:
         """Two halves: dispatch/combine on the comm stream, experts on this one, each half in
