@@ -10,7 +10,8 @@ each figure is read from the first name present; a figure no name gives is an er
 them, and so is a router or expert feature epmoe does not compute (the model is refused, not
 approximated). The router's semantics follow each family's Hugging Face modeling code:
   deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
-  kimi_k2, glm4_moe, dots1    renormalized if norm_topk_prob, then x routed_scaling_factor
+  kimi_k2, glm4_moe, dots1,   renormalized if norm_topk_prob, then x routed_scaling_factor
+  glm4v_moe_text              (GLM-4.5V: checkpoints not read)
   minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
                               all experts, always renormalized, no scale; no shared expert
   deepseek_v4                 sqrt(softplus) (or sigmoid) scores + selection bias, top-k
@@ -75,6 +76,7 @@ FAMILIES = {
     "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
+    "glm4v_moe_text": _Family(None, "sigmoid_grouped", True, "dense_first"),  # GLM-4.5V's LM
     "dots1": _Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
     "minimax_m2": _Family("minimax", "sigmoid_grouped", True, "all", reads_norm=False,
                           reads_scale=False),

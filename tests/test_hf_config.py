@@ -116,6 +116,19 @@ def test_glm_olmoe_and_a_multimodal_wrapper():
                "text_config": PUBLISHED["deepseek-v3"]}
     assert parse_hf_config(wrapped, "v").cfg == parse_hf_config(PUBLISHED["deepseek-v3"],
                                                                 "v").cfg
+    # zai-org/GLM-4.5V: the language model is GLM-4.5-Air's MoE layer under its own type
+    glm_v = parse_hf_config({"model_type": "glm4v_moe", "vision_config": {"depth": 24},
+                             "text_config": dict(
+                                 model_type="glm4v_moe_text", hidden_size=4096,
+                                 intermediate_size=10944, moe_intermediate_size=1408,
+                                 n_routed_experts=128, num_experts_per_tok=8,
+                                 n_shared_experts=1, routed_scaling_factor=1.0,
+                                 norm_topk_prob=True, num_hidden_layers=46,
+                                 first_k_dense_replace=1)}, "glm-4.5v")
+    c = glm_v.cfg
+    assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.router, c.renormalize) == \
+        (4096, 1408, 128, 8, "sigmoid_grouped", True)
+    assert glm_v.moe_layers == tuple(range(1, 46)) and glm_v.naming is None
 
 
 def _deepseek_v2_gate(logits, k, norm, scale):
