@@ -116,4 +116,4 @@ def test_side_streams_on_gpu_match_the_plain_order(experts, seed):
             print(f"{experts=} {mb=} layer {l}: vs plain order {err:.2e}")
             assert err <= TOLERANCE["fp8_block"], (mb, l, err)
         _check_against_oracle(run, [tuple(t.cpu() for t in rec) for rec in got],
-                              f"{mb=} {experts=}")
+                              f"{mb=} {experts=} {seed=}")
