@@ -14,7 +14,7 @@ approximated). The router's semantics follow each family's Hugging Face modeling
   glm4v_moe_text              (GLM-4.5V: checkpoints not read)
   minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
                               all experts, always renormalized, no scale; no shared expert
-  deepseek_v4                 sqrt(softplus) (or sigmoid) scores + selection bias, top-k
+  deepseek_v4                 sqrt(softplus) (or its scoring_func) + selection bias, top-k
                               over all experts, always renormalized, x routed_scaling_factor;
                               routed experts clamp gate / up at swiglu_limit (the shared expert
                               does not). Its first hash-routed layers (mlp_layer_types
@@ -167,14 +167,13 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     if mtype == "minimax_m2" and d.get("shared_intermediate_size"):
         raise ValueError(f"{at}: shared_intermediate_size {d['shared_intermediate_size']}: "
                          f"MiniMax-M2's modeling code has no shared expert to compute it with")
-    router = {"sigmoid": "sigmoid_grouped", "softmax": "softmax", "sqrtsoftplus": "sqrtsoftplus",
+    # a family whose router selects on score + bias keeps doing so with softmax scores
+    softmax = "softmax" if fam.router == "softmax" else "softmax_biased"
+    router = {"sigmoid": "sigmoid_grouped", "softmax": softmax, "sqrtsoftplus": "sqrtsoftplus",
               None: fam.router}.get(d.get("scoring_func"), "?")
     if router == "?":
         raise ValueError(f"{at}: scoring_func {d['scoring_func']!r} is not one of sigmoid, "
                          f"softmax, sqrtsoftplus")
-    if mtype == "deepseek_v4" and router == "softmax":
-        raise ValueError(f"{at}: scoring_func 'softmax' with V4's selection bias (added to the "
-                         f"scores, not the logits) is not one of epmoe's routers")
     n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
     method = d.get("topk_method")
     if method == "group_limited_greedy" and n_group > 1:

@@ -72,8 +72,8 @@ def test_v4_layers_follow_mlp_layer_types_and_its_routers_are_checked():
         parse_hf_config(dict(V4, num_hidden_layers=4, mlp_layer_types=["dense"] * 4), "v4")
     with pytest.raises(ValueError, match="none of its 3 layers is a MoE layer"):
         parse_hf_config(dict(V4, num_hidden_layers=3), "v4")
-    with pytest.raises(ValueError, match="scoring_func 'softmax' with V4's selection bias"):
-        parse_hf_config(dict(V4, scoring_func="softmax"), "v4")
+    soft = parse_hf_config(dict(V4, scoring_func="softmax"), "v4").cfg  # bias on the scores
+    assert (soft.router, soft.selection_bias, soft.renormalize) == ("softmax_biased", True, True)
     sig = parse_hf_config(dict(V4, scoring_func="sigmoid"), "v4").cfg
     assert (sig.router, sig.n_group, sig.renormalize) == ("sigmoid_grouped", 1, True)
 

@@ -83,21 +83,18 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
         logits = tl.load(l_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
                          mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     neg = float("-inf")
-    if KIND == 0:
-        if HAS_BIAS:  # the softmax router's bias is part of the logits (gpt-oss)
-            logits += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if KIND == 0 and HAS_BIAS:  # the softmax router's bias is part of the logits (gpt-oss)
+        logits += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if KIND == 0 or KIND == 3:  # softmax scores (KIND 3: selected on score + bias, ERNIE 4.5)
         lg = tl.where(cm[None, :], logits, neg)
         p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
         score = p / tl.sum(p, axis=1)[:, None]
+    if KIND == 0:
         sel = lg  # softmax is monotone: select on the exact logits
     else:
         if KIND == 1:
             score = 1.0 / (1.0 + tl.exp(-logits))
-        elif KIND == 3:  # softmax scores, selected on score + bias (ERNIE 4.5)
-            lg = tl.where(cm[None, :], logits, neg)
-            p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
-            score = p / tl.sum(p, axis=1)[:, None]
-        else:
+        elif KIND == 2:
             u = tl.exp(logits)
             y = 1.0 + u
             log1p = tl.where(y == 1.0, u, tl.log(y) * (u / (y - 1.0)))
