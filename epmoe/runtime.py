@@ -296,6 +296,7 @@ class Runtime:
                     backend=self.backend, backend_reason=self.backend_reason,
                     layer_backends=[list(b) for b in self.layer_backends],
                     layer_experts=[layer.experts.name for layer in self.layers],
+                    fp8_mma=any(layer.experts.fp8_mma for layer in self.layers),
                     forms=list(self.run.forms), experts_reason=self.experts_reason)
 
     # ---------------------------------------------------------------- EPLB

@@ -247,3 +247,14 @@ def test_tolerance_widens_for_power_of_two_fp8_scales():
     assert tolerance(QuantConfig("fp8_block", "ue8m0_packed")) == pytest.approx(3e-2)
     assert tolerance(QuantConfig("mxfp8")) == tolerance(QuantConfig("w4a8_mxfp4")) == 2e-2
     assert tolerance(QuantConfig("bf16")) == 1e-2
+
+
+def test_tolerance_widens_for_fp8_tensor_cores():
+    """fp8 GEMMs on tensor cores: x1.5 on fp8_block only, times the power-of-two scales' x1.5
+    (more flips, each up to twice as large)."""
+    from epmoe.reference import tolerance
+
+    assert tolerance(QuantConfig("fp8_block"), fp8_mma=True) == pytest.approx(3e-2)
+    assert tolerance(QuantConfig("fp8_block", "ue8m0_fp32"), fp8_mma=True) == pytest.approx(4.5e-2)
+    for recipe in ("bf16", "mxfp8", "w4a8_mxfp4"):
+        assert tolerance(QuantConfig(recipe), fp8_mma=True) == tolerance(QuantConfig(recipe))

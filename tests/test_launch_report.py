@@ -239,3 +239,35 @@ def test_metric_names_are_registered_and_recorded(eplb_run):
     assert got["epmoe_stage_time_ms"]["tag_keys"] == ("model", "rank", "stage")
     doc = metrics.__doc__
     assert all(f"| {n}" in doc for n in metrics.NAMES), "the module's table lists every metric"
+
+
+def test_the_check_widens_fp8_tolerance_only_for_tensor_core_gemms(seed):
+    """The report states the tolerance it used: fp8_block's 2e-2, or 3e-2 when a rank's experts
+    ran their fp8 GEMMs on tensor cores (`reference.tolerance`); the verdict follows it."""
+    import torch
+
+    from epmoe.config import QuantConfig
+    from epmoe.launch.report import LazyOracleLayer, check_correctness
+    from epmoe.plan.run import RunConfig
+    from epmoe.reference import reference_moe
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), experts="torch",
+                    tokens=8, layers=1, steps=1, seed=seed)
+    rt = Runtime(run, device="cpu")
+    rt.step(0)
+    rep = rt.report()
+    assert rep["fp8_mma"] is False  # the torch experts sum in fp32
+    plain = check_correctness(run, [rep])
+    assert plain["passed"] and plain["tolerance"] == 2e-2 and plain["fp8_mma"] is False
+    # the oracle's output off by 2.5% of max|ref| at one element (bf16: +-0.2%): fails at
+    # 2e-2, passes where the GEMMs were fp8 MMAs
+    rec = rep["last"][0]
+    ref = reference_moe(rec["x"][:8], LazyOracleLayer(run, 0).as_tuple(), run.cfg, run.quant,
+                        rec["ids"][:8], rec["w"][:8])
+    ref[0, 0] += 0.025 * ref.abs().max()
+    last = [dict(rec, out=ref.to(torch.bfloat16))]
+    assert not check_correctness(run, [dict(rep, last=last)])["passed"]
+    wide = check_correctness(run, [dict(rep, last=last, fp8_mma=True)])
+    assert wide["tolerance"] == pytest.approx(3e-2) and wide["fp8_mma"] is True
+    assert wide["passed"], wide["max_rel_err"]

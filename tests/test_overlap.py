@@ -9,7 +9,7 @@ from epmoe.config import QuantConfig
 from epmoe.overlap import LayerStreams, overlap_fraction, tensors_of
 from epmoe.plan.run import RunConfig
 from epmoe.quant import QTensor
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, tolerance
 from epmoe.runtime import Runtime
 from epmoe.weights import dequantized_full_layer
 
@@ -26,13 +26,15 @@ def _outputs(rt, micro_batches: int, overlap_shared: bool = True):
     return [(d["x"], d["out"], d["ids"], d["w"]) for d in rt.last]
 
 
-def _check_against_oracle(run, per_layer, msg):
+def _check_against_oracle(run, per_layer, msg, fp8_mma=False):
+    """fp8_mma: the experts' fp8 GEMMs ran on tensor cores (the recipe's wider tolerance)."""
+    tol = tolerance(run.quant, fp8_mma)
     for l, (x, out, ids, w) in enumerate(per_layer):
         assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all(), msg
         ref = reference_moe(x, dequantized_full_layer(run.cfg, run.quant, l, run.seed), run.cfg,
                             run.quant, ids.cpu(), w.cpu())
         err = max_rel_err(out, ref)
-        assert err <= TOLERANCE[run.quant.recipe], f"layer {l}: rel err {err:.2e}; {msg}"
+        assert err <= tol, f"layer {l}: rel err {err:.2e} > {tol:.0e}; {msg}"
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
@@ -116,4 +118,4 @@ def test_side_streams_on_gpu_match_the_plain_order(experts, seed):
             print(f"{experts=} {mb=} layer {l}: vs plain order {err:.2e}")
             assert err <= TOLERANCE["fp8_block"], (mb, l, err)
         _check_against_oracle(run, [tuple(t.cpu() for t in rec) for rec in got],
-                              f"{mb=} {experts=} {seed=}")
+                              f"{mb=} {experts=} {seed=}", rt.layers[0].experts.fp8_mma)

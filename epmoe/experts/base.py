@@ -114,6 +114,12 @@ class Experts(ABC):
         """Row alignment of each expert group that this backend's GEMM assumes."""
         return 1
 
+    @property
+    def fp8_mma(self) -> bool:
+        """Whether this backend's fp8 GEMMs run on a GPU's fp8 tensor cores, whose MMA sums a
+        K block at reduced precision before the fp32 promotion (`reference.tolerance`)."""
+        return False
+
     @abstractmethod
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         """x [M, D] rows in `layout` -> y [M, D] bf16 (padding rows: any value)."""

@@ -169,6 +169,10 @@ class DeepGemmExperts(Experts):
     def alignment(self) -> int:
         return self._alignment
 
+    @property
+    def fp8_mma(self) -> bool:
+        return self.quant.recipe == "fp8_block"
+
     def _stage(self, name: str):
         name = "experts." + name  # same stage names as every experts backend
         return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()

@@ -58,6 +58,10 @@ class TritonExperts(Experts):
     def alignment(self) -> int:
         return self.block_m
 
+    @property
+    def fp8_mma(self) -> bool:  # the interpreter's dot is an fp32 one
+        return self.quant.recipe == "fp8_block" and self.weights.w13.data.is_cuda and not INTERPRET
+
     def make_layout(self, topk_ids_NK: torch.Tensor, alignment: int | None = None,
                     num_rows: int | None = None) -> ContiguousLayout:
         a = self.resolve_alignment(alignment)
