@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoints: one MoE layer's router and experts, read lazily.
 
 Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
-MiniMax-M2: Mixtral's names with DeepSeek's selection bias), and
+MiniMax-M2: Mixtral's names with DeepSeek's selection bias, HunYuan, AFMoE, Qwen3-Omni's
+thinker), and
 gpt-oss's fused expert tensors, in either of its published forms:
   bf16    experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate = 0::2,
           up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
@@ -46,6 +47,18 @@ NAMINGS = {
                   expert="model.layers.{l}.mlp.experts.{e}.",
                   shared="model.layers.{l}.mlp.shared_experts.",
                   proj=("gate_proj", "up_proj", "down_proj")),
+    "hunyuan": dict(gate="model.layers.{l}.mlp.gate.wg.weight", bias=None,  # gate kept fp32
+                    expert="model.layers.{l}.mlp.experts.{e}.",
+                    shared="model.layers.{l}.mlp.shared_mlp.",
+                    proj=("gate_proj", "up_proj", "down_proj")),
+    "afmoe": dict(gate="model.layers.{l}.mlp.router.gate.weight",
+                  bias="model.layers.{l}.mlp.expert_bias",
+                  expert="model.layers.{l}.mlp.experts.{e}.",
+                  shared="model.layers.{l}.mlp.shared_experts.",
+                  proj=("gate_proj", "up_proj", "down_proj")),
+    "qwen3_omni": dict(gate="thinker.model.layers.{l}.mlp.gate.weight", bias=None,  # thinker
+                       expert="thinker.model.layers.{l}.mlp.experts.{e}.", shared=None,
+                       proj=("gate_proj", "up_proj", "down_proj")),
     "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),

@@ -61,6 +61,9 @@ class MoEConfig:
     expert_bias: bool = False  # expert MLPs: gate/up and down projection biases (gpt-oss)
     shared_gate: bool = False  # the shared MLP's output x sigmoid(x . w_g), w_g [D] learned
     #                            (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
+    shared_intermediate_size: int = 0  # one shared MLP this wide, where the model's width is
+    #                                    no multiple of moe_intermediate (Granite, Qwen2-MoE);
+    #                                    0: num_shared_experts x moe_intermediate
 
     def __post_init__(self) -> None:
         for f in ("hidden", "moe_intermediate", "num_experts", "top_k", "n_group", "topk_group",
@@ -92,6 +95,10 @@ class MoEConfig:
                f"MLP is not linear, so per-slot input weights are ill-defined for top_k > 1")
         _check(self.swiglu_limit is None or self.swiglu_limit > 0,
                f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
+        _check(self.shared_intermediate_size >= 0 and (
+            not self.shared_intermediate_size or self.num_shared_experts == 1),
+               f"shared_intermediate_size ({self.shared_intermediate_size}) is one shared MLP's "
+               f"width: it needs num_shared_experts == 1 (got {self.num_shared_experts})")
         _check(not self.shared_gate or self.num_shared_experts >= 1,
                "shared_gate scales the shared experts' output: it needs num_shared_experts >= 1")
         _check(not self.router_bias or self.router == "softmax",
@@ -100,8 +107,9 @@ class MoEConfig:
 
     @property
     def shared_intermediate(self) -> int:
-        """The shared experts run as one MLP of width num_shared_experts * moe_intermediate."""
-        return self.num_shared_experts * self.moe_intermediate
+        """The shared experts run as one MLP of width num_shared_experts * moe_intermediate
+        (or shared_intermediate_size, where given)."""
+        return self.shared_intermediate_size or self.num_shared_experts * self.moe_intermediate
 
     @property
     def shared_mlp_cfg(self) -> "MoEConfig":
@@ -160,6 +168,9 @@ class QuantConfig:
         _check(inter % g == 0,
                f"moe intermediate per partition ({inter}) must be a multiple of {self.recipe}'s "
                f"quant group ({g}); lower tp or pick recipe bf16")
+        _check(cfg.shared_intermediate % g == 0,
+               f"the shared MLP's width ({cfg.shared_intermediate}) must be a multiple of "
+               f"{self.recipe}'s quant group ({g}); pick recipe bf16")
         rows = self.weight_group[0]
         if rows > 1:
             _check(cfg.hidden % rows == 0 and (2 * inter) % rows == 0,

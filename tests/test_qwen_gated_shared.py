@@ -58,8 +58,13 @@ def test_published_configs_read_to_a_gated_shared_expert(raw, want):
     assert c.shared_intermediate == raw.get("shared_expert_intermediate_size",
                                             raw.get("text_config", {}).get(
                                                 "shared_expert_intermediate_size"))
-    with pytest.raises(ValueError, match=r"\(700\) is not a multiple of moe_intermediate_size"):
-        parse_hf_config(dict(NEXT, shared_expert_intermediate_size=700), "q")
+    # a width that is no multiple of an expert's: one MLP of that width, which fp8's 128-wide
+    # groups do not tile (bf16 runs it)
+    odd = parse_hf_config(dict(NEXT, shared_expert_intermediate_size=700), "q").cfg
+    assert (odd.num_shared_experts, odd.shared_intermediate, odd.shared_gate) == (1, 700, True)
+    with pytest.raises(ValueError, match=r"shared MLP's width \(700\) must be a multiple"):
+        QuantConfig("fp8_block").check_shapes(odd)
+    QuantConfig("bf16").check_shapes(odd)
 
 
 def test_the_oracle_gates_the_shared_output_as_the_modeling_code():

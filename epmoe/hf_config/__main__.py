@@ -1,0 +1,3 @@
+from epmoe.hf_config.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Each MoE family's semantics as its Hugging Face modeling code computes them: one `Family` per
+`model_type`, and the families refused with the reason (a router or expert epmoe does not
+compute). Field names are read in `epmoe.hf_config`; what a family computes differently from
+its fields' names (or refuses) is its `adjust` hook here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from epmoe.hf_config.fields import one_value
+
+# adjust(config dict, where, MoEConfig fields read so far) -> those fields, changed; raises
+# ValueError for a config the family's modeling code computes in a way epmoe does not
+Adjust = Callable[[dict, str, dict], dict]
+
+
+@dataclass(frozen=True)
+class Family:
+    naming: str | None  # epmoe.checkpoint.NAMINGS key; None: its checkpoints are not read
+    router: str  # without a scoring_func field
+    renormalize: bool  # without a norm_topk_prob field: the HF config class's default
+    layers: str  # dense_first | sparse_step | hash_first | interleave | ernie | all
+    reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
+    reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
+    clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
+    # count: n_shared_experts x moe_intermediate | gated: one MLP of
+    # shared_expert_intermediate_size, x sigmoid(x . w_g) (Qwen2-MoE) | granite: one MLP of
+    # shared_intermediate_size (0: none) | one: one MLP of the experts' width
+    shared: str = "count"
+    shared_default: int = 0  # granite: the config class's default shared_intermediate_size
+    width: tuple = ()  # the per-expert width's field names, where not fields.EXPERT_WIDTH
+    fixed: tuple = ()  # ((MoEConfig field, value), ...) the family always has
+    adjust: Adjust | None = None
+
+
+def _refuse(at: str, what: str) -> ValueError:
+    return ValueError(f"{at}: {what}")
+
+
+def _ernie(d: dict, at: str, f: dict) -> dict:
+    if d.get("use_bias"):
+        raise _refuse(at, "use_bias: its expert MLPs carry linear biases, which epmoe's experts "
+                          "compute only in gpt-oss's form")
+    return f
+
+
+def _no_shared(d: dict, at: str, f: dict) -> dict:
+    if d.get("shared_intermediate_size"):
+        raise _refuse(at, f"shared_intermediate_size {d['shared_intermediate_size']}: its "
+                          f"modeling code has no shared expert to compute it with")
+    return f
+
+
+def _deepseek_v2(d: dict, at: str, f: dict) -> dict:
+    if f["renormalize"]:  # V2 scales the weights only when it does not renormalize them
+        f["routed_scaling_factor"] = 1.0
+    return f
+
+
+def _hunyuan(d: dict, at: str, f: dict) -> dict:
+    # HunYuanMoEV1Moe: every expert and the one shared MLP intermediate_size wide (moe_topk may
+    # be per layer: fields.get takes its one value). A release config's own fields must agree.
+    inter = one_value(d, at, "moe_intermediate_size")
+    if inter is not None and int(inter) != int(d["intermediate_size"]):
+        raise _refuse(at, f"moe_intermediate_size {inter} != intermediate_size "
+                          f"{d['intermediate_size']}: HunYuanMoEV1's experts and shared MLP are "
+                          f"intermediate_size wide")
+    shared = one_value(d, at, "num_shared_expert")
+    if (shared is not None and int(shared) != 1) or d.get("use_mixed_mlp_moe") is False:
+        raise _refuse(at, "num_shared_expert / use_mixed_mlp_moe: HunYuanMoEV1 adds exactly one "
+                          "shared MLP")
+    if d.get("moe_layer_num_skipped") or d.get("use_cla"):
+        raise _refuse(at, "moe_layer_num_skipped / use_cla: not HunYuanMoEV1's layer")
+    return f
+
+
+def _dbrx(d: dict, at: str, f: dict) -> dict:
+    # DbrxRouter: the top-k softmax weights / their p-norm (moe_normalize_expert_weights)
+    p = d.get("moe_normalize_expert_weights", 1.0)
+    if p is not None and float(p) != 1.0:
+        raise _refuse(at, f"moe_normalize_expert_weights {p}: a p-norm other than 1 (the sum) "
+                          f"is not one of epmoe's renormalizations")
+    f["renormalize"] = p is not None
+    act = (d.get("ffn_act_fn") or {}).get("name", "silu")
+    if act not in ("silu", "swish"):
+        raise _refuse(at, f"ffn_act_fn {act!r}: epmoe's experts compute SwiGLU (silu)")
+    return f
+
+
+def _granite_hybrid(d: dict, at: str, f: dict) -> dict:
+    if not d.get("num_local_experts", 8):
+        raise _refuse(at, "num_local_experts 0: a dense model, no MoE layer")
+    return f
+
+
+def _afmoe(d: dict, at: str, f: dict) -> dict:
+    # AfmoeTokenChoiceRouter: sigmoid, top-k of sigmoid + expert_bias over every expert (its
+    # config's score_func / route_norm / n_group are not read by the modeling code)
+    return dict(f, router="sigmoid_grouped", n_group=1, topk_group=1, renormalize=True)
+
+
+_DEEPSEEK = Family("deepseek", "sigmoid_grouped", True, "dense_first")
+_GRANITE = Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
+                  shared="granite")
+FAMILIES = {
+    "deepseek_v3": _DEEPSEEK,
+    "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
+    "kimi_k2": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,
+    "glm4v_moe_text": Family(None, "sigmoid_grouped", True, "dense_first"),  # GLM-4.5V's LM
+    "dots1": Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
+    "minimax_m2": Family("minimax", "sigmoid_grouped", True, "all", reads_norm=False,
+                         reads_scale=False, adjust=_no_shared),
+    # V4: checkpoints in DeepSeek's own layout, not read; hash-routed layers not run
+    "deepseek_v4": Family(None, "sqrtsoftplus", True, "hash_first", reads_norm=False,
+                          clamps=True),
+    "deepseek_v2": Family("deepseek", "softmax", False, "dense_first", adjust=_deepseek_v2),
+    "qwen3_moe": Family("qwen3_moe", "softmax", False, "sparse_step"),
+    "qwen2_moe": Family("qwen2_moe", "softmax", False, "sparse_step", shared="gated"),
+    "qwen3_next": Family("qwen2_moe", "softmax", True, "sparse_step", shared="gated"),
+    # Qwen3.5: Qwen3-Next's MoE block, always renormalized; its checkpoints are not read
+    "qwen3_5_moe_text": Family(None, "softmax", True, "all", reads_norm=False, shared="gated"),
+    "olmoe": Family("qwen3_moe", "softmax", False, "all"),
+    "flex_olmo": Family("qwen3_moe", "softmax", False, "all"),  # experts intermediate_size wide
+    # Qwen3-VL-MoE's language model: always renormalized (norm_topk_prob unread); its fused
+    # [E, D, 2I] expert tensors are not read
+    "qwen3_vl_moe_text": Family(None, "softmax", True, "sparse_step", reads_norm=False),
+    # Qwen3-Omni's thinker (thinker_config.text_config)
+    "qwen3_omni_moe_text": Family("qwen3_omni", "softmax", True, "sparse_step"),
+    "mixtral": Family("mixtral", "softmax", True, "all"),
+    # MiniMax-Text-01 / M1: Mixtral's MoE block (softmax top-k, always renormalized)
+    "minimax": Family("mixtral", "softmax", True, "all", reads_norm=False, reads_scale=False,
+                      adjust=_no_shared),
+    "gpt_oss": Family("gpt_oss", "softmax", True, "all", clamps=True,
+                      fixed=(("activation", "swigluoai"), ("router_bias", True),
+                             ("expert_bias", True))),
+    # Llama 4: top-1 of the logits, the expert's input x sigmoid(logit), one shared expert;
+    # its fused checkpoints are not read
+    "llama4_text": Family(None, "sigmoid_grouped", False, "interleave", reads_norm=False,
+                          reads_scale=False, shared="one",
+                          fixed=(("apply_router_weight_on_input", True),
+                                 ("selection_bias", False))),
+    # ERNIE 4.5: softmax scores selected on score + moe_statics' bias, always renormalized
+    "ernie4_5_moe": Family("ernie", "softmax_biased", True, "ernie", reads_norm=False,
+                           reads_scale=False, adjust=_ernie),
+    # Granite 3.x / 4.0: softmax over the top-k logits (= softmax top-k, renormalized); the
+    # shared MLP shared_intermediate_size wide, ungated; fused input_linear [E, 2I, D] not read
+    "granitemoe": _GRANITE,
+    "granitemoeshared": _GRANITE,
+    "granitemoehybrid": Family(None, "softmax", True, "all", reads_norm=False,
+                               reads_scale=False, shared="granite", shared_default=1024,
+                               adjust=_granite_hybrid),
+    # HunYuan-A13B: softmax top-k, always renormalized; one shared MLP as wide as an expert
+    "hunyuan_v1_moe": Family("hunyuan", "softmax", True, "all", reads_norm=False,
+                             reads_scale=False, shared="one", width=("intermediate_size",),
+                             adjust=_hunyuan),
+    # DBRX: softmax top-k / its 1-norm (or not normalized); fused [E*I, D] experts not read
+    "dbrx": Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
+                   adjust=_dbrx),
+    # Arcee AFMoE: sigmoid + expert_bias, top-k over all, always renormalized, x route_scale
+    "afmoe": Family("afmoe", "sigmoid_grouped", True, "dense_first", reads_norm=False,
+                    adjust=_afmoe),
+}
+
+# model_types whose MoE layer epmoe does not compute: the reason
+REFUSED = {
+    "phimoe": "its sparsemixer router (top-2 by masked softmaxes, not a top-k of one score)",
+    "longcat_flash": "its zero-computation experts (a pick past the routed experts adds the "
+                     "weighted input itself)",
+    "jetmoe": "its mixture-of-attention-heads layers",
+}

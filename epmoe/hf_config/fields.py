@@ -1,0 +1,59 @@
+"""Where each figure sits in a family's config.json: the field names, first present wins
+(families and releases name them differently), and the nested configs holding them."""
+
+from __future__ import annotations
+
+HIDDEN = ("hidden_size", "d_model")  # DBRX: d_model
+LAYER_COUNT = ("num_hidden_layers", "n_layers")
+EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k", "moe_top_k")
+# per-expert width: moe_intermediate_size where a family also has dense layers, else the
+# family's one intermediate size (Mixtral, Granite, HunYuan, FlexOlmo; DBRX's ffn_hidden_size)
+EXPERT_WIDTH = ("moe_intermediate_size", "ffn_hidden_size", "intermediate_size")
+SHARED_COUNT = ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")
+SCALE = ("routed_scaling_factor", "route_scale")
+# where a multimodal or composite config keeps its language model's figures
+TEXT_CONFIGS = (("text_config",), ("thinker_config", "text_config"))
+
+_REQUIRED = object()
+
+
+def get(d: dict, where: str, *names, default=_REQUIRED):
+    """The first of `names` the config gives (a per-layer list: its one value); else the
+    default, or an error naming them."""
+    for n in names:
+        if d.get(n) is not None:
+            return one_value(d, where, n)
+    if default is _REQUIRED:
+        raise ValueError(f"{where}: the config has none of {', '.join(names)}")
+    return default
+
+
+def one_value(d: dict, where: str, key: str):
+    """d[key], or the one value of a per-layer list (HunYuan's moe_topk); a list whose values
+    differ is refused: epmoe's MoE layers share one shape. None if absent or empty."""
+    v = d.get(key)
+    if isinstance(v, list):
+        if len(set(map(str, v))) > 1:
+            raise ValueError(f"{where}: {key} differs between layers (values "
+                             f"{', '.join(sorted(set(map(str, v))))}); epmoe's MoE layers "
+                             f"share one shape")
+        v = v[0] if v else None
+    return v
+
+
+def language_model(raw: dict) -> dict:
+    """The config's MoE figures in one flat dict: a multimodal config's text config over its
+    top level (Llama 4, Qwen3-VL, Qwen3-Omni's thinker), DBRX's ffn_config alongside."""
+    d = raw
+    if not any(k in raw for k in HIDDEN):
+        for path in TEXT_CONFIGS:
+            sub = raw
+            for key in path:
+                sub = sub.get(key) if isinstance(sub, dict) else None
+            if isinstance(sub, dict):
+                d = {**raw, **sub}
+                break
+    if isinstance(d.get("ffn_config"), dict):
+        d = {**d, **d["ffn_config"]}
+    return d

@@ -1,0 +1,240 @@
+"""More MoE families from a config.json: Granite (3.x MoE, shared, 4.0 hybrid), HunYuan-A13B,
+DBRX, Arcee AFMoE, Qwen3-VL-MoE and Qwen3-Omni's thinker, MiniMax-Text-01 / M1, FlexOlmo; and
+the families refused with their reason (PhiMoE's sparsemixer, LongCat-Flash's zero experts).
+
+Each router is re-written here from its transformers modeling code (v5.25, the `*_moe`
+modeling / modular files) in float64 and compared with epmoe's reference router and the
+runtime's torch router (ids equal, weights to 1e-12). Configs are the transformers config
+classes' defaults written out as a config.json (fields as the classes name them), plus the
+release-config fields a family's reader must check. Checkpoint namings read by a one-rank
+launch against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.config import QuantConfig
+from epmoe.hf_config import describe, parse_hf_config, read_hf_config
+from epmoe.reference import reference_route
+from epmoe.router import route
+from tests.launch_util import config_folder, launch_in_process
+
+GRANITE = dict(model_type="granitemoe", hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=32, hidden_act="silu", num_local_experts=8,
+               num_experts_per_tok=2, router_aux_loss_coef=0.001, residual_multiplier=1.0)
+GRANITE_SHARED = dict(GRANITE, model_type="granitemoeshared", shared_intermediate_size=0)
+# Granite 4.0 "-h": mamba / attention mixers (not MoE's concern), a shared MLP in every layer
+GRANITE_HYBRID = dict(GRANITE, model_type="granitemoehybrid", hidden_size=1536,
+                      intermediate_size=512, num_local_experts=64, num_experts_per_tok=6,
+                      num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"])
+# HunYuan-A13B's release config carries per-layer lists the HF class does not read
+HUNYUAN = dict(model_type="hunyuan_v1_moe", hidden_size=4096, intermediate_size=3072,
+               num_hidden_layers=32, hidden_act="silu", num_experts=64, moe_topk=[8] * 32,
+               moe_intermediate_size=[3072] * 32, num_shared_expert=[1] * 32,
+               use_mixed_mlp_moe=True)
+DBRX = dict(model_type="dbrx", d_model=6144, n_heads=48, n_layers=40,
+            ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4,
+                            ffn_act_fn={"name": "silu"}, moe_normalize_expert_weights=1))
+AFMOE = dict(model_type="afmoe", hidden_size=2048, intermediate_size=6144,
+             moe_intermediate_size=1408, num_experts=64, num_experts_per_tok=6,
+             num_shared_experts=2, route_scale=1.0, num_dense_layers=1, num_hidden_layers=32,
+             score_func="sigmoid", route_norm=True)
+QWEN3_VL = dict(model_type="qwen3_vl_moe", text_config=dict(
+    model_type="qwen3_vl_moe_text", hidden_size=2048, intermediate_size=5632,
+    moe_intermediate_size=1408, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24,
+    hidden_act="silu", decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False))
+QWEN3_OMNI = dict(model_type="qwen3_omni_moe", thinker_config=dict(
+    model_type="qwen3_omni_moe_thinker", text_config=dict(
+        model_type="qwen3_omni_moe_text", hidden_size=2048, intermediate_size=18944,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        num_hidden_layers=28, hidden_act="silu", norm_topk_prob=True, decoder_sparse_step=1)))
+MINIMAX = dict(model_type="minimax", hidden_size=4096, intermediate_size=14336,
+               num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+               hidden_act="silu", router_jitter_noise=0.0)
+FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=11008,
+                 num_experts=7, num_experts_per_tok=5, num_hidden_layers=32, hidden_act="silu",
+                 norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("raw,want", [
+    (GRANITE, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), None)),
+    (GRANITE_SHARED, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), None)),
+    (dict(GRANITE_SHARED, shared_intermediate_size=1024),
+     (4096, 11008, 8, 2, 1, 1024, True, tuple(range(32)), None)),
+    (GRANITE_HYBRID, (1536, 512, 64, 6, 2, 1024, True, tuple(range(4)), None)),  # default 1024
+    (HUNYUAN, (4096, 3072, 64, 8, 1, 3072, True, tuple(range(32)), "hunyuan")),
+    (DBRX, (6144, 10752, 16, 4, 0, 0, True, tuple(range(40)), None)),
+    (AFMOE, (2048, 1408, 64, 6, 2, 2816, True, tuple(range(1, 32)), "afmoe")),
+    (QWEN3_VL, (2048, 1408, 60, 4, 0, 0, True, tuple(range(24)), None)),
+    (QWEN3_OMNI, (2048, 768, 128, 8, 0, 0, True, tuple(range(28)), "qwen3_omni")),
+    (MINIMAX, (4096, 14336, 8, 2, 0, 0, True, tuple(range(32)), "mixtral")),
+    (FLEX_OLMO, (4096, 11008, 7, 5, 0, 0, False, tuple(range(32)), "qwen3_moe")),
+], ids=["granite", "granite-shared-0", "granite-shared", "granite-hybrid", "hunyuan", "dbrx",
+        "afmoe", "qwen3-vl", "qwen3-omni", "minimax", "flex-olmo"])
+def test_configs_read_to_their_moe_layer(raw, want):
+    hf = parse_hf_config(raw, "m")
+    c = hf.cfg
+    assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts,
+            c.shared_intermediate, c.renormalize, hf.moe_layers, hf.naming) == want
+    assert c.routed_scaling_factor == 1.0 and not c.shared_gate and c.swiglu_limit is None
+    assert c.router == ("sigmoid_grouped" if raw is AFMOE else "softmax")
+    assert dict(describe(hf))["model_type"] == hf.model_type
+
+
+def test_a_shared_mlp_width_that_is_no_multiple_of_an_experts_is_one_mlp_of_that_width():
+    c = parse_hf_config(dict(GRANITE_SHARED, intermediate_size=512,
+                             shared_intermediate_size=640), "g").cfg
+    assert (c.num_shared_experts, c.shared_intermediate) == (1, 640)
+    QuantConfig("fp8_block").check_shapes(c)  # 640 = 5 groups of 128
+    odd = c.replace(shared_intermediate_size=600)
+    with pytest.raises(ValueError, match=r"shared MLP's width \(600\)"):
+        QuantConfig("fp8_block").check_shapes(odd)
+    with pytest.raises(ValueError, match="needs num_shared_experts == 1"):
+        c.replace(num_shared_experts=2)
+    none = parse_hf_config(dict(GRANITE_HYBRID, shared_intermediate_size=0), "g").cfg
+    assert none.num_shared_experts == 0  # a zero-width shared MLP adds nothing
+
+
+@pytest.mark.parametrize("raw,match", [
+    (dict(model_type="phimoe", hidden_size=4096), "sparsemixer"),
+    (dict(model_type="longcat_flash", hidden_size=6144), "zero-computation experts"),
+    (dict(DBRX, ffn_config=dict(DBRX["ffn_config"], moe_normalize_expert_weights=2.0)),
+     "p-norm other than 1"),
+    (dict(DBRX, ffn_config=dict(DBRX["ffn_config"], ffn_act_fn={"name": "gelu"})),
+     "ffn_act_fn 'gelu'"),
+    (dict(HUNYUAN, moe_topk=[8] * 31 + [4]), r"moe_topk differs between layers \(values 4, 8\)"),
+    (dict(HUNYUAN, moe_intermediate_size=[1536] * 32), "HunYuanMoEV1's experts and shared MLP"),
+    (dict(HUNYUAN, num_shared_expert=[2] * 32), "exactly one shared MLP"),
+    (dict(HUNYUAN, use_mixed_mlp_moe=False), "exactly one shared MLP"),
+    (dict(GRANITE_HYBRID, num_local_experts=0), "a dense model"),
+    (dict(MINIMAX, shared_intermediate_size=1024), "no shared expert to compute it with"),
+], ids=["phimoe", "longcat", "dbrx-p2", "dbrx-gelu", "hunyuan-topk", "hunyuan-width",
+        "hunyuan-shared", "hunyuan-mixed", "granite-dense", "minimax-shared"])
+def test_what_epmoe_does_not_compute_is_refused_with_its_reason(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_hf_config(raw, "m")
+
+
+def test_moe_layer_selection():
+    vl = dict(QWEN3_VL, text_config=dict(QWEN3_VL["text_config"], decoder_sparse_step=2,
+                                         mlp_only_layers=[3]))
+    assert parse_hf_config(vl, "q").moe_layers == tuple(i for i in range(24)
+                                                        if (i + 1) % 2 == 0 and i != 3)
+    assert parse_hf_config(dict(AFMOE, num_dense_layers=3), "a").moe_layers == \
+        tuple(range(3, 32))
+    assert parse_hf_config(dict(DBRX, n_layers=6), "d").cfg.num_moe_layers == 6
+
+
+# ---------------------------------------------------------------------- routers, float64
+
+def _softmax_topk(logits, k, renorm):
+    """Mixtral / Qwen3-VL / Qwen3-Omni / FlexOlmo / HunYuan / MiniMax / DBRX (p = 1): softmax
+    over every expert, top-k of the probabilities, / their sum if renormalized."""
+    p = torch.softmax(logits.double(), dim=-1)
+    w, ids = torch.topk(p, k, dim=-1)
+    return ids, (w / w.sum(-1, keepdim=True) if renorm else w)
+
+
+def _granite(logits, k):
+    """JetMoeTopKGating: top-k of the logits, softmax over those k."""
+    top, ids = logits.double().topk(k, dim=1)
+    return ids, torch.softmax(top, dim=1)
+
+
+def _afmoe(logits, bias, k, scale):
+    """AfmoeTokenChoiceRouter: sigmoid; top-k of sigmoid + expert_bias; the unbiased sigmoids
+    / (their sum + 1e-20) x route_scale."""
+    s = torch.sigmoid(logits.double())
+    ids = torch.topk(s + bias.double(), k, dim=-1).indices
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+@pytest.mark.parametrize("raw", [GRANITE, HUNYUAN, DBRX, dict(DBRX, ffn_config=dict(
+    DBRX["ffn_config"], moe_normalize_expert_weights=None)), AFMOE, dict(AFMOE, route_scale=2.5),
+    QWEN3_VL, QWEN3_OMNI, dict(QWEN3_OMNI, thinker_config=dict(text_config=dict(
+        QWEN3_OMNI["thinker_config"]["text_config"], norm_topk_prob=False))), MINIMAX,
+    FLEX_OLMO],
+    ids=["granite", "hunyuan", "dbrx", "dbrx-unnormalized", "afmoe", "afmoe-scaled",
+         "qwen3-vl", "qwen3-omni", "qwen3-omni-unnormalized", "minimax", "flex-olmo"])
+def test_each_router_routes_as_its_modeling_code(raw, seed):
+    c = parse_hf_config(raw, "m").cfg
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(48, c.num_experts, generator=g) * 2
+    bias = None
+    if raw.get("model_type") == "afmoe":
+        bias = torch.randn(c.num_experts, generator=g) * 0.05
+        want_ids, want_w = _afmoe(logits, bias, c.top_k, raw["route_scale"])
+    elif raw.get("model_type") == "granitemoe":
+        want_ids, want_w = _granite(logits, c.top_k)
+    else:
+        text = raw.get("text_config") or (raw.get("thinker_config") or {}).get("text_config") \
+            or raw.get("ffn_config") or raw
+        renorm = {"qwen3_vl_moe_text": True, "dbrx": text.get(
+            "moe_normalize_expert_weights") is not None}.get(
+            text.get("model_type", raw["model_type"]), text.get("norm_topk_prob", True))
+        want_ids, want_w = _softmax_topk(logits, c.top_k, renorm)
+    ids, w = reference_route(logits, c, bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices),
+                               rtol=1e-12, atol=0)
+    r = route(logits, c, bias, id_dtype=torch.int64, backend="torch")  # the runtime's path
+    assert torch.equal(r.topk_ids_TK.sort(-1).values, want_order.values)
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+def _checkpoint(folder, names, layers, e, d, i, shared_width=0):
+    """A random bf16 checkpoint under a naming's templates (epmoe.checkpoint.NAMINGS)."""
+    from safetensors.torch import save_file
+
+    from epmoe.checkpoint import NAMINGS
+
+    nm, g, t = NAMINGS[names], torch.Generator().manual_seed(21), {}
+    gp, up, dp = nm["proj"]
+    for cl in layers:
+        t[nm["gate"].format(l=cl)] = torch.randn(e, d, generator=g) * d ** -0.5
+        if nm["bias"]:
+            t[nm["bias"].format(l=cl)] = torch.randn(e, generator=g) * 0.02
+        subs = [(nm["expert"].format(l=cl, e=x), i) for x in range(e)]
+        subs += [(nm["shared"].format(l=cl), shared_width)] if shared_width else []
+        for pre, width in subs:
+            for n, shape in ((gp, (width, d)), (up, (width, d)), (dp, (d, width))):
+                t[f"{pre}{n}.weight"] = (torch.randn(*shape, generator=g)
+                                         * shape[1] ** -0.5).bfloat16()
+    save_file(t, str(folder / "model.safetensors"))
+    return t
+
+
+@pytest.mark.parametrize("family", ["hunyuan", "afmoe", "qwen3_omni"])
+def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
+    from epmoe.checkpoint import load_layer
+
+    tiny = {"hunyuan": dict(HUNYUAN, hidden_size=256, intermediate_size=128, num_experts=8,
+                            moe_topk=[2] * 2, moe_intermediate_size=[128] * 2,
+                            num_shared_expert=[1] * 2, num_hidden_layers=2),
+            "afmoe": dict(AFMOE, hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                          num_experts_per_tok=2, num_shared_experts=2, route_scale=2.0,
+                          num_hidden_layers=3, num_dense_layers=1),
+            "qwen3_omni": dict(QWEN3_OMNI, thinker_config=dict(text_config=dict(
+                QWEN3_OMNI["thinker_config"]["text_config"], hidden_size=256,
+                moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                num_hidden_layers=2)))}[family]
+    folder = config_folder(tmp_path, f"tiny-{family}", tiny)
+    hf = read_hf_config(str(folder))
+    c = hf.cfg
+    t = _checkpoint(folder, hf.naming, hf.moe_layers, c.num_experts, c.hidden,
+                    c.moe_intermediate, c.shared_intermediate if c.num_shared_experts else 0)
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 0, [3])
+    from epmoe.checkpoint import NAMINGS
+
+    nm = NAMINGS[hf.naming]
+    torch.testing.assert_close(lw.gate_ED, t[nm["gate"].format(l=hf.moe_layers[0])])
+    if nm["bias"]:
+        torch.testing.assert_close(lw.bias_E, t[nm["bias"].format(l=hf.moe_layers[0])])
+    assert (lw.shared is not None) == bool(c.num_shared_experts)
+    rc, s = launch_in_process(tmp_path, ["--weights", str(folder)])
+    assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+    assert len(s["correctness"]["per_layer"]) == len(hf.moe_layers)
