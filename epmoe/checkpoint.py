@@ -2,7 +2,8 @@
 
 Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
 MiniMax-M2: Mixtral's names with DeepSeek's selection bias, HunYuan, AFMoE, Qwen3-Omni's
-thinker), and
+thinker), Granite's fused input_linear [E, 2I, D] (gate rows first) / output_linear [E, D, I]
+(its shared MLP: the same names, no expert axis), and
 gpt-oss's fused expert tensors, in either of its published forms:
   bf16    experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate = 0::2,
           up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
@@ -66,9 +67,15 @@ NAMINGS = {
                     bias="model.layers.{l}.block_sparse_moe.e_score_correction_bias",
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),
+    # Granite MoE / 4.0: input_linear [E, 2I, D] (gate rows, then up), output_linear
+    # [E, D, I]; the shared MLP alike without the expert axis
+    "granite": dict(gate="model.layers.{l}.block_sparse_moe.router.layer.weight", bias=None,
+                    expert="model.layers.{l}.block_sparse_moe.",
+                    shared="model.layers.{l}.shared_mlp.", fused="granite",
+                    proj=("input_linear", None, "output_linear")),
     "gpt_oss": dict(gate="model.layers.{l}.mlp.router.weight",
                     bias="model.layers.{l}.mlp.router.bias",
-                    expert="model.layers.{l}.mlp.experts.", shared=None, fused=True,
+                    expert="model.layers.{l}.mlp.experts.", shared=None, fused="gpt_oss",
                     proj=("gate_up_proj", None, "down_proj")),
 }
 
@@ -252,8 +259,12 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
     if with_shared and nm["shared"] and cfg.num_shared_experts:
         pre = nm["shared"].format(l=cl)
         g_name, u_name, d_name = nm["proj"]
-        w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
-        w13, w2 = slice_inter(w13, _load_proj(ckpt, pre, d_name), shared_slice)
+        w13 = _load_proj(ckpt, pre, g_name) if u_name is None else \
+            torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
+        w2 = _load_proj(ckpt, pre, d_name)
+        _check_shape(w13, (2 * cfg.shared_intermediate, cfg.hidden), "shared MLP's gate/up")
+        _check_shape(w2, (cfg.hidden, cfg.shared_intermediate), "shared MLP's down")
+        w13, w2 = slice_inter(w13, w2, shared_slice)
         shared = build_expert_weights(w13[None], w2[None], quant, [-1], device)
         if cfg.shared_gate:
             sgate = ckpt.get(nm["shared_gate"].format(l=cl)).float().reshape(-1)
@@ -266,7 +277,7 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
 
 
 # --------------------------------------------------------------------------------------------
-# gpt-oss: fused [E, ...] expert tensors, bf16 or MXFP4
+# fused [E, ...] expert tensors: gpt-oss (bf16 or MXFP4), Granite
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -307,8 +318,12 @@ def _fused_experts(ckpt, nm, cfg: MoEConfig, quant: QuantConfig, cl: int, ids: l
     pre = nm["expert"].format(l=cl)
     gu_name, _, d_name = nm["proj"]
     i, d, n = cfg.moe_intermediate, cfg.hidden, len(ids)
-    w13 = _deinterleave(_fused_proj(ckpt, pre, gu_name, ids), 1)
-    w2 = _fused_proj(ckpt, pre, d_name, ids)
+    if nm["fused"] == "granite":  # stored [E, out, in] as the GEMMs take them
+        w13 = ckpt.get_rows(pre + gu_name + ".weight", ids).float()
+        w2 = ckpt.get_rows(pre + d_name + ".weight", ids).float()
+    else:
+        w13 = _deinterleave(_fused_proj(ckpt, pre, gu_name, ids), 1)
+        w2 = _fused_proj(ckpt, pre, d_name, ids)
     _check_shape(w13, (n, 2 * i, d), "experts' gate_up_proj (as [E, 2I, D])")
     _check_shape(w2, (n, d, i), "experts' down_proj (as [E, D, I])")
     b13 = b2 = None

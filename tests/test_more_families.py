@@ -58,11 +58,11 @@ FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=110
 
 
 @pytest.mark.parametrize("raw,want", [
-    (GRANITE, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), None)),
-    (GRANITE_SHARED, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), None)),
+    (GRANITE, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), "granite")),
+    (GRANITE_SHARED, (4096, 11008, 8, 2, 0, 0, True, tuple(range(32)), "granite")),
     (dict(GRANITE_SHARED, shared_intermediate_size=1024),
-     (4096, 11008, 8, 2, 1, 1024, True, tuple(range(32)), None)),
-    (GRANITE_HYBRID, (1536, 512, 64, 6, 2, 1024, True, tuple(range(4)), None)),  # default 1024
+     (4096, 11008, 8, 2, 1, 1024, True, tuple(range(32)), "granite")),
+    (GRANITE_HYBRID, (1536, 512, 64, 6, 2, 1024, True, tuple(range(4)), "granite")),
     (HUNYUAN, (4096, 3072, 64, 8, 1, 3072, True, tuple(range(32)), "hunyuan")),
     (DBRX, (6144, 10752, 16, 4, 0, 0, True, tuple(range(40)), None)),
     (AFMOE, (2048, 1408, 64, 6, 2, 2816, True, tuple(range(1, 32)), "afmoe")),
@@ -260,3 +260,65 @@ def test_a_shared_mlp_of_its_own_width_passes_the_oracle(tmp_path, shared, extra
     rc, s = launch_in_process(tmp_path, ["--model", str(folder)], "--quant", "fp8_block",
                               *extra)
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+
+
+def _granite_checkpoint(folder, e, d, i, s_width):
+    """Granite's fused layout: router.layer [E, D], input_linear [E, 2I, D] (gate rows, then
+    up), output_linear [E, D, I]; shared_mlp.input_linear [2S, D], output_linear [D, S]."""
+    from safetensors.torch import save_file
+
+    g, t = torch.Generator().manual_seed(31), {}
+    for cl in (0, 1):
+        moe, sh = f"model.layers.{cl}.block_sparse_moe.", f"model.layers.{cl}.shared_mlp."
+        t[moe + "router.layer.weight"] = torch.randn(e, d, generator=g) * d ** -0.5
+        t[moe + "input_linear.weight"] = (torch.randn(e, 2 * i, d, generator=g)
+                                          * d ** -0.5).bfloat16()
+        t[moe + "output_linear.weight"] = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
+        t[sh + "input_linear.weight"] = (torch.randn(2 * s_width, d, generator=g)
+                                         * d ** -0.5).bfloat16()
+        t[sh + "output_linear.weight"] = (torch.randn(d, s_width, generator=g)
+                                          * s_width ** -0.5).bfloat16()
+    save_file(t, str(folder / "model.safetensors"))
+    return t
+
+
+@pytest.mark.timeout(300)
+def test_a_granite_checkpoint_computes_as_its_modeling_code(tmp_path):
+    """The fused tensors read into epmoe's [gate | up] rows: one expert and the shared MLP on
+    the checkpoint's own tensors, computed as GraniteMoeMoE / GraniteMoeSharedMLP do
+    (input_linear, chunk(2): silu(first) * second, output_linear), equal the oracle's MLP
+    on what the loader read; then launches on one rank and on two (the 384-wide shared MLP
+    does not split into 128-wide groups: rank 0 runs it)."""
+    from epmoe.checkpoint import load_layer
+    from epmoe.quant import dequantize_weight
+    from epmoe.reference import expert_mlp_ref
+
+    tiny = dict(GRANITE_SHARED, hidden_size=256, intermediate_size=128, num_local_experts=8,
+                num_hidden_layers=2, shared_intermediate_size=384)
+    folder = config_folder(tmp_path, "tiny-granite", tiny)
+    t = _granite_checkpoint(folder, 8, 256, 128, 384)
+    c = read_hf_config(str(folder)).cfg
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 1, [5])
+    x = torch.randn(6, 256, dtype=torch.float64)
+
+    def granite_mlp(w_in, w_out):
+        h = x @ w_in.double().T
+        gate, up = h.chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w_out.double().T
+
+    pre = "model.layers.1.block_sparse_moe."
+    want = granite_mlp(t[pre + "input_linear.weight"][5], t[pre + "output_linear.weight"][5])
+    got = expert_mlp_ref(x, dequantize_weight(lw.experts.w13)[0].double(),
+                         dequantize_weight(lw.experts.w2)[0].double(), c, QuantConfig("bf16"),
+                         fake_quant=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    sh = "model.layers.1.shared_mlp."
+    want = granite_mlp(t[sh + "input_linear.weight"], t[sh + "output_linear.weight"])
+    got = expert_mlp_ref(x, dequantize_weight(lw.shared.w13)[0].double(),
+                         dequantize_weight(lw.shared.w2)[0].double(), c, QuantConfig("bf16"),
+                         fake_quant=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lw.gate_ED, t[pre + "router.layer.weight"])
+    for extra in ([], ["--ep", "2", "--no-dp"]):
+        rc, s = launch_in_process(tmp_path, ["--weights", str(folder)], *extra)
+        assert rc == 0 and s["correctness"]["passed"] is True, (extra, s["correctness"])

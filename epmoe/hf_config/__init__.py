@@ -38,7 +38,7 @@ compute (the model is refused, not approximated: families.py). The router's sema
   hunyuan_v1_moe              softmax top-k, always renormalized; one shared MLP as wide as an
                               expert (intermediate_size)
   granitemoe(shared|hybrid)   softmax over the top-k logits (= renormalized softmax top-k); one
-                              shared MLP shared_intermediate_size wide; checkpoints not read
+                              shared MLP shared_intermediate_size wide
   dbrx                        softmax top-k / its 1-norm, or not normalized; not read
   afmoe                       sigmoid + expert_bias over every expert, renormalized, x route_scale
 Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.

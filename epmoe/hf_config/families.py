@@ -101,7 +101,7 @@ def _afmoe(d: dict, at: str, f: dict) -> dict:
 
 
 _DEEPSEEK = Family("deepseek", "sigmoid_grouped", True, "dense_first")
-_GRANITE = Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
+_GRANITE = Family("granite", "softmax", True, "all", reads_norm=False, reads_scale=False,
                   shared="granite")
 FAMILIES = {
     "deepseek_v3": _DEEPSEEK,
@@ -145,10 +145,10 @@ FAMILIES = {
     "ernie4_5_moe": Family("ernie", "softmax_biased", True, "ernie", reads_norm=False,
                            reads_scale=False, adjust=_ernie),
     # Granite 3.x / 4.0: softmax over the top-k logits (= softmax top-k, renormalized); the
-    # shared MLP shared_intermediate_size wide, ungated; fused input_linear [E, 2I, D] not read
+    # shared MLP shared_intermediate_size wide, ungated; fused input_linear [E, 2I, D]
     "granitemoe": _GRANITE,
     "granitemoeshared": _GRANITE,
-    "granitemoehybrid": Family(None, "softmax", True, "all", reads_norm=False,
+    "granitemoehybrid": Family("granite", "softmax", True, "all", reads_norm=False,
                                reads_scale=False, shared="granite", shared_default=1024,
                                adjust=_granite_hybrid),
     # HunYuan-A13B: softmax top-k, always renormalized; one shared MLP as wide as an expert
