@@ -3,7 +3,8 @@
 Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
 MiniMax-M2: Mixtral's names with DeepSeek's selection bias, HunYuan, AFMoE, Qwen3-Omni's
 thinker), Granite's fused input_linear [E, 2I, D] (gate rows first) / output_linear [E, D, I]
-(its shared MLP: the same names, no expert axis), and
+(its shared MLP: the same names, no expert axis), Llama 4's and Qwen3-VL-MoE's fused
+gate_up_proj [E, D, 2I] (gate columns first) / down_proj [E, I, D], and
 gpt-oss's fused expert tensors, in either of its published forms:
   bf16    experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate = 0::2,
           up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
@@ -67,6 +68,16 @@ NAMINGS = {
                     bias="model.layers.{l}.block_sparse_moe.e_score_correction_bias",
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),
+    # Llama 4 (its released multimodal checkpoints): fused experts [E, D, 2I] / [E, I, D]
+    "llama4": dict(gate="language_model.model.layers.{l}.feed_forward.router.weight", bias=None,
+                   expert="language_model.model.layers.{l}.feed_forward.experts.",
+                   shared="language_model.model.layers.{l}.feed_forward.shared_expert.",
+                   fused="bmm", proj=("gate_up_proj", None, "down_proj"),
+                   shared_proj=("gate_proj", "up_proj", "down_proj")),
+    # Qwen3-VL-MoE's language model: the same fused layout
+    "qwen3_vl": dict(gate="model.language_model.layers.{l}.mlp.gate.weight", bias=None,
+                     expert="model.language_model.layers.{l}.mlp.experts.", shared=None,
+                     fused="bmm", proj=("gate_up_proj", None, "down_proj")),
     # Granite MoE / 4.0: input_linear [E, 2I, D] (gate rows, then up), output_linear
     # [E, D, I]; the shared MLP alike without the expert axis
     "granite": dict(gate="model.layers.{l}.block_sparse_moe.router.layer.weight", bias=None,
@@ -258,7 +269,7 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
                          f"shared_expert_gate (Qwen2-MoE / Qwen3-Next: 'qwen2_moe')")
     if with_shared and nm["shared"] and cfg.num_shared_experts:
         pre = nm["shared"].format(l=cl)
-        g_name, u_name, d_name = nm["proj"]
+        g_name, u_name, d_name = nm.get("shared_proj", nm["proj"])
         w13 = _load_proj(ckpt, pre, g_name) if u_name is None else \
             torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
         w2 = _load_proj(ckpt, pre, d_name)
@@ -313,6 +324,12 @@ def _fused_proj(ckpt: SafetensorsCheckpoint, pre: str, proj: str, ids: list[int]
     return ckpt.get_rows(pre + proj, ids).float().transpose(1, 2)
 
 
+def _as_out_in(t: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """[E, in, out] as released (x @ w) -> [E, out, in]; a tensor saved already [E, out, in]
+    is taken as it is (ambiguous only when out == in: the released layout is assumed)."""
+    return t if out != inp and tuple(t.shape[1:]) == (out, inp) else t.transpose(1, 2)
+
+
 def _fused_experts(ckpt, nm, cfg: MoEConfig, quant: QuantConfig, cl: int, ids: list[int],
                    inter_slice, device) -> ExpertWeights:
     pre = nm["expert"].format(l=cl)
@@ -321,6 +338,9 @@ def _fused_experts(ckpt, nm, cfg: MoEConfig, quant: QuantConfig, cl: int, ids: l
     if nm["fused"] == "granite":  # stored [E, out, in] as the GEMMs take them
         w13 = ckpt.get_rows(pre + gu_name + ".weight", ids).float()
         w2 = ckpt.get_rows(pre + d_name + ".weight", ids).float()
+    elif nm["fused"] == "bmm":  # x @ w: [E, in, out], gate columns then up (Llama 4, Qwen3-VL)
+        w13 = _as_out_in(ckpt.get_rows(pre + gu_name, ids).float(), 2 * i, d)
+        w2 = _as_out_in(ckpt.get_rows(pre + d_name, ids).float(), d, i)
     else:
         w13 = _deinterleave(_fused_proj(ckpt, pre, gu_name, ids), 1)
         w2 = _fused_proj(ckpt, pre, d_name, ids)

@@ -40,7 +40,7 @@ def test_scout_and_maverick_read_to_their_moe_layers():
         assert c.apply_router_weight_on_input and not c.selection_bias and not c.shared_gate
         assert (c.router, c.renormalize, c.routed_scaling_factor) == ("sigmoid_grouped", False,
                                                                        1.0)
-        assert hf.moe_layers == layers and hf.naming is None
+        assert hf.moe_layers == layers and hf.naming == "llama4"
     assert synthetic_router(parse_hf_config(SCOUT, "s").cfg, 0, 0)[1] is None
     given = parse_hf_config(dict(SCOUT, text_config=dict(SCOUT_TEXT, moe_layers=[3, 7])), "s")
     assert given.moe_layers == (3, 7)

@@ -66,7 +66,7 @@ FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=110
     (HUNYUAN, (4096, 3072, 64, 8, 1, 3072, True, tuple(range(32)), "hunyuan")),
     (DBRX, (6144, 10752, 16, 4, 0, 0, True, tuple(range(40)), None)),
     (AFMOE, (2048, 1408, 64, 6, 2, 2816, True, tuple(range(1, 32)), "afmoe")),
-    (QWEN3_VL, (2048, 1408, 60, 4, 0, 0, True, tuple(range(24)), None)),
+    (QWEN3_VL, (2048, 1408, 60, 4, 0, 0, True, tuple(range(24)), "qwen3_vl")),
     (QWEN3_OMNI, (2048, 768, 128, 8, 0, 0, True, tuple(range(28)), "qwen3_omni")),
     (MINIMAX, (4096, 14336, 8, 2, 0, 0, True, tuple(range(32)), "mixtral")),
     (FLEX_OLMO, (4096, 11008, 7, 5, 0, 0, False, tuple(range(32)), "qwen3_moe")),
@@ -322,3 +322,70 @@ def test_a_granite_checkpoint_computes_as_its_modeling_code(tmp_path):
     for extra in ([], ["--ep", "2", "--no-dp"]):
         rc, s = launch_in_process(tmp_path, ["--weights", str(folder)], *extra)
         assert rc == 0 and s["correctness"]["passed"] is True, (extra, s["correctness"])
+
+
+def _bmm_checkpoint(folder, naming, layers, e, d, i, shared_width=0, hub=True):
+    """Llama 4 / Qwen3-VL's fused layout: gate_up_proj [E, D, 2I] (x @ w: gate columns, then
+    up), down_proj [E, I, D]; hub=False: saved [E, 2I, D] / [E, D, I] instead (both read)."""
+    from safetensors.torch import save_file
+
+    from epmoe.checkpoint import NAMINGS
+
+    nm, g, t = NAMINGS[naming], torch.Generator().manual_seed(41), {}
+    for cl in layers:
+        ex = nm["expert"].format(l=cl)
+        t[nm["gate"].format(l=cl)] = torch.randn(e, d, generator=g) * d ** -0.5
+        gu = (torch.randn(e, d, 2 * i, generator=g) * d ** -0.5).bfloat16()
+        dn = (torch.randn(e, i, d, generator=g) * i ** -0.5).bfloat16()
+        t[ex + "gate_up_proj"] = gu if hub else gu.transpose(1, 2).contiguous()
+        t[ex + "down_proj"] = dn if hub else dn.transpose(1, 2).contiguous()
+        if shared_width:
+            sh = nm["shared"].format(l=cl)
+            for n, shape in (("gate_proj", (shared_width, d)), ("up_proj", (shared_width, d)),
+                             ("down_proj", (d, shared_width))):
+                t[f"{sh}{n}.weight"] = (torch.randn(*shape, generator=g)
+                                        * shape[1] ** -0.5).bfloat16()
+    save_file(t, str(folder / "model.safetensors"))
+    return t
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,hub", [("llama4", True), ("qwen3_vl", True),
+                                        ("qwen3_vl", False)],
+                         ids=["llama4", "qwen3-vl", "qwen3-vl-saved-out-in"])
+def test_a_bmm_layout_checkpoint_computes_as_its_modeling_code(tmp_path, family, hub):
+    """Llama4TextExperts / Qwen3VLMoeTextExperts: gate_up = x @ gate_up_proj[e], chunk(2):
+    act(gate) * up, @ down_proj[e]; the loader's [gate | up] rows give the same in the oracle's
+    MLP; a launch on the checkpoint passes."""
+    from epmoe.checkpoint import NAMINGS, load_layer
+    from epmoe.quant import dequantize_weight
+    from epmoe.reference import expert_mlp_ref
+    from tests.test_llama4 import SCOUT, SCOUT_TEXT
+
+    if family == "llama4":
+        tiny = dict(SCOUT, text_config=dict(SCOUT_TEXT, hidden_size=384, intermediate_size=128,
+                                            num_local_experts=8, num_hidden_layers=2))
+    else:
+        tiny = dict(QWEN3_VL, text_config=dict(QWEN3_VL["text_config"], hidden_size=384,
+                                               moe_intermediate_size=128, num_experts=8,
+                                               num_experts_per_tok=2, num_hidden_layers=2))
+    folder = config_folder(tmp_path, f"tiny-{family}", tiny)
+    hf = read_hf_config(str(folder))
+    c = hf.cfg
+    t = _bmm_checkpoint(folder, hf.naming, hf.moe_layers, 8, 384, 128,
+                        c.shared_intermediate if c.num_shared_experts else 0, hub)
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 1, [6])
+    ex = NAMINGS[hf.naming]["expert"].format(l=hf.moe_layers[1])
+    gu, dn = t[ex + "gate_up_proj"][6].double(), t[ex + "down_proj"][6].double()
+    if not hub:
+        gu, dn = gu.T, dn.T
+    x = torch.randn(5, 384, dtype=torch.float64)  # D != 2I: either layout reads
+    gate, up = (x @ gu).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up) @ dn
+    got = expert_mlp_ref(x, dequantize_weight(lw.experts.w13)[0].double(),
+                         dequantize_weight(lw.experts.w2)[0].double(), c, QuantConfig("bf16"),
+                         fake_quant=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (lw.shared is not None) == (family == "llama4")
+    rc, s = launch_in_process(tmp_path, ["--weights", str(folder)])
+    assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]

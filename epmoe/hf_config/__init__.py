@@ -32,7 +32,7 @@ compute (the model is refused, not approximated: families.py). The router's sema
                               (no weight on its output); one shared expert, ungated
   ernie4_5_moe                softmax scores, top-k of score + selection bias (moe_statics),
                               always renormalized, never scaled; moe_num_shared_experts
-  qwen3_vl_moe_text,          softmax top-k; Qwen3-VL always renormalized (checkpoints not read),
+  qwen3_vl_moe_text,          softmax top-k; Qwen3-VL always renormalized (fused experts read),
   qwen3_omni_moe_text,        the others if norm_topk_prob; MiniMax-Text-01 / M1: Mixtral's
   flex_olmo, minimax          block
   hunyuan_v1_moe              softmax top-k, always renormalized; one shared MLP as wide as an

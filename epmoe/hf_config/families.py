@@ -123,9 +123,8 @@ FAMILIES = {
     "qwen3_5_moe_text": Family(None, "softmax", True, "all", reads_norm=False, shared="gated"),
     "olmoe": Family("qwen3_moe", "softmax", False, "all"),
     "flex_olmo": Family("qwen3_moe", "softmax", False, "all"),  # experts intermediate_size wide
-    # Qwen3-VL-MoE's language model: always renormalized (norm_topk_prob unread); its fused
-    # [E, D, 2I] expert tensors are not read
-    "qwen3_vl_moe_text": Family(None, "softmax", True, "sparse_step", reads_norm=False),
+    # Qwen3-VL-MoE's language model: always renormalized (norm_topk_prob unread)
+    "qwen3_vl_moe_text": Family("qwen3_vl", "softmax", True, "sparse_step", reads_norm=False),
     # Qwen3-Omni's thinker (thinker_config.text_config)
     "qwen3_omni_moe_text": Family("qwen3_omni", "softmax", True, "sparse_step"),
     "mixtral": Family("mixtral", "softmax", True, "all"),
@@ -135,9 +134,8 @@ FAMILIES = {
     "gpt_oss": Family("gpt_oss", "softmax", True, "all", clamps=True,
                       fixed=(("activation", "swigluoai"), ("router_bias", True),
                              ("expert_bias", True))),
-    # Llama 4: top-1 of the logits, the expert's input x sigmoid(logit), one shared expert;
-    # its fused checkpoints are not read
-    "llama4_text": Family(None, "sigmoid_grouped", False, "interleave", reads_norm=False,
+    # Llama 4: top-1 of the logits, the expert's input x sigmoid(logit), one shared expert
+    "llama4_text": Family("llama4", "sigmoid_grouped", False, "interleave", reads_norm=False,
                           reads_scale=False, shared="one",
                           fixed=(("apply_router_weight_on_input", True),
                                  ("selection_bias", False))),
