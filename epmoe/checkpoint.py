@@ -2,7 +2,7 @@
 
 Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
 MiniMax-M2: Mixtral's names with DeepSeek's selection bias, HunYuan, AFMoE, Qwen3-Omni's
-thinker), Granite's fused input_linear [E, 2I, D] (gate rows first) / output_linear [E, D, I]
+thinker, LFM2-MoE), Granite's fused input_linear [E, 2I, D] (gate rows first) / output_linear [E, D, I]
 (its shared MLP: the same names, no expert axis), Llama 4's and Qwen3-VL-MoE's fused
 gate_up_proj [E, D, 2I] (gate columns first) / down_proj [E, I, D], and
 gpt-oss's fused expert tensors, in either of its published forms:
@@ -61,6 +61,10 @@ NAMINGS = {
     "qwen3_omni": dict(gate="thinker.model.layers.{l}.mlp.gate.weight", bias=None,  # thinker
                        expert="thinker.model.layers.{l}.mlp.experts.{e}.", shared=None,
                        proj=("gate_proj", "up_proj", "down_proj")),
+    "lfm2": dict(gate="model.layers.{l}.feed_forward.gate.weight",
+                 bias="model.layers.{l}.feed_forward.expert_bias",
+                 expert="model.layers.{l}.feed_forward.experts.{e}.", shared=None,
+                 proj=("w1", "w3", "w2")),
     "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
                     expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
                     proj=("w1", "w3", "w2")),

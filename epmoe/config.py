@@ -61,6 +61,7 @@ class MoEConfig:
     expert_bias: bool = False  # expert MLPs: gate/up and down projection biases (gpt-oss)
     shared_gate: bool = False  # the shared MLP's output x sigmoid(x . w_g), w_g [D] learned
     #                            (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
+    renorm_eps: float = 0.0  # renormalized weights / (their sum + renorm_eps) (LFM2-MoE: 1e-6)
     shared_intermediate_size: int = 0  # one shared MLP this wide, where the model's width is
     #                                    no multiple of moe_intermediate (Granite, Qwen2-MoE);
     #                                    0: num_shared_experts x moe_intermediate
@@ -95,6 +96,7 @@ class MoEConfig:
                f"MLP is not linear, so per-slot input weights are ill-defined for top_k > 1")
         _check(self.swiglu_limit is None or self.swiglu_limit > 0,
                f"swiglu_limit ({self.swiglu_limit}) must be > 0 or None")
+        _check(self.renorm_eps >= 0, f"renorm_eps ({self.renorm_eps}) must be >= 0")
         _check(self.shared_intermediate_size >= 0 and (
             not self.shared_intermediate_size or self.num_shared_experts == 1),
                f"shared_intermediate_size ({self.shared_intermediate_size}) is one shared MLP's "

@@ -109,7 +109,7 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
             order = sorted(allowed, key=lambda e: -b[e].item())[:k]
             w = torch.stack([s[e] for e in order])
         if cfg.renormalize:
-            w = w / w.sum()
+            w = w / (w.sum() + cfg.renorm_eps)
         ids[n] = torch.tensor(order)
         ws[n] = w * cfg.routed_scaling_factor
     return ids, ws

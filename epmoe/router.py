@@ -96,7 +96,7 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
         ids = torch.topk(biased, k, dim=-1).indices
         w = scores.gather(1, ids)
     if cfg.renormalize:
-        w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
+        w = w / (w.sum(-1, keepdim=True) + cfg.renorm_eps).clamp(min=1e-20)
     w = w * cfg.routed_scaling_factor
     return Routing(ids.to(id_dtype), w.float())
 

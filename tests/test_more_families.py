@@ -52,6 +52,11 @@ QWEN3_OMNI = dict(model_type="qwen3_omni_moe", thinker_config=dict(
 MINIMAX = dict(model_type="minimax", hidden_size=4096, intermediate_size=14336,
                num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
                hidden_act="silu", router_jitter_noise=0.0)
+# LiquidAI LFM2-8B-A1B's config class defaults (no hidden_act: silu is fixed)
+LFM2 = dict(model_type="lfm2_moe", hidden_size=2048, intermediate_size=7168,
+            moe_intermediate_size=1792, num_hidden_layers=32, num_dense_layers=2,
+            num_experts=32, num_experts_per_tok=4, use_expert_bias=True,
+            routed_scaling_factor=1.0, norm_topk_prob=True)
 FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=11008,
                  num_experts=7, num_experts_per_tok=5, num_hidden_layers=32, hidden_act="silu",
                  norm_topk_prob=False)
@@ -70,15 +75,17 @@ FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=110
     (QWEN3_OMNI, (2048, 768, 128, 8, 0, 0, True, tuple(range(28)), "qwen3_omni")),
     (MINIMAX, (4096, 14336, 8, 2, 0, 0, True, tuple(range(32)), "mixtral")),
     (FLEX_OLMO, (4096, 11008, 7, 5, 0, 0, False, tuple(range(32)), "qwen3_moe")),
+    (LFM2, (2048, 1792, 32, 4, 0, 0, True, tuple(range(2, 32)), "lfm2")),
 ], ids=["granite", "granite-shared-0", "granite-shared", "granite-hybrid", "hunyuan", "dbrx",
-        "afmoe", "qwen3-vl", "qwen3-omni", "minimax", "flex-olmo"])
+        "afmoe", "qwen3-vl", "qwen3-omni", "minimax", "flex-olmo", "lfm2"])
 def test_configs_read_to_their_moe_layer(raw, want):
     hf = parse_hf_config(raw, "m")
     c = hf.cfg
     assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts,
             c.shared_intermediate, c.renormalize, hf.moe_layers, hf.naming) == want
     assert c.routed_scaling_factor == 1.0 and not c.shared_gate and c.swiglu_limit is None
-    assert c.router == ("sigmoid_grouped" if raw is AFMOE else "softmax")
+    assert c.router == ("sigmoid_grouped" if raw in (AFMOE, LFM2) else "softmax")
+    assert c.renorm_eps == (1e-6 if raw is LFM2 else 0.0)
     assert dict(describe(hf))["model_type"] == hf.model_type
 
 
@@ -142,6 +149,15 @@ def _granite(logits, k):
     return ids, torch.softmax(top, dim=1)
 
 
+def _lfm2(logits, bias, k, renorm, scale):
+    """Lfm2MoeSparseMoeBlock: sigmoid; top-k of sigmoid + expert_bias (if any); the unbiased
+    sigmoids / (their sum + 1e-6) if norm_topk_prob; x routed_scaling_factor."""
+    s = torch.sigmoid(logits.double())
+    ids = torch.topk(s + (0 if bias is None else bias.double()), k, dim=-1).indices
+    w = s.gather(1, ids)
+    return ids, (w / (w.sum(-1, keepdim=True) + 1e-6) if renorm else w) * scale
+
+
 def _afmoe(logits, bias, k, scale):
     """AfmoeTokenChoiceRouter: sigmoid; top-k of sigmoid + expert_bias; the unbiased sigmoids
     / (their sum + 1e-20) x route_scale."""
@@ -155,9 +171,11 @@ def _afmoe(logits, bias, k, scale):
     DBRX["ffn_config"], moe_normalize_expert_weights=None)), AFMOE, dict(AFMOE, route_scale=2.5),
     QWEN3_VL, QWEN3_OMNI, dict(QWEN3_OMNI, thinker_config=dict(text_config=dict(
         QWEN3_OMNI["thinker_config"]["text_config"], norm_topk_prob=False))), MINIMAX,
-    FLEX_OLMO],
+    FLEX_OLMO, LFM2, dict(LFM2, use_expert_bias=False, norm_topk_prob=False,
+                          routed_scaling_factor=2.0), dict(LFM2, routed_scaling_factor=2.5)],
     ids=["granite", "hunyuan", "dbrx", "dbrx-unnormalized", "afmoe", "afmoe-scaled",
-         "qwen3-vl", "qwen3-omni", "qwen3-omni-unnormalized", "minimax", "flex-olmo"])
+         "qwen3-vl", "qwen3-omni", "qwen3-omni-unnormalized", "minimax", "flex-olmo", "lfm2",
+         "lfm2-unbiased-unnormalized", "lfm2-scaled"])
 def test_each_router_routes_as_its_modeling_code(raw, seed):
     c = parse_hf_config(raw, "m").cfg
     g = torch.Generator().manual_seed(seed)
@@ -166,6 +184,10 @@ def test_each_router_routes_as_its_modeling_code(raw, seed):
     if raw.get("model_type") == "afmoe":
         bias = torch.randn(c.num_experts, generator=g) * 0.05
         want_ids, want_w = _afmoe(logits, bias, c.top_k, raw["route_scale"])
+    elif raw.get("model_type") == "lfm2_moe":
+        bias = torch.randn(c.num_experts, generator=g) * 0.05 if raw["use_expert_bias"] else None
+        want_ids, want_w = _lfm2(logits, bias, c.top_k, raw["norm_topk_prob"],
+                                 raw["routed_scaling_factor"])
     elif raw.get("model_type") == "granitemoe":
         want_ids, want_w = _granite(logits, c.top_k)
     else:
@@ -208,7 +230,7 @@ def _checkpoint(folder, names, layers, e, d, i, shared_width=0):
     return t
 
 
-@pytest.mark.parametrize("family", ["hunyuan", "afmoe", "qwen3_omni"])
+@pytest.mark.parametrize("family", ["hunyuan", "afmoe", "qwen3_omni", "lfm2"])
 def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
     from epmoe.checkpoint import load_layer
 
@@ -221,7 +243,10 @@ def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
             "qwen3_omni": dict(QWEN3_OMNI, thinker_config=dict(text_config=dict(
                 QWEN3_OMNI["thinker_config"]["text_config"], hidden_size=256,
                 moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                num_hidden_layers=2)))}[family]
+                num_hidden_layers=2))),
+            "lfm2": dict(LFM2, hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=3, num_dense_layers=1,
+                         routed_scaling_factor=1.5)}[family]
     folder = config_folder(tmp_path, f"tiny-{family}", tiny)
     hf = read_hf_config(str(folder))
     c = hf.cfg
@@ -389,3 +414,12 @@ def test_a_bmm_layout_checkpoint_computes_as_its_modeling_code(tmp_path, family,
     assert (lw.shared is not None) == (family == "llama4")
     rc, s = launch_in_process(tmp_path, ["--weights", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+
+
+def test_the_fused_router_steps_aside_for_a_renormalization_epsilon():
+    """LFM2's +1e-6 is computed by the torch router; the Triton kernel says it does not."""
+    from epmoe.kernels.gate_topk import unsupported
+
+    c = parse_hf_config(LFM2, "l").cfg
+    assert "renorm_eps" in unsupported(c)
+    assert unsupported(c.replace(renorm_eps=0.0)) is None

@@ -41,6 +41,8 @@ compute (the model is refused, not approximated: families.py). The router's sema
                               shared MLP shared_intermediate_size wide
   dbrx                        softmax top-k / its 1-norm, or not normalized; not read
   afmoe                       sigmoid + expert_bias over every expert, renormalized, x route_scale
+  lfm2_moe                    sigmoid (+ expert_bias if use_expert_bias) over every expert,
+                              / (sum + 1e-6) if norm_topk_prob, x routed_scaling_factor
 Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.
 MoE layers (layers.py): `first_k_dense_replace` or `num_dense_layers` / `moe_layer_freq`
 (DeepSeek, GLM, AFMoE), `decoder_sparse_step` / `mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), `moe_layers` /

@@ -94,6 +94,13 @@ def _granite_hybrid(d: dict, at: str, f: dict) -> dict:
     return f
 
 
+def _lfm2(d: dict, at: str, f: dict) -> dict:
+    # Lfm2MoeSparseMoeBlock: sigmoid; top-k of sigmoid + expert_bias if use_expert_bias (else of
+    # the sigmoid); / (sum + 1e-6) if norm_topk_prob; x routed_scaling_factor; silu experts
+    return dict(f, n_group=1, topk_group=1, selection_bias=bool(d.get("use_expert_bias", True)),
+                renorm_eps=1e-6 if f["renormalize"] else 0.0)
+
+
 def _afmoe(d: dict, at: str, f: dict) -> dict:
     # AfmoeTokenChoiceRouter: sigmoid, top-k of sigmoid + expert_bias over every expert (its
     # config's score_func / route_norm / n_group are not read by the modeling code)
@@ -156,6 +163,8 @@ FAMILIES = {
     # DBRX: softmax top-k / its 1-norm (or not normalized); fused [E*I, D] experts not read
     "dbrx": Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
                    adjust=_dbrx),
+    # LFM2-8B-A1B: sigmoid + expert_bias, renormalized (+1e-6) if norm_topk_prob, x scale
+    "lfm2_moe": Family("lfm2", "sigmoid_grouped", True, "dense_first", adjust=_lfm2),
     # Arcee AFMoE: sigmoid + expert_bias, top-k over all, always renormalized, x route_scale
     "afmoe": Family("afmoe", "sigmoid_grouped", True, "dense_first", reads_norm=False,
                     adjust=_afmoe),
