@@ -93,6 +93,9 @@ def test_a_shared_mlp_width_that_is_no_multiple_of_an_experts_is_one_mlp_of_that
     c = parse_hf_config(dict(GRANITE_SHARED, intermediate_size=512,
                              shared_intermediate_size=640), "g").cfg
     assert (c.num_shared_experts, c.shared_intermediate) == (1, 640)
+    assert dict(describe(parse_hf_config(dict(GRANITE_SHARED, intermediate_size=512,
+                                              shared_intermediate_size=640), "g")))["shared"] \
+        == "one MLP 640 wide"
     QuantConfig("fp8_block").check_shapes(c)  # 640 = 5 groups of 128
     odd = c.replace(shared_intermediate_size=600)
     with pytest.raises(ValueError, match=r"shared MLP's width \(600\)"):

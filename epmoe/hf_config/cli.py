@@ -25,8 +25,10 @@ def _spans(idx) -> str:
 def describe(hf: HFModel) -> list[tuple[str, str]]:
     """(field, what epmoe computes) rows for a person to check against the model card."""
     c = hf.cfg
-    shared = "none" if not c.num_shared_experts else \
-        f"{c.num_shared_experts} x {c.moe_intermediate} wide" + (", gated" if c.shared_gate else "")
+    shared = "none" if not c.num_shared_experts else (
+        f"one MLP {c.shared_intermediate_size} wide" if c.shared_intermediate_size else
+        f"{c.num_shared_experts} x {c.moe_intermediate} wide") + (", gated" if c.shared_gate
+                                                                 else "")
     route = {"softmax": "softmax", "sigmoid_grouped": "sigmoid",
              "sqrtsoftplus": "sqrt(softplus)", "softmax_biased": "softmax scores"}[c.router]
     if c.router != "softmax":
@@ -34,7 +36,8 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
         route += f", {c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
     elif c.router_bias:
         route += " of logits + bias"
-    route += (", renormalized" if c.renormalize else "") + \
+    route += (f", renormalized (sum + {c.renorm_eps:g})" if c.renormalize and c.renorm_eps
+              else ", renormalized" if c.renormalize else "") + \
         (f", x {c.routed_scaling_factor:g}" if c.routed_scaling_factor != 1 else "")
     act = c.activation + (f", clamp {c.swiglu_limit:g}" if c.swiglu_limit else "") + \
         (", expert biases" if c.expert_bias else "") + \
