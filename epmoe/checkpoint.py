@@ -1,19 +1,18 @@
 """Hugging Face safetensors checkpoints: one MoE layer's router and experts, read lazily.
 
-Namings (`NAMINGS`): per-expert projections (DeepSeek-V3 / Kimi-K2, Qwen3-MoE, Mixtral,
-MiniMax-M2: Mixtral's names with DeepSeek's selection bias, HunYuan, AFMoE, Qwen3-Omni's
-thinker, LFM2-MoE), Granite's fused input_linear [E, 2I, D] (gate rows first) / output_linear [E, D, I]
-(its shared MLP: the same names, no expert axis), Llama 4's and Qwen3-VL-MoE's fused
-gate_up_proj [E, D, 2I] (gate columns first) / down_proj [E, I, D], and
-gpt-oss's fused expert tensors, in either of its published forms:
-  bf16    experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate = 0::2,
-          up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
-          experts.down_proj [E, I, D], experts.down_proj_bias [E, D]
-  MXFP4   experts.{gate_up,down}_proj_blocks [E, N, K/32, 16] (two e2m1 codes a byte, low
-          nibble first) and _scales [E, N, K/32] (e8m0, bias 127), rows N = 2I (interleaved)
-          or D: the projection stored [out, in]; the biases as in bf16
-  router  mlp.router.weight [E, D] and mlp.router.bias [E] (added to the logits)
-Only the experts asked for are read (a slice of each fused tensor).
+Where a scheme keeps each tensor: `epmoe.namings.NAMINGS` (re-exported here). Per-expert
+projections are read one expert at a time; fused [E, ...] tensors one row per expert asked for:
+  granite  input_linear [E, 2I, D] (gate rows, then up), output_linear [E, D, I]; its shared
+           MLP the same names without the expert axis
+  bmm      gate_up_proj [E, D, 2I] (gate columns, then up), down_proj [E, I, D] (Llama 4,
+           Qwen3-VL-MoE; a tensor saved [E, 2I, D] / [E, D, I] is read too where D != 2I)
+  gpt_oss  bf16: experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate =
+           0::2, up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
+           experts.down_proj [E, I, D], experts.down_proj_bias [E, D]; MXFP4:
+           experts.{gate_up,down}_proj_blocks [E, N, K/32, 16] (two e2m1 codes a byte, low
+           nibble first) and _scales [E, N, K/32] (e8m0, bias 127), rows N = 2I (interleaved)
+           or D: the projection stored [out, in]; the biases as in bf16; router
+           mlp.router.weight [E, D] and mlp.router.bias [E] (added to the logits)
 """
 
 from __future__ import annotations
@@ -25,74 +24,9 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
+from epmoe.namings import NAMINGS
 from epmoe.quant import FP8_DTYPE, QWeight
 from epmoe.weights import LayerWeights, build_expert_weights, slice_bias, slice_inter
-
-# name templates per naming scheme: router gate and bias, expert prefix, shared prefix,
-# gate/up/down projection names; fused: the experts' tensors are [E, ...] (gpt-oss)
-NAMINGS = {
-    "deepseek": dict(gate="model.layers.{l}.mlp.gate.weight",
-                     bias="model.layers.{l}.mlp.gate.e_score_correction_bias",
-                     expert="model.layers.{l}.mlp.experts.{e}.",
-                     shared="model.layers.{l}.mlp.shared_experts.",
-                     proj=("gate_proj", "up_proj", "down_proj")),
-    "qwen3_moe": dict(gate="model.layers.{l}.mlp.gate.weight", bias=None,
-                      expert="model.layers.{l}.mlp.experts.{e}.", shared=None,
-                      proj=("gate_proj", "up_proj", "down_proj")),
-    "qwen2_moe": dict(gate="model.layers.{l}.mlp.gate.weight", bias=None,
-                      expert="model.layers.{l}.mlp.experts.{e}.",
-                      shared="model.layers.{l}.mlp.shared_expert.",
-                      shared_gate="model.layers.{l}.mlp.shared_expert_gate.weight",
-                      proj=("gate_proj", "up_proj", "down_proj")),
-    "ernie": dict(gate="model.layers.{l}.mlp.gate.weight",
-                  bias="model.layers.{l}.mlp.moe_statics.e_score_correction_bias",  # [1, E]
-                  expert="model.layers.{l}.mlp.experts.{e}.",
-                  shared="model.layers.{l}.mlp.shared_experts.",
-                  proj=("gate_proj", "up_proj", "down_proj")),
-    "hunyuan": dict(gate="model.layers.{l}.mlp.gate.wg.weight", bias=None,  # gate kept fp32
-                    expert="model.layers.{l}.mlp.experts.{e}.",
-                    shared="model.layers.{l}.mlp.shared_mlp.",
-                    proj=("gate_proj", "up_proj", "down_proj")),
-    "afmoe": dict(gate="model.layers.{l}.mlp.router.gate.weight",
-                  bias="model.layers.{l}.mlp.expert_bias",
-                  expert="model.layers.{l}.mlp.experts.{e}.",
-                  shared="model.layers.{l}.mlp.shared_experts.",
-                  proj=("gate_proj", "up_proj", "down_proj")),
-    "qwen3_omni": dict(gate="thinker.model.layers.{l}.mlp.gate.weight", bias=None,  # thinker
-                       expert="thinker.model.layers.{l}.mlp.experts.{e}.", shared=None,
-                       proj=("gate_proj", "up_proj", "down_proj")),
-    "lfm2": dict(gate="model.layers.{l}.feed_forward.gate.weight",
-                 bias="model.layers.{l}.feed_forward.expert_bias",
-                 expert="model.layers.{l}.feed_forward.experts.{e}.", shared=None,
-                 proj=("w1", "w3", "w2")),
-    "mixtral": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight", bias=None,
-                    expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
-                    proj=("w1", "w3", "w2")),
-    "minimax": dict(gate="model.layers.{l}.block_sparse_moe.gate.weight",
-                    bias="model.layers.{l}.block_sparse_moe.e_score_correction_bias",
-                    expert="model.layers.{l}.block_sparse_moe.experts.{e}.", shared=None,
-                    proj=("w1", "w3", "w2")),
-    # Llama 4 (its released multimodal checkpoints): fused experts [E, D, 2I] / [E, I, D]
-    "llama4": dict(gate="language_model.model.layers.{l}.feed_forward.router.weight", bias=None,
-                   expert="language_model.model.layers.{l}.feed_forward.experts.",
-                   shared="language_model.model.layers.{l}.feed_forward.shared_expert.",
-                   fused="bmm", proj=("gate_up_proj", None, "down_proj"),
-                   shared_proj=("gate_proj", "up_proj", "down_proj")),
-    # Qwen3-VL-MoE's language model: the same fused layout
-    "qwen3_vl": dict(gate="model.language_model.layers.{l}.mlp.gate.weight", bias=None,
-                     expert="model.language_model.layers.{l}.mlp.experts.", shared=None,
-                     fused="bmm", proj=("gate_up_proj", None, "down_proj")),
-    # Granite MoE / 4.0: input_linear [E, 2I, D] (gate rows, then up), output_linear
-    # [E, D, I]; the shared MLP alike without the expert axis
-    "granite": dict(gate="model.layers.{l}.block_sparse_moe.router.layer.weight", bias=None,
-                    expert="model.layers.{l}.block_sparse_moe.",
-                    shared="model.layers.{l}.shared_mlp.", fused="granite",
-                    proj=("input_linear", None, "output_linear")),
-    "gpt_oss": dict(gate="model.layers.{l}.mlp.router.weight",
-                    bias="model.layers.{l}.mlp.router.bias",
-                    expert="model.layers.{l}.mlp.experts.", shared=None, fused="gpt_oss",
-                    proj=("gate_up_proj", None, "down_proj")),
-}
 
 
 class SafetensorsCheckpoint:
