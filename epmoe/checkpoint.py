@@ -24,7 +24,7 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
-from epmoe.namings import NAMINGS
+from epmoe.namings import NAMINGS, located
 from epmoe.quant import FP8_DTYPE, QWeight
 from epmoe.weights import LayerWeights, build_expert_weights, slice_bias, slice_inter
 
@@ -138,8 +138,8 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     if naming not in NAMINGS:
         raise ValueError(f"unknown checkpoint naming {naming!r}; choose one of {sorted(NAMINGS)}")
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
-    nm = NAMINGS[naming]
     cl = layer if ckpt_layer is None else ckpt_layer
+    nm = located(NAMINGS[naming], ckpt.has, cl)
     g_name, u_name, d_name = nm["proj"]
     ids = list(expert_ids)
     if cfg.expert_bias and not nm.get("fused"):

@@ -15,7 +15,26 @@ scheme (`{l}`: the checkpoint's layer index, `{e}`: the expert), read by epmoe.c
 from __future__ import annotations
 
 GUD = ("gate_proj", "up_proj", "down_proj")
+# a multimodal checkpoint keeps its language model's layers under another prefix (GLM-4.5V,
+# Qwen3-VL): a scheme's "model.layers." names are looked for there too
+LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.",
+                  "language_model.model.layers.")
 W13 = ("w1", "w3", "w2")
+
+
+def located(nm: dict, has, layer: int) -> dict:
+    """The scheme `nm` with its layer prefix moved to where the checkpoint keeps `layer`'s
+    router (`has(name)`: the checkpoint holds that tensor); `nm` itself where it is already
+    there, or found nowhere (the reader then names the missing tensor)."""
+    ours = next((p for p in LAYER_PREFIXES if nm["gate"].startswith(p)), None)
+    if ours is None or has(nm["gate"].format(l=layer)):
+        return nm
+    for other in LAYER_PREFIXES:
+        moved = {k: v.replace(ours, other, 1) if isinstance(v, str) else v
+                 for k, v in nm.items()}
+        if has(moved["gate"].format(l=layer)):
+            return moved
+    return nm
 
 
 def _scheme(pre: str, gate: str, bias: str | None = None, shared: str | None = None,

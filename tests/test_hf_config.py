@@ -128,7 +128,7 @@ def test_glm_olmoe_and_a_multimodal_wrapper():
     c = glm_v.cfg
     assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.router, c.renormalize) == \
         (4096, 1408, 128, 8, "sigmoid_grouped", True)
-    assert glm_v.moe_layers == tuple(range(1, 46)) and glm_v.naming is None
+    assert glm_v.moe_layers == tuple(range(1, 46)) and glm_v.naming == "deepseek"
 
 
 def _deepseek_v2_gate(logits, k, norm, scale):

@@ -211,13 +211,17 @@ def test_each_router_routes_as_its_modeling_code(raw, seed):
 
 # ---------------------------------------------------------------------- checkpoints
 
-def _checkpoint(folder, names, layers, e, d, i, shared_width=0):
-    """A random bf16 checkpoint under a naming's templates (epmoe.checkpoint.NAMINGS)."""
+def _checkpoint(folder, names, layers, e, d, i, shared_width=0, prefix=None):
+    """A random bf16 checkpoint under a naming's templates (epmoe.checkpoint.NAMINGS); prefix:
+    its layers under this prefix instead of model.layers. (a multimodal checkpoint's)."""
     from safetensors.torch import save_file
 
     from epmoe.checkpoint import NAMINGS
 
     nm, g, t = NAMINGS[names], torch.Generator().manual_seed(21), {}
+    if prefix:
+        nm = {k: v.replace("model.layers.", prefix) if isinstance(v, str) else v
+              for k, v in nm.items()}
     gp, up, dp = nm["proj"]
     for cl in layers:
         t[nm["gate"].format(l=cl)] = torch.randn(e, d, generator=g) * d ** -0.5
@@ -426,3 +430,30 @@ def test_the_fused_router_steps_aside_for_a_renormalization_epsilon():
     c = parse_hf_config(LFM2, "l").cfg
     assert "renorm_eps" in unsupported(c)
     assert unsupported(c.replace(renorm_eps=0.0)) is None
+
+
+def test_a_multimodal_checkpoints_language_model_is_found_under_its_prefix(tmp_path):
+    """GLM-4.5V keeps GLM-4.5's MoE layers (DeepSeek's names) under model.language_model.:
+    the reader finds the router there and reads the layer; a launch passes the oracle."""
+    from epmoe.checkpoint import load_layer
+
+    glm_v = {"model_type": "glm4v_moe", "vision_config": {"depth": 2}, "text_config": dict(
+        model_type="glm4v_moe_text", hidden_size=256, intermediate_size=512,
+        moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, routed_scaling_factor=1.0, norm_topk_prob=True, n_group=1,
+        topk_group=1, num_hidden_layers=3, first_k_dense_replace=1)}
+    folder = config_folder(tmp_path, "tiny-glm-4.5v", glm_v)
+    hf = read_hf_config(str(folder))
+    t = _checkpoint(folder, hf.naming, hf.moe_layers, 8, 256, 128, 128,
+                    prefix="model.language_model.layers.")
+    lw = load_layer(str(folder), None, hf.cfg, QuantConfig("bf16"), 0, [2])
+    torch.testing.assert_close(lw.gate_ED, t["model.language_model.layers.1.mlp.gate.weight"])
+    torch.testing.assert_close(
+        lw.bias_E, t["model.language_model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert lw.shared is not None
+    rc, s = launch_in_process(tmp_path, ["--weights", str(folder)])
+    assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
+    (folder / "model.safetensors").unlink()
+    _checkpoint(folder, hf.naming, hf.moe_layers, 8, 256, 128, 128, prefix="elsewhere.")
+    with pytest.raises(KeyError, match=r"tensor .model\.layers\.1\.mlp\..* not in checkpoint"):
+        load_layer(str(folder), None, hf.cfg, QuantConfig("bf16"), 0, [2])

@@ -11,7 +11,7 @@ no name gives is an error naming them, and so is a router or expert feature epmo
 compute (the model is refused, not approximated: families.py). The router's semantics follow each family's Hugging Face modeling code:
   deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
   kimi_k2, glm4_moe, dots1,   renormalized if norm_topk_prob, then x routed_scaling_factor
-  glm4v_moe_text              (GLM-4.5V: checkpoints not read)
+  glm4v_moe_text              (GLM-4.5V: its layers under model.language_model.)
   minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
                               all experts, always renormalized, no scale; no shared expert
   deepseek_v4                 sqrt(softplus) (or its scoring_func) + selection bias, top-k

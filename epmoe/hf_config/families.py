@@ -115,7 +115,8 @@ FAMILIES = {
     "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
-    "glm4v_moe_text": Family(None, "sigmoid_grouped", True, "dense_first"),  # GLM-4.5V's LM
+    # GLM-4.5V's language model: GLM-4.5's block; its layers under model.language_model.
+    "glm4v_moe_text": Family("deepseek", "sigmoid_grouped", True, "dense_first"),
     "dots1": Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
     "minimax_m2": Family("minimax", "sigmoid_grouped", True, "all", reads_norm=False,
                          reads_scale=False, adjust=_no_shared),
