@@ -8,7 +8,8 @@ Families are read by `model_type` (multimodal configs: their text config; fields
 names differ between families and releases (`n_routed_experts` / `num_experts` /
 `num_local_experts`), so each figure is read from the first name present (fields.py); a figure
 no name gives is an error naming them, and so is a router or expert feature epmoe does not
-compute (the model is refused, not approximated: families.py). The router's semantics follow each family's Hugging Face modeling code:
+compute (the model is refused, not approximated: families.py). The router's semantics follow
+each family's Hugging Face modeling code:
   deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
   kimi_k2, glm4_moe, dots1,   renormalized if norm_topk_prob, then x routed_scaling_factor
   glm4v_moe_text              (GLM-4.5V: its layers under model.language_model.)
@@ -45,9 +46,10 @@ compute (the model is refused, not approximated: families.py). The router's sema
                               / (sum + 1e-6) if norm_topk_prob, x routed_scaling_factor
 Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.
 MoE layers (layers.py): `first_k_dense_replace` or `num_dense_layers` / `moe_layer_freq`
-(DeepSeek, GLM, AFMoE), `decoder_sparse_step` / `mlp_only_layers` (Qwen), `mlp_layer_types` / `num_hash_layers` (DeepSeek-V4), `moe_layers` /
-`interleave_moe_layer_step` (Llama 4), `moe_layer_start_index` / `moe_layer_end_index` /
-`moe_layer_interval` (ERNIE 4.5), else every layer.
+(DeepSeek, GLM, AFMoE), `decoder_sparse_step` / `mlp_only_layers` (Qwen), `mlp_layer_types` /
+`num_hash_layers` (DeepSeek-V4), `moe_layers` / `interleave_moe_layer_step` (Llama 4),
+`moe_layer_start_index` / `moe_layer_end_index` / `moe_layer_interval` (ERNIE 4.5), else every
+layer.
 """
 
 from __future__ import annotations

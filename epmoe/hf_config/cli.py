@@ -43,7 +43,8 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
         (", expert biases" if c.expert_bias else "") + \
         (", input x weight" if c.apply_router_weight_on_input else "")
     ckpt = "not read (--weights refuses it)" if hf.naming is None else \
-        f"naming {hf.naming}, experts stored {hf.stored_recipe or 'in a format epmoe does not decode'}"
+        f"naming {hf.naming}, experts stored " \
+        f"{hf.stored_recipe or 'in a format epmoe does not decode'}"
     return [("model_type", hf.model_type),
             ("MoE layers", f"{len(hf.moe_layers)}: checkpoint layers {_spans(hf.moe_layers)}"),
             ("experts", f"{c.num_experts} routed, top-{c.top_k}, hidden {c.hidden}, "
