@@ -59,6 +59,8 @@ NAMINGS = {
     "qwen3_omni": _scheme("thinker.model.layers.{l}.mlp.", "gate.weight"),  # Omni's thinker
     "lfm2": _scheme("model.layers.{l}.feed_forward.", "gate.weight", "expert_bias", proj=W13),
     "mixtral": _scheme(_SPARSE, "gate.weight", proj=W13),
+    "kimi": _scheme(_SPARSE, "gate.weight", "gate.e_score_correction_bias", "shared_experts.",
+                    proj=W13, shared_proj=GUD),  # Kimi-Linear
     "minimax": _scheme(_SPARSE, "gate.weight", "e_score_correction_bias", proj=W13),
     # fused [E, ...] expert tensors
     "llama4": _scheme("language_model.model.layers.{l}.feed_forward.", "router.weight",

@@ -52,6 +52,13 @@ QWEN3_OMNI = dict(model_type="qwen3_omni_moe", thinker_config=dict(
 MINIMAX = dict(model_type="minimax", hidden_size=4096, intermediate_size=14336,
                num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
                hidden_act="silu", router_jitter_noise=0.0)
+# Kimi-Linear's MoE fields (DeepSeek-V3's block under Kimi's names), as its configs give them
+KIMI_LINEAR = dict(model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27,
+                   num_experts=256, num_experts_per_token=8, num_shared_experts=1,
+                   moe_intermediate_size=1024, first_k_dense_replace=1, moe_layer_freq=1,
+                   moe_router_activation_func="sigmoid", routed_scaling_factor=2.446,
+                   moe_renormalize=True, use_grouped_topk=True, num_expert_group=1,
+                   topk_group=1, hidden_act="silu")
 # LiquidAI LFM2-8B-A1B's config class defaults (no hidden_act: silu is fixed)
 LFM2 = dict(model_type="lfm2_moe", hidden_size=2048, intermediate_size=7168,
             moe_intermediate_size=1792, num_hidden_layers=32, num_dense_layers=2,
@@ -76,15 +83,17 @@ FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=110
     (MINIMAX, (4096, 14336, 8, 2, 0, 0, True, tuple(range(32)), "mixtral")),
     (FLEX_OLMO, (4096, 11008, 7, 5, 0, 0, False, tuple(range(32)), "qwen3_moe")),
     (LFM2, (2048, 1792, 32, 4, 0, 0, True, tuple(range(2, 32)), "lfm2")),
+    (KIMI_LINEAR, (2304, 1024, 256, 8, 1, 1024, True, tuple(range(1, 27)), "kimi")),
 ], ids=["granite", "granite-shared-0", "granite-shared", "granite-hybrid", "hunyuan", "dbrx",
-        "afmoe", "qwen3-vl", "qwen3-omni", "minimax", "flex-olmo", "lfm2"])
+        "afmoe", "qwen3-vl", "qwen3-omni", "minimax", "flex-olmo", "lfm2", "kimi-linear"])
 def test_configs_read_to_their_moe_layer(raw, want):
     hf = parse_hf_config(raw, "m")
     c = hf.cfg
     assert (c.hidden, c.moe_intermediate, c.num_experts, c.top_k, c.num_shared_experts,
             c.shared_intermediate, c.renormalize, hf.moe_layers, hf.naming) == want
-    assert c.routed_scaling_factor == 1.0 and not c.shared_gate and c.swiglu_limit is None
-    assert c.router == ("sigmoid_grouped" if raw in (AFMOE, LFM2) else "softmax")
+    assert c.routed_scaling_factor == (2.446 if raw is KIMI_LINEAR else 1.0)
+    assert not c.shared_gate and c.swiglu_limit is None
+    assert c.router == ("sigmoid_grouped" if raw in (AFMOE, LFM2, KIMI_LINEAR) else "softmax")
     assert c.renorm_eps == (1e-6 if raw is LFM2 else 0.0)
     assert dict(describe(hf))["model_type"] == hf.model_type
 
@@ -119,8 +128,11 @@ def test_a_shared_mlp_width_that_is_no_multiple_of_an_experts_is_one_mlp_of_that
     (dict(HUNYUAN, use_mixed_mlp_moe=False), "exactly one shared MLP"),
     (dict(GRANITE_HYBRID, num_local_experts=0), "a dense model"),
     (dict(MINIMAX, shared_intermediate_size=1024), "no shared expert to compute it with"),
+    (dict(KIMI_LINEAR, routed_expert_hidden_size=1152), "a latent MoE"),
+    (dict(KIMI_LINEAR, num_expert_group=8, topk_group=4), "num_expert_group 8"),
+    (dict(KIMI_LINEAR, moe_router_activation_func="relu"), "not sigmoid or softmax"),
 ], ids=["phimoe", "longcat", "dbrx-p2", "dbrx-gelu", "hunyuan-topk", "hunyuan-width",
-        "hunyuan-shared", "hunyuan-mixed", "granite-dense", "minimax-shared"])
+        "hunyuan-shared", "hunyuan-mixed", "granite-dense", "minimax-shared", "kimi-latent", "kimi-groups", "kimi-relu"])
 def test_what_epmoe_does_not_compute_is_refused_with_its_reason(raw, match):
     with pytest.raises(ValueError, match=match):
         parse_hf_config(raw, "m")
@@ -161,6 +173,17 @@ def _lfm2(logits, bias, k, renorm, scale):
     return ids, (w / (w.sum(-1, keepdim=True) + 1e-6) if renorm else w) * scale
 
 
+def _kimi(logits, bias, k, renorm, scale):
+    """KimiMoEGate: sigmoid; top-k of sigmoid + e_score_correction_bias; the unbiased sigmoids
+    / (their sum + 1e-20) if moe_renormalize and top_k > 1; x routed_scaling_factor."""
+    s = torch.sigmoid(logits.double())
+    ids = torch.topk(s + bias.double(), k, dim=-1).indices
+    w = s.gather(1, ids)
+    if k > 1 and renorm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
+
+
 def _afmoe(logits, bias, k, scale):
     """AfmoeTokenChoiceRouter: sigmoid; top-k of sigmoid + expert_bias; the unbiased sigmoids
     / (their sum + 1e-20) x route_scale."""
@@ -175,10 +198,12 @@ def _afmoe(logits, bias, k, scale):
     QWEN3_VL, QWEN3_OMNI, dict(QWEN3_OMNI, thinker_config=dict(text_config=dict(
         QWEN3_OMNI["thinker_config"]["text_config"], norm_topk_prob=False))), MINIMAX,
     FLEX_OLMO, LFM2, dict(LFM2, use_expert_bias=False, norm_topk_prob=False,
-                          routed_scaling_factor=2.0), dict(LFM2, routed_scaling_factor=2.5)],
+                          routed_scaling_factor=2.0), dict(LFM2, routed_scaling_factor=2.5),
+    KIMI_LINEAR, dict(KIMI_LINEAR, num_experts_per_token=1), dict(KIMI_LINEAR,
+                                                                  moe_renormalize=False)],
     ids=["granite", "hunyuan", "dbrx", "dbrx-unnormalized", "afmoe", "afmoe-scaled",
          "qwen3-vl", "qwen3-omni", "qwen3-omni-unnormalized", "minimax", "flex-olmo", "lfm2",
-         "lfm2-unbiased-unnormalized", "lfm2-scaled"])
+         "lfm2-unbiased-unnormalized", "lfm2-scaled", "kimi", "kimi-top1", "kimi-unnormalized"])
 def test_each_router_routes_as_its_modeling_code(raw, seed):
     c = parse_hf_config(raw, "m").cfg
     g = torch.Generator().manual_seed(seed)
@@ -187,6 +212,10 @@ def test_each_router_routes_as_its_modeling_code(raw, seed):
     if raw.get("model_type") == "afmoe":
         bias = torch.randn(c.num_experts, generator=g) * 0.05
         want_ids, want_w = _afmoe(logits, bias, c.top_k, raw["route_scale"])
+    elif raw.get("model_type") == "kimi_linear":
+        bias = torch.randn(c.num_experts, generator=g) * 0.05
+        want_ids, want_w = _kimi(logits, bias, raw["num_experts_per_token"],
+                                 raw["moe_renormalize"], raw["routed_scaling_factor"])
     elif raw.get("model_type") == "lfm2_moe":
         bias = torch.randn(c.num_experts, generator=g) * 0.05 if raw["use_expert_bias"] else None
         want_ids, want_w = _lfm2(logits, bias, c.top_k, raw["norm_topk_prob"],
@@ -227,17 +256,18 @@ def _checkpoint(folder, names, layers, e, d, i, shared_width=0, prefix=None):
         t[nm["gate"].format(l=cl)] = torch.randn(e, d, generator=g) * d ** -0.5
         if nm["bias"]:
             t[nm["bias"].format(l=cl)] = torch.randn(e, generator=g) * 0.02
-        subs = [(nm["expert"].format(l=cl, e=x), i) for x in range(e)]
-        subs += [(nm["shared"].format(l=cl), shared_width)] if shared_width else []
-        for pre, width in subs:
-            for n, shape in ((gp, (width, d)), (up, (width, d)), (dp, (d, width))):
+        subs = [(nm["expert"].format(l=cl, e=x), i, (gp, up, dp)) for x in range(e)]
+        subs += [(nm["shared"].format(l=cl), shared_width, nm.get("shared_proj", nm["proj"]))] \
+            if shared_width else []
+        for pre, width, (g_n, u_n, d_n) in subs:
+            for n, shape in ((g_n, (width, d)), (u_n, (width, d)), (d_n, (d, width))):
                 t[f"{pre}{n}.weight"] = (torch.randn(*shape, generator=g)
                                          * shape[1] ** -0.5).bfloat16()
     save_file(t, str(folder / "model.safetensors"))
     return t
 
 
-@pytest.mark.parametrize("family", ["hunyuan", "afmoe", "qwen3_omni", "lfm2"])
+@pytest.mark.parametrize("family", ["hunyuan", "afmoe", "qwen3_omni", "lfm2", "kimi"])
 def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
     from epmoe.checkpoint import load_layer
 
@@ -253,7 +283,9 @@ def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
                 num_hidden_layers=2))),
             "lfm2": dict(LFM2, hidden_size=256, moe_intermediate_size=128, num_experts=8,
                          num_experts_per_tok=2, num_hidden_layers=3, num_dense_layers=1,
-                         routed_scaling_factor=1.5)}[family]
+                         routed_scaling_factor=1.5),
+            "kimi": dict(KIMI_LINEAR, hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                         num_experts_per_token=2, num_hidden_layers=3)}[family]
     folder = config_folder(tmp_path, f"tiny-{family}", tiny)
     hf = read_hf_config(str(folder))
     c = hf.cfg

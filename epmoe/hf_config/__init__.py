@@ -42,6 +42,8 @@ each family's Hugging Face modeling code:
                               shared MLP shared_intermediate_size wide
   dbrx                        softmax top-k / its 1-norm, or not normalized; not read
   afmoe                       sigmoid + expert_bias over every expert, renormalized, x route_scale
+  kimi_linear                 DeepSeek-V3's block (moe_router_activation_func, moe_renormalize,
+                              num_experts_per_token); a latent MoE (Kimi-K3) is refused
   lfm2_moe                    sigmoid (+ expert_bias if use_expert_bias) over every expert,
                               / (sum + 1e-6) if norm_topk_prob, x routed_scaling_factor
 Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.

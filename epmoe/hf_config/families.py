@@ -101,6 +101,24 @@ def _lfm2(d: dict, at: str, f: dict) -> dict:
                 renorm_eps=1e-6 if f["renormalize"] else 0.0)
 
 
+def _kimi(d: dict, at: str, f: dict) -> dict:
+    # KimiMoEGate (Kimi-Linear): moe_router_activation_func scores, top-k of scores +
+    # e_score_correction_bias, / (sum + 1e-20) if moe_renormalize and top_k > 1, x scale
+    if d.get("routed_expert_hidden_size"):
+        raise _refuse(at, "routed_expert_hidden_size: a latent MoE (experts on a projected "
+                          "width), which epmoe's experts do not compute")
+    func = d.get("moe_router_activation_func", "sigmoid")
+    if func not in ("sigmoid", "softmax"):
+        raise _refuse(at, f"moe_router_activation_func {func!r} is not sigmoid or softmax")
+    groups = int(d.get("num_expert_group") or 1) if d.get("use_grouped_topk") else 1
+    if groups > 1:
+        raise _refuse(at, f"num_expert_group {groups}: Kimi's group-limited selection is not "
+                          f"checked against epmoe's")
+    return dict(f, router="sigmoid_grouped" if func == "sigmoid" else "softmax_biased",
+                n_group=1, topk_group=1,
+                renormalize=bool(d.get("moe_renormalize", True)) and f["top_k"] > 1)
+
+
 def _afmoe(d: dict, at: str, f: dict) -> dict:
     # AfmoeTokenChoiceRouter: sigmoid, top-k of sigmoid + expert_bias over every expert (its
     # config's score_func / route_norm / n_group are not read by the modeling code)
@@ -164,6 +182,9 @@ FAMILIES = {
     # DBRX: softmax top-k / its 1-norm (or not normalized); fused [E*I, D] experts not read
     "dbrx": Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
                    adjust=_dbrx),
+    # Kimi-Linear: DeepSeek-V3's MoE block under other field names (moe_renormalize, ...)
+    "kimi_linear": Family("kimi", "sigmoid_grouped", True, "dense_first", reads_norm=False,
+                          adjust=_kimi),
     # LFM2-8B-A1B: sigmoid + expert_bias, renormalized (+1e-6) if norm_topk_prob, x scale
     "lfm2_moe": Family("lfm2", "sigmoid_grouped", True, "dense_first", adjust=_lfm2),
     # Arcee AFMoE: sigmoid + expert_bias, top-k over all, always renormalized, x route_scale

@@ -6,7 +6,8 @@ from __future__ import annotations
 HIDDEN = ("hidden_size", "d_model")  # DBRX: d_model
 LAYER_COUNT = ("num_hidden_layers", "n_layers")
 EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k", "moe_top_k")
+TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk",
+         "moe_k", "moe_top_k")
 # per-expert width: moe_intermediate_size where a family also has dense layers, else the
 # family's one intermediate size (Mixtral, Granite, HunYuan, FlexOlmo; DBRX's ffn_hidden_size)
 EXPERT_WIDTH = ("moe_intermediate_size", "ffn_hidden_size", "intermediate_size")
