@@ -253,7 +253,7 @@ def test_a_minimax_checkpoint_folder_loads_with_its_selection_bias(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(scoring_func="tanh"), "scoring_func 'tanh'"),
     (dict(scoring_func="softmax", topk_method="group_limited_greedy"), "group_limited_greedy"),
-    (dict(num_experts_per_tok=None), "none of num_experts_per_tok, experts_per_token"),
+    (dict(num_experts_per_tok=None), "none of num_experts_per_tok, num_experts_per_token, experts_per_token"),
     (dict(first_k_dense_replace=61), "none of its 61 layers is a MoE layer"),
     (dict(num_experts_per_tok=300), "top_k (300) must be <= num_experts (256)"),
 ])

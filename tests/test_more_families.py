@@ -132,7 +132,8 @@ def test_a_shared_mlp_width_that_is_no_multiple_of_an_experts_is_one_mlp_of_that
     (dict(KIMI_LINEAR, num_expert_group=8, topk_group=4), "num_expert_group 8"),
     (dict(KIMI_LINEAR, moe_router_activation_func="relu"), "not sigmoid or softmax"),
 ], ids=["phimoe", "longcat", "dbrx-p2", "dbrx-gelu", "hunyuan-topk", "hunyuan-width",
-        "hunyuan-shared", "hunyuan-mixed", "granite-dense", "minimax-shared", "kimi-latent", "kimi-groups", "kimi-relu"])
+        "hunyuan-shared", "hunyuan-mixed", "granite-dense", "minimax-shared", "kimi-latent",
+        "kimi-groups", "kimi-relu"])
 def test_what_epmoe_does_not_compute_is_refused_with_its_reason(raw, match):
     with pytest.raises(ValueError, match=match):
         parse_hf_config(raw, "m")
