@@ -490,3 +490,16 @@ def test_a_multimodal_checkpoints_language_model_is_found_under_its_prefix(tmp_p
     _checkpoint(folder, hf.naming, hf.moe_layers, 8, 256, 128, 128, prefix="elsewhere.")
     with pytest.raises(KeyError, match=r"tensor .model\.layers\.1\.mlp\..* not in checkpoint"):
         load_layer(str(folder), None, hf.cfg, QuantConfig("bf16"), 0, [2])
+
+
+def test_what_the_cli_prints_fits_80_columns(capsys, tmp_path):
+    """`python -m epmoe.hf_config PATH` for every family here, with the longest storage note."""
+    from epmoe.hf_config import main
+
+    for n, raw in enumerate([GRANITE, GRANITE_HYBRID, HUNYUAN, DBRX, AFMOE, QWEN3_VL,
+                             QWEN3_OMNI, MINIMAX, FLEX_OLMO, LFM2, KIMI_LINEAR]):
+        folder = config_folder(tmp_path, f"a-rather-long-model-folder-name-{n}",
+                               dict(raw, quantization_config={"quant_method": "awq"}))
+        assert main([str(folder / "config.json")]) == 0
+        out = capsys.readouterr().out.splitlines()[1:]  # the first line is the path
+        assert out and max(map(len, out)) <= 80, out

@@ -44,7 +44,7 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
         (", input x weight" if c.apply_router_weight_on_input else "")
     ckpt = "not read (--weights refuses it)" if hf.naming is None else \
         f"naming {hf.naming}, experts stored " \
-        f"{hf.stored_recipe or 'in a format epmoe does not decode'}"
+        f"{hf.stored_recipe or 'in a format not decoded here'}"
     return [("model_type", hf.model_type),
             ("MoE layers", f"{len(hf.moe_layers)}: checkpoint layers {_spans(hf.moe_layers)}"),
             ("experts", f"{c.num_experts} routed, top-{c.top_k}, hidden {c.hidden}, "
