@@ -84,7 +84,7 @@ class MoEConfig:
                f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         _check(self.topk_group <= self.n_group,
                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
-        if self.router != "softmax" and self.n_group > 1:  # the score routers group-limit
+        if self.n_group > 1:  # group-limited selection (softmax: DeepSeek-V2's greedy kind)
             per_group = self.num_experts // self.n_group
             _check(self.top_k <= self.topk_group * per_group,
                    f"top_k ({self.top_k}) must be <= topk_group*experts_per_group "

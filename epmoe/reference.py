@@ -87,28 +87,27 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
         if cfg.router == "softmax":
             if bias_E is not None:  # gpt-oss: logits = x W^T + b
                 lg = lg + bias_E.double()
-            p = torch.exp(lg - lg.max())
-            p = p / p.sum()
-            order = sorted(range(cfg.num_experts), key=lambda e: -p[e].item())[:k]
-            w = torch.stack([p[e] for e in order])
+            s = torch.exp(lg - lg.max())
+            s = s / s.sum()
+        elif cfg.router == "sigmoid_grouped":
+            s = 1.0 / (1.0 + torch.exp(-lg))
+        elif cfg.router == "softmax_biased":
+            s = torch.exp(lg - lg.max())
+            s = s / s.sum()
         else:
-            if cfg.router == "sigmoid_grouped":
-                s = 1.0 / (1.0 + torch.exp(-lg))
-            elif cfg.router == "softmax_biased":
-                s = torch.exp(lg - lg.max())
-                s = s / s.sum()
-            else:
-                s = torch.sqrt(torch.log1p(torch.exp(lg)))
-            b = s + (bias_E.double() if bias_E is not None else 0.0)
-            allowed = set(range(cfg.num_experts))
-            if cfg.n_group > 1:
-                per = cfg.num_experts // cfg.n_group
-                gscore = [sum(sorted(b[g * per:(g + 1) * per].tolist(), reverse=True)[:2])
-                          for g in range(cfg.n_group)]
-                groups = sorted(range(cfg.n_group), key=lambda g: -gscore[g])[:cfg.topk_group]
-                allowed = {g * per + i for g in groups for i in range(per)}
-            order = sorted(allowed, key=lambda e: -b[e].item())[:k]
-            w = torch.stack([s[e] for e in order])
+            s = torch.sqrt(torch.log1p(torch.exp(lg)))
+        # selection: the score routers on score + their correction bias
+        b = s if cfg.router == "softmax" or bias_E is None else s + bias_E.double()
+        allowed = set(range(cfg.num_experts))
+        if cfg.n_group > 1:  # groups ranked by the sum of their best 2 (DeepSeek-V3) or their
+            per = cfg.num_experts // cfg.n_group  # best 1 (V2's softmax group_limited_greedy)
+            best = 1 if cfg.router == "softmax" else 2
+            gscore = [sum(sorted(b[g * per:(g + 1) * per].tolist(), reverse=True)[:best])
+                      for g in range(cfg.n_group)]
+            groups = sorted(range(cfg.n_group), key=lambda g: -gscore[g])[:cfg.topk_group]
+            allowed = {g * per + i for g in groups for i in range(per)}
+        order = sorted(allowed, key=lambda e: -b[e].item())[:k]
+        w = torch.stack([s[e] for e in order])
         if cfg.renormalize:
             w = w / (w.sum() + cfg.renorm_eps)
         ids[n] = torch.tensor(order)

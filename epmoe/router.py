@@ -58,6 +58,22 @@ def _fast_path(t: torch.Tensor, cfg: MoEConfig, backend: str) -> bool:
     return why is None
 
 
+def group_best(cfg: MoEConfig) -> int:
+    """A group's score is the sum of its this many best selection scores: 2 for the score
+    routers (DeepSeek-V3), 1 for the softmax router (DeepSeek-V2's group_limited_greedy)."""
+    return 1 if cfg.router == "softmax" else 2
+
+
+def _keep_groups(sel: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """sel [T, E] with the experts outside each token's topk_group best groups at -inf."""
+    t = sel.shape[0]
+    grouped = sel.view(t, cfg.n_group, -1)
+    group_scores = grouped.topk(min(group_best(cfg), grouped.shape[-1]), dim=-1).values.sum(-1)
+    keep = torch.topk(group_scores, cfg.topk_group, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    return sel.masked_fill(~mask.unsqueeze(-1).expand_as(grouped).reshape(t, -1), float("-inf"))
+
+
 def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
           id_dtype: torch.dtype = torch.int32, backend: str = "auto") -> Routing:
     """Select top_k experts per token. Computation in fp32 whatever the logits dtype.
@@ -78,23 +94,16 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
     if cfg.router == "softmax":
         if bias_E is not None:  # gpt-oss's router bias: part of the logits
             logits = logits + bias_E.float()
-        probs = torch.softmax(logits, dim=-1)
-        w, ids = torch.topk(probs, k, dim=-1)
+        scores = biased = torch.softmax(logits, dim=-1)
     else:
         scores = torch.sigmoid(logits) if cfg.router == "sigmoid_grouped" else \
             torch.softmax(logits, dim=-1) if cfg.router == "softmax_biased" else \
             torch.sqrt(torch.nn.functional.softplus(logits))
         biased = scores if bias_E is None else scores + bias_E.float()
-        if cfg.n_group > 1:
-            t = biased.shape[0]
-            grouped = biased.view(t, cfg.n_group, -1)
-            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            keep = torch.topk(group_scores, cfg.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            biased = biased.masked_fill(~mask.unsqueeze(-1).expand_as(grouped).reshape(t, -1),
-                                        float("-inf"))
-        ids = torch.topk(biased, k, dim=-1).indices
-        w = scores.gather(1, ids)
+    if cfg.n_group > 1:
+        biased = _keep_groups(biased, cfg)
+    ids = torch.topk(biased, k, dim=-1).indices
+    w = scores.gather(1, ids)
     if cfg.renormalize:
         w = w / (w.sum(-1, keepdim=True) + cfg.renorm_eps).clamp(min=1e-20)
     w = w * cfg.routed_scaling_factor

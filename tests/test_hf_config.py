@@ -131,12 +131,22 @@ def test_glm_olmoe_and_a_multimodal_wrapper():
     assert glm_v.moe_layers == tuple(range(1, 46)) and glm_v.naming == "deepseek"
 
 
-def _deepseek_v2_gate(logits, k, norm, scale):
-    """DeepSeek-V2's MoEGate ("greedy", softmax), as its modeling code defines it: softmax over
-    the experts, top-k; renormalized when norm_topk_prob (top_k > 1), else x the scale."""
+def _deepseek_v2_gate(logits, k, norm, scale, n_group=1, topk_group=1):
+    """DeepSeek-V2's MoEGate, as its modeling code defines it: softmax over the experts; top-k
+    ("greedy"), or with n_group > 1 ("group_limited_greedy") each group scored by its best
+    expert, the topk_group best kept, the others' scores set to 0, then top-k; renormalized
+    when norm_topk_prob and top_k > 1, else x the scale."""
     p = torch.softmax(logits.double(), dim=-1)
+    if n_group > 1:
+        t = p.shape[0]
+        group_scores = p.view(t, n_group, -1).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(t, n_group, p.shape[1] // n_group) \
+            .reshape(t, -1)
+        p = p.masked_fill(~score_mask.bool(), 0.0)
     w, ids = torch.topk(p, k, dim=-1)
-    return ids, (w / w.sum(-1, keepdim=True) if norm and k > 1 else w * scale)
+    return ids, (w / (w.sum(-1, keepdim=True) + 1e-20) if norm and k > 1 else w * scale)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -155,6 +165,44 @@ def test_deepseek_v2_routes_as_its_modeling_code(norm):
     want_ids, want_w = _deepseek_v2_gate(logits, 6, norm, 2.0)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-12, atol=0)
+
+
+# deepseek-ai/DeepSeek-V2 (236B): config.json MoE fields as released
+DEEPSEEK_V2 = dict(model_type="deepseek_v2", hidden_size=5120, intermediate_size=12288,
+                   moe_intermediate_size=1536, n_routed_experts=160, num_experts_per_tok=6,
+                   n_shared_experts=2, n_group=8, topk_group=3, routed_scaling_factor=16.0,
+                   norm_topk_prob=False, scoring_func="softmax",
+                   topk_method="group_limited_greedy", num_hidden_layers=60,
+                   first_k_dense_replace=1, moe_layer_freq=1, hidden_act="silu")
+
+
+@pytest.mark.parametrize("norm,k", [(False, 6), (True, 6), (True, 1)])
+def test_deepseek_v2_group_limited_greedy_routes_as_its_modeling_code(norm, k, seed):
+    """DeepSeek-V2 (236B): the topk_group groups with the best expert, then top-k among them;
+    the runtime's torch router and the reference alike (the Triton router declines it)."""
+    from epmoe.hf_config import describe
+    from epmoe.kernels.gate_topk import unsupported
+    from epmoe.router import route
+
+    hf = parse_hf_config(dict(DEEPSEEK_V2, norm_topk_prob=norm, num_experts_per_tok=k), "v2")
+    c = hf.cfg
+    assert (c.router, c.n_group, c.topk_group, c.num_moe_layers) == ("softmax", 8, 3, 59)
+    assert (c.renormalize, c.routed_scaling_factor) == \
+        ((True, 1.0) if norm and k > 1 else (False, 16.0))
+    assert "3 of 8 groups" in dict(describe(hf))["router"]
+    assert "group_limited_greedy" in unsupported(c)
+    logits = torch.randn(64, 160, generator=torch.Generator().manual_seed(seed)) * 3
+    want_ids, want_w = _deepseek_v2_gate(logits, k, norm, 16.0, 8, 3)
+    ids, w = reference_route(logits, c)
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    o, wo = ids.sort(-1), want_ids.sort(-1)
+    torch.testing.assert_close(w.gather(1, o.indices), want_w.gather(1, wo.indices),
+                               rtol=1e-12, atol=0)
+    r = route(logits, c, id_dtype=torch.int64, backend="torch")
+    assert torch.equal(r.topk_ids_TK.sort(-1).values, wo.values)
+    if k > 1:  # the groups bind (top-1 is always in the best group): without them some token
+        free = reference_route(logits, c.replace(n_group=1, topk_group=1))[0]  # picks others
+        assert not torch.equal(free.sort(-1).values, wo.values)
 
 
 # MiniMaxAI/MiniMax-M2 and rednote-hilab/dots.llm1.inst: config.json (MoE fields as released)
@@ -198,7 +246,7 @@ def test_minimax_m2_routes_as_its_modeling_code(extra):
     want_ids, want_w = _minimax_m2_gate(logits, bias, 8)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match="shared_intermediate_size 1024: its modeling code has no shared"):
+    with pytest.raises(ValueError, match="shared_intermediate_size 1024: its modeling code"):
         parse_hf_config(dict(MINIMAX_M2, shared_intermediate_size=1024), "m2")
 
 
@@ -252,8 +300,9 @@ def test_a_minimax_checkpoint_folder_loads_with_its_selection_bias(tmp_path):
     (dict(model_type=None), "model_type None"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(scoring_func="tanh"), "scoring_func 'tanh'"),
-    (dict(scoring_func="softmax", topk_method="group_limited_greedy"), "group_limited_greedy"),
-    (dict(num_experts_per_tok=None), "none of num_experts_per_tok, num_experts_per_token, experts_per_token"),
+    (dict(num_experts_per_tok=None),
+     "none of num_experts_per_tok, num_experts_per_token, experts_per_token"),
+    (dict(num_experts_per_tok=160), "top_k (160) must be <= topk_group"),
     (dict(first_k_dense_replace=61), "none of its 61 layers is a MoE layer"),
     (dict(num_experts_per_tok=300), "top_k (300) must be <= num_experts (256)"),
 ])

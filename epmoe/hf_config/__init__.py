@@ -21,8 +21,9 @@ each family's Hugging Face modeling code:
                               does not). Its first hash-routed layers (mlp_layer_types
                               "hash_moe": experts picked by token id) are not MoE layers here,
                               and its checkpoints (DeepSeek's own layout) are not read.
-  deepseek_v2                 softmax top-k ("greedy"); x routed_scaling_factor only when not
-                              renormalized (its modeling code)
+  deepseek_v2                 softmax top-k ("greedy", or "group_limited_greedy": the
+                              topk_group groups with the best expert); x routed_scaling_factor
+                              only when not renormalized (its modeling code)
   qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
   qwen2_moe, qwen3_next       the same, plus a gated shared expert: one SwiGLU MLP of
                               shared_expert_intermediate_size, its output x sigmoid(x . w_g)
@@ -143,11 +144,9 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     shared, shared_width, gated = _shared(d, fam, at, width)
     router = _router(d, fam, at)
     n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
-    if d.get("topk_method") == "group_limited_greedy" and n_group > 1:
-        raise ValueError(f"{at}: topk_method 'group_limited_greedy' (softmax, groups ranked by "
-                         f"their best expert) is not one of epmoe's routers")
-    if router == "softmax":
-        n_group = topk_group = 1  # softmax routers here pick among all experts ("greedy")
+    if router == "softmax" and d.get("topk_method") != "group_limited_greedy":
+        n_group = topk_group = 1  # softmax routers pick among all experts ("greedy"), but for
+        #                           DeepSeek-V2's groups ranked by their best expert
     fixed = dict(fam.fixed)
     act = d.get("hidden_act", "silu")
     if "activation" not in fixed and act not in ("silu", "swish"):

@@ -33,9 +33,9 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
              "sqrtsoftplus": "sqrt(softplus)", "softmax_biased": "softmax scores"}[c.router]
     if c.router != "softmax":
         route += " + selection bias" if c.selection_bias else ""
-        route += f", {c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
     elif c.router_bias:
         route += " of logits + bias"
+    route += f", {c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
     route += (f", renormalized (sum + {c.renorm_eps:g})" if c.renormalize and c.renorm_eps
               else ", renormalized" if c.renormalize else "") + \
         (f", x {c.routed_scaling_factor:g}" if c.routed_scaling_factor != 1 else "")

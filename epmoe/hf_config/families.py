@@ -53,7 +53,9 @@ def _no_shared(d: dict, at: str, f: dict) -> dict:
 
 
 def _deepseek_v2(d: dict, at: str, f: dict) -> dict:
-    if f["renormalize"]:  # V2 scales the weights only when it does not renormalize them
+    # MoEGate: renormalized if top_k > 1 and norm_topk_prob, else x routed_scaling_factor
+    f["renormalize"] = f["renormalize"] and f["top_k"] > 1
+    if f["renormalize"]:
         f["routed_scaling_factor"] = 1.0
     return f
 

@@ -150,6 +150,8 @@ def unsupported(cfg: MoEConfig) -> str | None:
         return f"num_experts ({cfg.num_experts}) > {_MAX_BLOCK_E}"
     if cfg.router != "softmax" and cfg.n_group > 1 and block_e != cfg.num_experts:
         return f"group-limited routing needs a power-of-two num_experts ({cfg.num_experts})"
+    if cfg.router == "softmax" and cfg.n_group > 1:
+        return "group-limited softmax routing (DeepSeek-V2's group_limited_greedy)"
     if cfg.renorm_eps:
         return f"renorm_eps ({cfg.renorm_eps:g}) in the renormalization (LFM2-MoE)"
     return None
