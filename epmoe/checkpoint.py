@@ -226,7 +226,7 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
 
 
 # --------------------------------------------------------------------------------------------
-# fused [E, ...] expert tensors: gpt-oss (bf16 or MXFP4), Granite
+# fused [E, ...] expert tensors: gpt-oss (bf16 or MXFP4), Granite, bmm (Llama 4, Qwen3-VL)
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 

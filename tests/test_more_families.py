@@ -306,18 +306,19 @@ def test_a_checkpoint_of_each_naming_passes_the_oracle(tmp_path, family):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shared,extra", [
-    (384, []), (384, ["--ep", "2", "--no-dp"]), (512, ["--ep", "2", "--no-dp"])],
+@pytest.mark.parametrize("inter,shared,extra", [
+    (256, 384, []), (256, 384, ["--ep", "2", "--no-dp"]), (384, 512, ["--ep", "2", "--no-dp"])],
     ids=["one-rank", "ep2-rank0-alone", "ep2-split"])
-def test_a_shared_mlp_of_its_own_width_passes_the_oracle(tmp_path, shared, extra):
-    """Granite's shared MLP 384 wide beside 256-wide experts (one MLP of its own width): on one
-    rank; over two ranks where 384 does not split into 128-wide groups (rank 0 runs it alone)
-    and where 512 does (each rank half); fp8 (its groups tile 384)."""
-    tiny = dict(GRANITE_SHARED, hidden_size=256, intermediate_size=256, num_local_experts=8,
+def test_a_shared_mlp_of_its_own_width_passes_the_oracle(tmp_path, inter, shared, extra):
+    """Granite's shared MLP of its own width (no multiple of an expert's): 384 beside 256-wide
+    experts on one rank, and over two ranks where 384 does not split into 128-wide groups
+    (rank 0 runs it alone); 512 beside 384-wide experts over two ranks (each rank half); fp8
+    (its groups tile both widths)."""
+    tiny = dict(GRANITE_SHARED, hidden_size=256, intermediate_size=inter, num_local_experts=8,
                 num_hidden_layers=2, shared_intermediate_size=shared)
     folder = config_folder(tmp_path, "tiny-granite", tiny)
     c = read_hf_config(str(folder)).cfg
-    assert c.shared_intermediate == shared
+    assert (c.num_shared_experts, c.shared_intermediate_size) == (1, shared)
     from epmoe.weights import synthetic_layer
 
     lw = synthetic_layer(c, QuantConfig("bf16"), 0, 5, range(8))
