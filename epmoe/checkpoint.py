@@ -1,18 +1,9 @@
 """Hugging Face safetensors checkpoints: one MoE layer's router and experts, read lazily.
 
-Where a scheme keeps each tensor: `epmoe.namings.NAMINGS` (re-exported here). Per-expert
-projections are read one expert at a time; fused [E, ...] tensors one row per expert asked for:
-  granite  input_linear [E, 2I, D] (gate rows, then up), output_linear [E, D, I]; its shared
-           MLP the same names without the expert axis
-  bmm      gate_up_proj [E, D, 2I] (gate columns, then up), down_proj [E, I, D] (Llama 4,
-           Qwen3-VL-MoE; a tensor saved [E, 2I, D] / [E, D, I] is read too where D != 2I)
-  gpt_oss  bf16: experts.gate_up_proj [E, D, 2I] (gate / up columns interleaved: gate =
-           0::2, up = 1::2), experts.gate_up_proj_bias [E, 2I] (interleaved alike),
-           experts.down_proj [E, I, D], experts.down_proj_bias [E, D]; MXFP4:
-           experts.{gate_up,down}_proj_blocks [E, N, K/32, 16] (two e2m1 codes a byte, low
-           nibble first) and _scales [E, N, K/32] (e8m0, bias 127), rows N = 2I (interleaved)
-           or D: the projection stored [out, in]; the biases as in bf16; router
-           mlp.router.weight [E, D] and mlp.router.bias [E] (added to the logits)
+Where a scheme keeps each tensor: `epmoe.namings.NAMINGS` (re-exported here), with the other
+common ways a checkpoint holds them (`epmoe.namings.mlp_names`, `stored`). Per-expert
+projections are read one expert at a time; fused [E, ...] tensors (`epmoe.fused_experts`: Granite,
+transformers 5, Llama 4 / Qwen3-VL, DBRX, gpt-oss) only the rows of the experts asked for.
 """
 
 from __future__ import annotations
@@ -24,9 +15,12 @@ import torch
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
-from epmoe.namings import NAMINGS, located
+from epmoe.fused_experts import check_shape, dequantize_mxfp4, fused_experts
+from epmoe.namings import NAMINGS, located, mlp_names, stored
 from epmoe.quant import FP8_DTYPE, QWeight
-from epmoe.weights import LayerWeights, build_expert_weights, slice_bias, slice_inter
+from epmoe.weights import LayerWeights, build_expert_weights, slice_inter
+
+__all__ = ["NAMINGS", "SafetensorsCheckpoint", "dequantize_mxfp4", "load_layer"]
 
 
 class SafetensorsCheckpoint:
@@ -84,10 +78,17 @@ class SafetensorsCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
-    def get_rows(self, name: str, rows: list[int]) -> torch.Tensor:
-        """t[rows] of a stored tensor, reading only those rows (fused per-expert tensors)."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_rows(self, name: str, rows: list[int], block: int = 1) -> torch.Tensor:
+        """t[rows] of a stored tensor, reading only those rows (fused per-expert tensors);
+        block > 1: [len(rows), block, ...], row r being t[r * block:(r + 1) * block]."""
         sl = self._handle(name).get_slice(name)
-        return torch.cat([sl[r:r + 1] for r in rows]) if rows else sl[0:0]
+        if block == 1:
+            return torch.cat([sl[r:r + 1] for r in rows]) if rows else sl[0:0]
+        parts = [sl[r * block:(r + 1) * block] for r in rows]
+        return torch.stack(parts) if parts else sl[0:block][None][0:0]
 
 
 def _load_proj(ckpt: SafetensorsCheckpoint, prefix: str, proj: str) -> torch.Tensor:
@@ -102,9 +103,25 @@ def _load_proj(ckpt: SafetensorsCheckpoint, prefix: str, proj: str) -> torch.Ten
     return w.float()
 
 
+def _load_w13(ckpt, pre: str, proj: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MLP's gate/up [2I, D] (gate rows first) and down [D, I] as fp32, read as the
+    checkpoint holds them (`mlp_names`: separate, or one fused gate/up tensor)."""
+    (g_name, u_name, d_name), up_first = mlp_names(ckpt.has, pre, proj)
+    if u_name is None:
+        w13 = _load_proj(ckpt, pre, g_name)
+        if up_first:
+            w13 = torch.cat(w13.chunk(2)[::-1])
+    else:
+        w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
+    return w13, _load_proj(ckpt, pre, d_name)
+
+
 def _load_fp8_proj(ckpt, prefix, proj):
-    """fp8 weight + fp32 block scale exactly as stored (no requantization)."""
+    """fp8 weight + fp32 block scale exactly as stored (no requantization); None where the
+    checkpoint holds it otherwise."""
     sname = prefix + proj + ".weight_scale_inv"
+    if not ckpt.has(prefix + proj + ".weight"):
+        return None
     w = ckpt.get(prefix + proj + ".weight")
     if w.dtype != FP8_DTYPE or not ckpt.has(sname):
         return None
@@ -139,14 +156,14 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
         raise ValueError(f"unknown checkpoint naming {naming!r}; choose one of {sorted(NAMINGS)}")
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
     cl = layer if ckpt_layer is None else ckpt_layer
-    nm = located(NAMINGS[naming], ckpt.has, cl)
+    nm = stored(located(NAMINGS[naming], ckpt.has, cl), ckpt.has, cl)
     g_name, u_name, d_name = nm["proj"]
     ids = list(expert_ids)
-    if cfg.expert_bias and not nm.get("fused"):
+    if cfg.expert_bias and nm.get("fused") != "gpt_oss":
         raise ValueError(f"config {cfg.name!r} has expert biases; naming {naming!r} stores "
                          f"none (gpt-oss checkpoints: naming 'gpt_oss')")
     if nm.get("fused"):
-        experts = _fused_experts(ckpt, nm, cfg, quant, cl, ids, inter_slice, device)
+        experts = fused_experts(ckpt, nm, cfg, quant, cl, ids, inter_slice, device)
         return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
                              device)
 
@@ -159,9 +176,9 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
             s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in raw])
             w2 = torch.stack([d[0] for _, _, d in raw])
             s2 = torch.stack([d[1] for _, _, d in raw])
-            _check_shape(w13, (len(ids), 2 * cfg.moe_intermediate, cfg.hidden),
+            check_shape(w13.shape, (len(ids), 2 * cfg.moe_intermediate, cfg.hidden),
                          "experts' gate/up")
-            _check_shape(w2, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
+            check_shape(w2.shape, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
             experts = ExpertWeights(QWeight(w13, s13, "fp8_block"), QWeight(w2, s2, "fp8_block"),
                                     torch.as_tensor(ids, dtype=torch.long))
             if device is not None:
@@ -171,33 +188,26 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
 
     w13s, w2s = [], []
     for e in ids:
-        pre = nm["expert"].format(l=cl, e=e)
-        w13 = torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
-        a, b = slice_inter(w13, _load_proj(ckpt, pre, d_name), inter_slice)
+        a, b = slice_inter(*_load_w13(ckpt, nm["expert"].format(l=cl, e=e), nm["proj"]),
+                           inter_slice)
         w13s.append(a)
         w2s.append(b)
     n_i = inter_slice[1] if inter_slice else cfg.moe_intermediate
     w13 = torch.stack(w13s) if ids else torch.zeros(0, 2 * n_i, cfg.hidden)
     w2 = torch.stack(w2s) if ids else torch.zeros(0, cfg.hidden, n_i)
-    _check_shape(w13, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
-    _check_shape(w2, (len(ids), cfg.hidden, n_i), "experts' down")
+    check_shape(w13.shape, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
+    check_shape(w2.shape, (len(ids), cfg.hidden, n_i), "experts' down")
     experts = build_expert_weights(w13, w2, quant, ids, device)
     return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
 
 
-def _check_shape(t, want, what):
-    if tuple(t.shape) != tuple(want):
-        raise ValueError(f"checkpoint {what} has shape {tuple(t.shape)}, the config needs "
-                         f"{tuple(want)}: check --model against the checkpoint")
-
-
 def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device):
     gate = ckpt.get(nm["gate"].format(l=cl)).float()
-    _check_shape(gate, (cfg.num_experts, cfg.hidden), "router gate")
+    check_shape(gate.shape, (cfg.num_experts, cfg.hidden), "router gate")
     bias = None
     if nm["bias"] and ckpt.has(nm["bias"].format(l=cl)):
         bias = ckpt.get(nm["bias"].format(l=cl)).float().reshape(-1)
-        _check_shape(bias, (cfg.num_experts,), "router bias")
+        check_shape(bias.shape, (cfg.num_experts,), "router bias")
     if cfg.router_bias and bias is None:
         raise ValueError(f"config {cfg.name!r} has a router bias; the checkpoint has no "
                          f"{nm['bias'] and nm['bias'].format(l=cl)!r}")
@@ -207,93 +217,16 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
                          f"shared_expert_gate (Qwen2-MoE / Qwen3-Next: 'qwen2_moe')")
     if with_shared and nm["shared"] and cfg.num_shared_experts:
         pre = nm["shared"].format(l=cl)
-        g_name, u_name, d_name = nm.get("shared_proj", nm["proj"])
-        w13 = _load_proj(ckpt, pre, g_name) if u_name is None else \
-            torch.cat([_load_proj(ckpt, pre, g_name), _load_proj(ckpt, pre, u_name)])
-        w2 = _load_proj(ckpt, pre, d_name)
-        _check_shape(w13, (2 * cfg.shared_intermediate, cfg.hidden), "shared MLP's gate/up")
-        _check_shape(w2, (cfg.hidden, cfg.shared_intermediate), "shared MLP's down")
+        w13, w2 = _load_w13(ckpt, pre, nm.get("shared_proj", nm["proj"]))
+        check_shape(w13.shape, (2 * cfg.shared_intermediate, cfg.hidden), "shared MLP's gate/up")
+        check_shape(w2.shape, (cfg.hidden, cfg.shared_intermediate), "shared MLP's down")
         w13, w2 = slice_inter(w13, w2, shared_slice)
         shared = build_expert_weights(w13[None], w2[None], quant, [-1], device)
         if cfg.shared_gate:
             sgate = ckpt.get(nm["shared_gate"].format(l=cl)).float().reshape(-1)
-            _check_shape(sgate, (cfg.hidden,), "shared expert gate")
+            check_shape(sgate.shape, (cfg.hidden,), "shared expert gate")
     if device is not None:
         gate = gate.to(device)
         bias = None if bias is None else bias.to(device)
         sgate = None if sgate is None else sgate.to(device)
     return LayerWeights(gate, bias, experts, shared, sgate)
-
-
-# --------------------------------------------------------------------------------------------
-# fused [E, ...] expert tensors: gpt-oss (bf16 or MXFP4), Granite, bmm (Llama 4, Qwen3-VL)
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """uint8 blocks [..., G, 16] (two e2m1 codes a byte, low nibble first) and e8m0 scales
-    [..., G] -> fp32 [..., G * 32]: code value x 2**(scale - 127)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
-            or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks must be uint8 [..., G, 16] and scales uint8 [..., G], "
-                         f"got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
-                         f"{tuple(scales.shape)}")
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
-    vals = lut[codes].flatten(-2)  # [..., G, 32]
-    vals = torch.ldexp(vals, scales.long().sub(127)[..., None].float())
-    return vals.flatten(-2)
-
-
-def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """gpt-oss's [g0, u0, g1, u1, ...] along dim -> [gate | up] (epmoe's w13 row order)."""
-    n = t.shape[dim]
-    return torch.cat([t.index_select(dim, torch.arange(0, n, 2)),
-                      t.index_select(dim, torch.arange(1, n, 2))], dim=dim)
-
-
-def _fused_proj(ckpt: SafetensorsCheckpoint, pre: str, proj: str, ids: list[int]) -> torch.Tensor:
-    """fp32 [n, out, in] of the experts `ids`: MXFP4 blocks if stored, else the bf16 tensor
-    (stored [E, in, out], transposed here)."""
-    if ckpt.has(pre + proj + "_blocks"):
-        return dequantize_mxfp4(ckpt.get_rows(pre + proj + "_blocks", ids),
-                                ckpt.get_rows(pre + proj + "_scales", ids))
-    return ckpt.get_rows(pre + proj, ids).float().transpose(1, 2)
-
-
-def _as_out_in(t: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """[E, in, out] as released (x @ w) -> [E, out, in]; a tensor saved already [E, out, in]
-    is taken as it is (ambiguous only when out == in: the released layout is assumed)."""
-    return t if out != inp and tuple(t.shape[1:]) == (out, inp) else t.transpose(1, 2)
-
-
-def _fused_experts(ckpt, nm, cfg: MoEConfig, quant: QuantConfig, cl: int, ids: list[int],
-                   inter_slice, device) -> ExpertWeights:
-    pre = nm["expert"].format(l=cl)
-    gu_name, _, d_name = nm["proj"]
-    i, d, n = cfg.moe_intermediate, cfg.hidden, len(ids)
-    if nm["fused"] == "granite":  # stored [E, out, in] as the GEMMs take them
-        w13 = ckpt.get_rows(pre + gu_name + ".weight", ids).float()
-        w2 = ckpt.get_rows(pre + d_name + ".weight", ids).float()
-    elif nm["fused"] == "bmm":  # x @ w: [E, in, out], gate columns then up (Llama 4, Qwen3-VL)
-        w13 = _as_out_in(ckpt.get_rows(pre + gu_name, ids).float(), 2 * i, d)
-        w2 = _as_out_in(ckpt.get_rows(pre + d_name, ids).float(), d, i)
-    else:
-        w13 = _deinterleave(_fused_proj(ckpt, pre, gu_name, ids), 1)
-        w2 = _fused_proj(ckpt, pre, d_name, ids)
-    _check_shape(w13, (n, 2 * i, d), "experts' gate_up_proj (as [E, 2I, D])")
-    _check_shape(w2, (n, d, i), "experts' down_proj (as [E, D, I])")
-    b13 = b2 = None
-    if ckpt.has(pre + gu_name + "_bias"):
-        b13 = _deinterleave(ckpt.get_rows(pre + gu_name + "_bias", ids).float(), 1)
-        b2 = ckpt.get_rows(pre + d_name + "_bias", ids).float()
-        _check_shape(b13, (n, 2 * i), "experts' gate_up_proj_bias")
-        _check_shape(b2, (n, d), "experts' down_proj_bias")
-    if cfg.expert_bias != (b13 is not None):
-        raise ValueError(f"config {cfg.name!r} has expert_bias={cfg.expert_bias} but the "
-                         f"checkpoint {'has' if b13 is not None else 'has no'} expert biases")
-    w13, w2 = slice_inter(w13, w2, inter_slice)
-    if b13 is not None:
-        b13, b2 = slice_bias(b13, b2, inter_slice)
-    return build_expert_weights(w13, w2, quant, ids, device, b13, b2)

@@ -8,8 +8,15 @@ scheme (`{l}`: the checkpoint's layer index, `{e}`: the expert), read by epmoe.c
   proj            gate / up / down projection names (fused: gate_up, None, down)
   shared_proj     the shared MLP's, where they differ from the experts'
   fused           the experts' tensors carry an expert axis: "gpt_oss" ([E, in, out], gate / up
-                  interleaved; bf16 or MXFP4 blocks), "granite" ([E, out, in], gate rows then
-                  up), "bmm" ([E, in, out], gate columns then up: Llama 4, Qwen3-VL)
+                  interleaved; bf16 or MXFP4 blocks), "out_in" ([E, out, in], gate rows then
+                  up: Granite, transformers 5), "bmm" ([E, in, out], gate columns then up:
+                  Llama 4, Qwen3-VL), "dbrx" (w1 / v1 / w2 [E*I, D]: an expert's I rows each)
+
+A checkpoint may hold a scheme's tensors another common way, and is read as it holds them:
+  - one MLP's gate and up as one [2I, D] tensor (`mlp_names`): gate_up_proj (gate rows first)
+    or gate_and_up_proj (up rows first: HunYuan's release checkpoints);
+  - per-expert experts saved as transformers 5 holds them (`stored`): experts.gate_up_proj
+    [E, 2I, D] (gate rows, then up) and experts.down_proj [E, D, I] (Qwen3.5-MoE's release).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ GUD = ("gate_proj", "up_proj", "down_proj")
 LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.",
                   "language_model.model.layers.")
 W13 = ("w1", "w3", "w2")
+TF5 = ("gate_up_proj", None, "down_proj")  # transformers 5's fused experts, [E, out, in]
+# one MLP's gate and up stored as one [2I, D] tensor: its name, and whether up's rows come first
+W13_ONE = (("gate_up_proj", False), ("gate_and_up_proj", True))
 
 
 def located(nm: dict, has, layer: int) -> dict:
@@ -35,6 +45,35 @@ def located(nm: dict, has, layer: int) -> dict:
         if has(moved["gate"].format(l=layer)):
             return moved
     return nm
+
+
+def mlp_names(has, pre: str, proj: tuple) -> tuple[tuple, bool]:
+    """One MLP's (gate, up, down) names under prefix `pre`, and whether up's rows come first:
+    the scheme's `proj`, or where the checkpoint holds no separate gate but one fused [2I, D]
+    gate/up tensor (W13_ONE), that one as (name, None, down)."""
+    g, u, d = proj
+    if u is None or has(pre + g + ".weight"):
+        return proj, False
+    for name, up_first in W13_ONE:
+        if has(pre + name + ".weight"):
+            return (name, None, d), up_first
+    return proj, False
+
+
+def stored(nm: dict, has, layer: int) -> dict:
+    """The per-expert scheme `nm` switched to transformers 5's fused experts (TF5 under the
+    experts' prefix) where the checkpoint holds `layer`'s experts that way and not one by one;
+    `nm` itself otherwise (a fused scheme, or the per-expert tensors are there)."""
+    if nm.get("fused") or "{e}" not in nm["expert"]:
+        return nm
+    first = nm["expert"].format(l=layer, e=0)
+    if has(first + mlp_names(has, first, nm["proj"])[0][0] + ".weight"):
+        return nm
+    fused = nm["expert"].replace("{e}.", "")
+    if not has(fused.format(l=layer) + TF5[0]):
+        return nm
+    return dict(nm, expert=fused, fused="out_in", proj=TF5,
+                shared_proj=nm.get("shared_proj", nm["proj"]))
 
 
 def _scheme(pre: str, gate: str, bias: str | None = None, shared: str | None = None,
@@ -69,9 +108,12 @@ NAMINGS = {
     "qwen3_vl": _scheme("model.language_model.layers.{l}.mlp.", "gate.weight",
                         expert="experts.", fused="bmm",
                         proj=("gate_up_proj", None, "down_proj")),
-    "granite": {**_scheme(_SPARSE, "router.layer.weight", expert="", fused="granite",
-                          proj=("input_linear", None, "output_linear")),
+    "granite": {**_scheme(_SPARSE, "router.layer.weight", expert="", fused="out_in",
+                          proj=("input_linear.weight", None, "output_linear.weight"),
+                          shared_proj=("input_linear", None, "output_linear")),
                 "shared": "model.layers.{l}.shared_mlp."},
+    "dbrx": _scheme("transformer.blocks.{l}.ffn.", "router.layer.weight", expert="experts.mlp.",
+                    fused="dbrx", proj=("w1", "v1", "w2")),
     "gpt_oss": _scheme(_MLP, "router.weight", "router.bias", expert="experts.", fused="gpt_oss",
                        proj=("gate_up_proj", None, "down_proj")),
 }

@@ -76,7 +76,7 @@ FLEX_OLMO = dict(model_type="flex_olmo", hidden_size=4096, intermediate_size=110
      (4096, 11008, 8, 2, 1, 1024, True, tuple(range(32)), "granite")),
     (GRANITE_HYBRID, (1536, 512, 64, 6, 2, 1024, True, tuple(range(4)), "granite")),
     (HUNYUAN, (4096, 3072, 64, 8, 1, 3072, True, tuple(range(32)), "hunyuan")),
-    (DBRX, (6144, 10752, 16, 4, 0, 0, True, tuple(range(40)), None)),
+    (DBRX, (6144, 10752, 16, 4, 0, 0, True, tuple(range(40)), "dbrx")),
     (AFMOE, (2048, 1408, 64, 6, 2, 2816, True, tuple(range(1, 32)), "afmoe")),
     (QWEN3_VL, (2048, 1408, 60, 4, 0, 0, True, tuple(range(24)), "qwen3_vl")),
     (QWEN3_OMNI, (2048, 768, 128, 8, 0, 0, True, tuple(range(28)), "qwen3_omni")),

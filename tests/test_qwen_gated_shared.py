@@ -47,7 +47,7 @@ TINY = dict(NEXT, hidden_size=256, moe_intermediate_size=128, shared_expert_inte
     (NEXT, (2048, 512, 512, 10, 1, True, tuple(range(48)), "qwen2_moe")),
     (QWEN2_57B, (3584, 2560, 64, 8, 8, False, tuple(range(28)), "qwen2_moe")),
     (QWEN15_A27B, (2048, 1408, 60, 4, 4, False, tuple(range(24)), "qwen2_moe")),
-    (QWEN35, (2048, 512, 256, 8, 1, True, tuple(range(40)), None)),
+    (QWEN35, (2048, 512, 256, 8, 1, True, tuple(range(40)), "qwen2_moe")),
 ])
 def test_published_configs_read_to_a_gated_shared_expert(raw, want):
     hf = parse_hf_config(raw, "q")

@@ -27,7 +27,7 @@ each family's Hugging Face modeling code:
   qwen3_moe, olmoe, mixtral   softmax top-k, renormalized if norm_topk_prob
   qwen2_moe, qwen3_next       the same, plus a gated shared expert: one SwiGLU MLP of
                               shared_expert_intermediate_size, its output x sigmoid(x . w_g)
-  qwen3_5_moe_text            Qwen3-Next's block, always renormalized (checkpoints not read)
+  qwen3_5_moe_text            Qwen3-Next's block, always renormalized
   gpt_oss                     softmax over the top-k of logits + bias; expert biases; clamped
                               swiglu (swiglu_limit), alpha 1.702
   llama4_text                 top-1 of the logits; the chosen expert's input x sigmoid(logit)
@@ -41,7 +41,7 @@ each family's Hugging Face modeling code:
                               expert (intermediate_size)
   granitemoe(shared|hybrid)   softmax over the top-k logits (= renormalized softmax top-k); one
                               shared MLP shared_intermediate_size wide
-  dbrx                        softmax top-k / its 1-norm, or not normalized; not read
+  dbrx                        softmax top-k / its 1-norm, or not normalized
   afmoe                       sigmoid + expert_bias over every expert, renormalized, x route_scale
   kimi_linear                 DeepSeek-V3's block (moe_router_activation_func, moe_renormalize,
                               num_experts_per_token); a latent MoE (Kimi-K3) is refused

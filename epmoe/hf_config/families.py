@@ -147,8 +147,10 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "softmax", False, "sparse_step"),
     "qwen2_moe": Family("qwen2_moe", "softmax", False, "sparse_step", shared="gated"),
     "qwen3_next": Family("qwen2_moe", "softmax", True, "sparse_step", shared="gated"),
-    # Qwen3.5: Qwen3-Next's MoE block, always renormalized; its checkpoints are not read
-    "qwen3_5_moe_text": Family(None, "softmax", True, "all", reads_norm=False, shared="gated"),
+    # Qwen3.5: Qwen3-Next's MoE block, always renormalized; its release checkpoints hold the
+    # experts fused as transformers 5 does (read as such: epmoe.namings.stored)
+    "qwen3_5_moe_text": Family("qwen2_moe", "softmax", True, "all", reads_norm=False,
+                               shared="gated"),
     "olmoe": Family("qwen3_moe", "softmax", False, "all"),
     "flex_olmo": Family("qwen3_moe", "softmax", False, "all"),  # experts intermediate_size wide
     # Qwen3-VL-MoE's language model: always renormalized (norm_topk_prob unread)
@@ -181,8 +183,8 @@ FAMILIES = {
     "hunyuan_v1_moe": Family("hunyuan", "softmax", True, "all", reads_norm=False,
                              reads_scale=False, shared="one", width=("intermediate_size",),
                              adjust=_hunyuan),
-    # DBRX: softmax top-k / its 1-norm (or not normalized); fused [E*I, D] experts not read
-    "dbrx": Family(None, "softmax", True, "all", reads_norm=False, reads_scale=False,
+    # DBRX: softmax top-k / its 1-norm (or not normalized); experts w1 / v1 / w2 [E*I, D]
+    "dbrx": Family("dbrx", "softmax", True, "all", reads_norm=False, reads_scale=False,
                    adjust=_dbrx),
     # Kimi-Linear: DeepSeek-V3's MoE block under other field names (moe_renormalize, ...)
     "kimi_linear": Family("kimi", "sigmoid_grouped", True, "dense_first", reads_norm=False,
