@@ -457,13 +457,23 @@ def test_a_bmm_layout_checkpoint_computes_as_its_modeling_code(tmp_path, family,
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
 
 
-def test_the_fused_router_steps_aside_for_a_renormalization_epsilon():
-    """LFM2's +1e-6 is computed by the torch router; the Triton kernel says it does not."""
+@pytest.mark.interpreter  # the Triton router kernel on CPU tensors
+@pytest.mark.parametrize("raw", [LFM2, "v2"], ids=["lfm2", "deepseek-v2"])
+def test_the_fused_router_routes_lfm2_and_v2_as_the_torch_router(raw, seed):
+    """LFM2's / (sum + 1e-6) and DeepSeek-V2's group_limited_greedy (160 experts in 8 groups:
+    no power of two) run in the Triton router kernel, as the torch router computes them."""
     from epmoe.kernels.gate_topk import unsupported
+    from tests.test_hf_config import DEEPSEEK_V2
 
-    c = parse_hf_config(LFM2, "l").cfg
-    assert "renorm_eps" in unsupported(c)
-    assert unsupported(c.replace(renorm_eps=0.0)) is None
+    c = parse_hf_config(DEEPSEEK_V2 if raw == "v2" else raw, "m").cfg
+    assert unsupported(c) is None
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(24, c.num_experts, generator=g) * 2
+    bias = None if c.router == "softmax" else torch.randn(c.num_experts, generator=g) * 0.1
+    got, want = route(logits, c, bias, backend="triton"), route(logits, c, bias, backend="torch")
+    assert torch.equal(got.topk_ids_TK.sort(-1).values, want.topk_ids_TK.sort(-1).values)
+    order = lambda r: r.topk_weights_TK.gather(1, r.topk_ids_TK.long().argsort(-1))  # noqa
+    torch.testing.assert_close(order(got), order(want), rtol=1e-5, atol=1e-6)
 
 
 def test_a_multimodal_checkpoints_language_model_is_found_under_its_prefix(tmp_path):

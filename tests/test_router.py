@@ -8,7 +8,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.reference import reference_route
-from epmoe.router import ReplicaMap, route, route_tokens
+from epmoe.router import ReplicaMap, group_best, route, route_tokens
 
 ROUTERS = {
     "softmax_renorm": dict(router="softmax", renormalize=True),
@@ -190,7 +190,19 @@ MARGIN = 1e-4
 KERNEL_CASES = {**ROUTERS,
                 "dsv3_like": dict(router="sigmoid_grouped", n_group=8, topk_group=4,
                                   routed_scaling_factor=2.5, num_experts=64, top_k=6),
-                "softmax_odd_e": dict(router="softmax", num_experts=24, top_k=3)}
+                "softmax_odd_e": dict(router="softmax", num_experts=24, top_k=3),
+                # DeepSeek-V2's group_limited_greedy: groups ranked by their best logit; 40
+                # experts in 8 groups of 5 (no power of two: the kernel's group-by-group path)
+                "v2_groups_odd_e": dict(router="softmax", n_group=8, topk_group=3,
+                                        num_experts=40, top_k=6, renormalize=False,
+                                        routed_scaling_factor=16.0),
+                "v2_groups": dict(router="softmax", n_group=4, topk_group=2, num_experts=32,
+                                  top_k=4),
+                "sigmoid_groups_odd_e": dict(router="sigmoid_grouped", n_group=4,
+                                             topk_group=2, num_experts=48, top_k=6),
+                # LFM2-MoE's / (sum + eps), at an eps the 1e-5 comparison tells apart
+                "renorm_eps": dict(router="sigmoid_grouped", renorm_eps=0.25,
+                                   routed_scaling_factor=1.5)}
 
 
 def _kcfg(kind: str) -> MoEConfig:
@@ -211,8 +223,8 @@ def _separated(logits64, cfg, bias):
             torch.sqrt(torch.nn.functional.softplus(lg))
         b = s + (0 if bias is None else bias.double())
     ok = torch.ones(b.shape[0], dtype=torch.bool)
-    if cfg.router != "softmax" and cfg.n_group > 1:
-        g = b.view(b.shape[0], cfg.n_group, -1).topk(2, -1).values.sum(-1)
+    if cfg.n_group > 1:
+        g = b.view(b.shape[0], cfg.n_group, -1).topk(group_best(cfg), -1).values.sum(-1)
         gs, gi = g.sort(-1, descending=True)
         ok &= gs[:, cfg.topk_group - 1] - gs[:, cfg.topk_group] > MARGIN
         keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, gi[:, :cfg.topk_group], True)
@@ -247,7 +259,8 @@ def test_triton_route_logits_matches_torch(kind, seed):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["sigmoid_grouped", "dsv3_like", "softmax_renorm",
-                                  "sqrtsoftplus", "softmax_biased"])
+                                  "sqrtsoftplus", "softmax_biased", "v2_groups_odd_e",
+                                  "renorm_eps"])
 def test_fused_gate_route_matches_float64_logits(kind, seed):
     """The fused bf16 gate GEMM (fp32 accumulation) against the float64 product of the same
     bf16 values, routed by the torch path; weights within 1e-5 of the float64 oracle."""
@@ -266,12 +279,12 @@ def test_fused_gate_route_matches_float64_logits(kind, seed):
 
 
 def test_triton_router_refusals_and_fallback():
-    cfg = MoEConfig("g", hidden=64, moe_intermediate=64, num_experts=24, top_k=2,
+    cfg = MoEConfig("g", hidden=64, moe_intermediate=64, num_experts=1024, top_k=2,
                     router="sigmoid_grouped", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=r"num_experts \(1024\) > 512"):
+        route(torch.randn(4, 1024), cfg, backend="triton")
+    cfg = cfg.replace(num_experts=24)
     logits = torch.randn(4, 24)
-    with pytest.raises(ValueError, match=r"group-limited routing needs a power-of-two "
-                                         r"num_experts \(24\)"):
-        route(logits, cfg, backend="triton")
     with pytest.raises(ValueError, match=r"backend \('cuda'\) must be"):
         route(logits, cfg, backend="cuda")
     r = route_tokens(torch.randn(4, 64), torch.randn(24, 64), cfg)  # CPU: the torch path
@@ -292,3 +305,29 @@ def test_fused_gate_route_at_deepseek_shape(seed):
     logits64 = x.double() @ gate.double().T
     want = route(logits64.float(), cfg, bias, backend="torch")
     _compare_routings(got, want, _separated(logits64.cpu(), cfg, bias.cpu()), 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["v2", "lfm2"])
+def test_fused_gate_route_groups_and_eps_on_cuda(kind, seed):
+    """DeepSeek-V2's shape (160 experts in 8 groups, hidden 5120, groups ranked by their best
+    logit) and LFM2-MoE's (32 experts, hidden 2048, / (sum + 1e-6)) through the fused kernel
+    on CUDA, against the torch router on the float64 product of the same bf16 values."""
+    if kind == "v2":
+        cfg = MoEConfig("v2", hidden=5120, moe_intermediate=1536, num_experts=160, top_k=6,
+                        router="softmax", n_group=8, topk_group=3, renormalize=False,
+                        routed_scaling_factor=16.0)
+    else:
+        cfg = MoEConfig("lfm2", hidden=2048, moe_intermediate=1792, num_experts=32, top_k=4,
+                        router="sigmoid_grouped", renorm_eps=1e-6)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(2048, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    gate = (torch.randn(cfg.num_experts, cfg.hidden, device="cuda", generator=g)
+            / cfg.hidden ** 0.5).to(torch.bfloat16)
+    bias = None if cfg.router == "softmax" else \
+        torch.randn(cfg.num_experts, device="cuda", generator=g) * 0.01
+    got = route_tokens(x, gate, cfg, bias)
+    logits64 = x.double() @ gate.double().T
+    want = route(logits64.float(), cfg, bias, backend="torch")
+    _compare_routings(got, want, _separated(logits64.cpu(), cfg, None if bias is None
+                                            else bias.cpu()), 1e-4)

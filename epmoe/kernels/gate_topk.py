@@ -8,9 +8,10 @@ One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns i
   bias    softmax: added to the logits (gpt-oss); score routers: added to the scores for
           selection only (e_score_correction_bias)
   select  scores (+ bias); with n_group > 1 only the topk_group groups with the best sum of
-          their top-2 biased scores stay; then top_k by repeated arg-max (first index on ties)
-  weights the unbiased scores of the chosen experts, renormalized if asked, times the
-          routed scaling factor
+          their top-2 biased scores stay (the softmax router: their best logit, DeepSeek-V2's
+          group_limited_greedy); then top_k by repeated arg-max (first index on ties)
+  weights the unbiased scores of the chosen experts, renormalized if asked (/ (sum +
+          renorm_eps)), times the routed scaling factor
 These are `epmoe.router.route`'s rules. Ids match the torch path wherever no two candidates
 tie (within the scores' last-bit differences: exp/sigmoid here use the fast hardware
 exponent); weights agree to ~1e-6 relative.
@@ -27,9 +28,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.config import MoEConfig  # noqa: E402
+from epmoe.router import group_best  # noqa: E402
 
 _KIND = {"softmax": 0, "sigmoid_grouped": 1, "sqrtsoftplus": 2, "softmax_biased": 3}
 _MAX_BLOCK_E = 512
+_MAX_GROUPS = 64  # groups are unrolled where they do not tile a power-of-two row
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,54 @@ TUNED_ROUTER = RouterConfig(64, 64, 8, 4)
 
 
 @triton.jit
+def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
+                 NG_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 GROUP_BEST: tl.constexpr):
+    """sel [BLOCK_M, BLOCK_E] with the experts outside each token's TOPK_GROUP best groups at
+    -inf; a group's score: the sum of its GROUP_BEST best entries (first index on ties)."""
+    neg = float("-inf")
+    gidx = tl.arange(0, NG_PAD)[None, :]
+    if GROUP_SIZE * N_GROUP == BLOCK_E:  # the groups tile the row: one reshape
+        g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
+        m1 = tl.max(g3, axis=2)
+        gscore = m1
+        if GROUP_BEST == 2 and GROUP_SIZE > 1:
+            idx = tl.arange(0, GROUP_SIZE)[None, None, :]
+            first = tl.min(tl.where(g3 == m1[:, :, None], idx, GROUP_SIZE), axis=2)
+            gscore = m1 + tl.max(tl.where(idx == first[:, :, None], neg, g3), axis=2)
+    else:  # E no power of two (DeepSeek-V2's 160 experts in 8 groups): group by group
+        grp = (cols // GROUP_SIZE)[None, :]
+        gscore = tl.full((BLOCK_M, NG_PAD), neg, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            vg = tl.where(grp == g, sel, neg)
+            m1 = tl.max(vg, axis=1)
+            val = m1
+            if GROUP_BEST == 2 and GROUP_SIZE > 1:
+                first = tl.min(tl.where(vg == m1[:, None], cols[None, :], BLOCK_E), axis=1)
+                val = m1 + tl.max(tl.where(cols[None, :] == first[:, None], neg, vg), axis=1)
+            gscore = tl.where(gidx == g, val[:, None], gscore)
+    keep = gidx < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        gm = tl.max(gscore, axis=1)
+        gi = tl.min(tl.where(gscore == gm[:, None], gidx, NG_PAD), axis=1)
+        hit = gidx == gi[:, None]
+        keep = keep | hit
+        gscore = tl.where(hit, neg, gscore)
+    if GROUP_SIZE * N_GROUP == BLOCK_E:
+        g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
+        return tl.reshape(tl.where(keep[:, :, None], g3, neg), (BLOCK_M, BLOCK_E))
+    kept = cols[None, :] < 0
+    for g in tl.static_range(N_GROUP):
+        kg = tl.sum(tl.where(gidx == g, keep.to(tl.int32), 0), axis=1) > 0
+        kept = kept | ((grp == g) & kg[:, None])
+    return tl.where(kept, sel, neg)
+
+
+@triton.jit
 def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, stride_x, stride_g,
-                   stride_l, scaling, KIND: tl.constexpr, FUSED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   stride_l, scaling, renorm_eps, KIND: tl.constexpr, FUSED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, GROUP_BEST: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP_K: tl.constexpr, RENORM: tl.constexpr, INTERP: tl.constexpr,
                    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_K: tl.constexpr, K_PAD: tl.constexpr):
@@ -103,26 +151,9 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
         if HAS_BIAS:
             sel += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         sel = tl.where(cm[None, :], sel, neg)
-        if N_GROUP > 1:  # keep the TOPK_GROUP groups with the best top-2 sums (E == BLOCK_E)
-            EPG: tl.constexpr = BLOCK_E // N_GROUP
-            g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, EPG))
-            m1 = tl.max(g3, axis=2)
-            if EPG > 1:
-                idx = tl.arange(0, EPG)[None, None, :]
-                first = tl.min(tl.where(g3 == m1[:, :, None], idx, EPG), axis=2)
-                m2 = tl.max(tl.where(idx == first[:, :, None], neg, g3), axis=2)
-                gscore = m1 + m2
-            else:
-                gscore = m1
-            gidx = tl.arange(0, N_GROUP)[None, :]
-            keep = gidx < 0
-            for _ in tl.static_range(TOPK_GROUP):
-                gm = tl.max(gscore, axis=1)
-                gi = tl.min(tl.where(gscore == gm[:, None], gidx, N_GROUP), axis=1)
-                hit = gidx == gi[:, None]
-                keep = keep | hit
-                gscore = tl.where(hit, neg, gscore)
-            sel = tl.reshape(tl.where(keep[:, :, None], g3, neg), (BLOCK_M, BLOCK_E))
+    if N_GROUP > 1:
+        sel = _keep_groups(sel, cols, BLOCK_M, BLOCK_E, N_GROUP, NG_PAD, GROUP_SIZE, TOPK_GROUP,
+                           GROUP_BEST)
     kc = tl.arange(0, K_PAD)[None, :]
     ids = tl.zeros((BLOCK_M, K_PAD), dtype=tl.int32)
     ws = tl.zeros((BLOCK_M, K_PAD), dtype=tl.float32)
@@ -134,8 +165,8 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
         ids = tl.where(kc == j, i[:, None], ids)
         ws = tl.where(kc == j, wj[:, None], ws)
         sel = tl.where(hit, neg, sel)
-    if RENORM:
-        ws = ws / tl.maximum(tl.sum(ws, axis=1), 1e-20)[:, None]
+    if RENORM:  # + renorm_eps (LFM2-MoE's 1e-6; 0 elsewhere)
+        ws = ws / tl.maximum(tl.sum(ws, axis=1) + renorm_eps, 1e-20)[:, None]
     ws = ws * scaling
     out = rows.to(tl.int64)[:, None] * TOP_K + kc
     om = rm[:, None] & (kc < TOP_K)
@@ -148,12 +179,8 @@ def unsupported(cfg: MoEConfig) -> str | None:
     block_e = next_pow2(cfg.num_experts)
     if block_e > _MAX_BLOCK_E:
         return f"num_experts ({cfg.num_experts}) > {_MAX_BLOCK_E}"
-    if cfg.router != "softmax" and cfg.n_group > 1 and block_e != cfg.num_experts:
-        return f"group-limited routing needs a power-of-two num_experts ({cfg.num_experts})"
-    if cfg.router == "softmax" and cfg.n_group > 1:
-        return "group-limited softmax routing (DeepSeek-V2's group_limited_greedy)"
-    if cfg.renorm_eps:
-        return f"renorm_eps ({cfg.renorm_eps:g}) in the renormalization (LFM2-MoE)"
+    if cfg.n_group > _MAX_GROUPS:
+        return f"n_group ({cfg.n_group}) > {_MAX_GROUPS}"
     return None
 
 
@@ -179,8 +206,10 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
         t, cfg.num_experts, d, x.stride(0) if x is not None else 0,
         gate.stride(0) if gate is not None else 0,
         logits.stride(0) if logits is not None else 0, float(cfg.routed_scaling_factor),
-        KIND=_KIND[cfg.router], FUSED=x is not None, HAS_BIAS=has_bias,
-        N_GROUP=cfg.n_group if cfg.router != "softmax" else 1, TOPK_GROUP=cfg.topk_group,
+        float(cfg.renorm_eps), KIND=_KIND[cfg.router], FUSED=x is not None, HAS_BIAS=has_bias,
+        N_GROUP=cfg.n_group, NG_PAD=next_pow2(cfg.n_group),
+        GROUP_SIZE=cfg.num_experts // cfg.n_group, GROUP_BEST=group_best(cfg),
+        TOPK_GROUP=cfg.topk_group,
         TOP_K=cfg.top_k, RENORM=cfg.renormalize, INTERP=INTERPRET,
         EVEN_K=d % c.block_k == 0, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=c.block_k,
         K_PAD=max(2, next_pow2(cfg.top_k)), num_warps=c.num_warps, num_stages=c.num_stages)
