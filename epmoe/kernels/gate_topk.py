@@ -59,6 +59,7 @@ def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROU
     -inf; a group's score: the sum of its GROUP_BEST best entries (first index on ties)."""
     neg = float("-inf")
     gidx = tl.arange(0, NG_PAD)[None, :]
+    grp = (cols // GROUP_SIZE)[None, :]
     if GROUP_SIZE * N_GROUP == BLOCK_E:  # the groups tile the row: one reshape
         g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
         m1 = tl.max(g3, axis=2)
@@ -68,7 +69,6 @@ def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROU
             first = tl.min(tl.where(g3 == m1[:, :, None], idx, GROUP_SIZE), axis=2)
             gscore = m1 + tl.max(tl.where(idx == first[:, :, None], neg, g3), axis=2)
     else:  # E no power of two (DeepSeek-V2's 160 experts in 8 groups): group by group
-        grp = (cols // GROUP_SIZE)[None, :]
         gscore = tl.full((BLOCK_M, NG_PAD), neg, tl.float32)
         for g in tl.static_range(N_GROUP):
             vg = tl.where(grp == g, sel, neg)
@@ -87,12 +87,14 @@ def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROU
         gscore = tl.where(hit, neg, gscore)
     if GROUP_SIZE * N_GROUP == BLOCK_E:
         g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
-        return tl.reshape(tl.where(keep[:, :, None], g3, neg), (BLOCK_M, BLOCK_E))
-    kept = cols[None, :] < 0
-    for g in tl.static_range(N_GROUP):
-        kg = tl.sum(tl.where(gidx == g, keep.to(tl.int32), 0), axis=1) > 0
-        kept = kept | ((grp == g) & kg[:, None])
-    return tl.where(kept, sel, neg)
+        out = tl.reshape(tl.where(keep[:, :, None], g3, neg), (BLOCK_M, BLOCK_E))
+    else:
+        kept = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.int32) != 0
+        for g in tl.static_range(N_GROUP):
+            kg = tl.sum(tl.where(gidx == g, keep.to(tl.int32), 0), axis=1) > 0
+            kept = kept | ((grp == g) & kg[:, None])
+        out = tl.where(kept, sel, neg)
+    return out
 
 
 @triton.jit
