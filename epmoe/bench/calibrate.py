@@ -35,6 +35,7 @@ import time
 
 from epmoe.plan import traffic as tr
 from epmoe.plan.profile import AlphaBeta, Figure, HardwareProfile, Provenance, load_profile
+from epmoe.outputs import writable_file
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
 
@@ -318,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.calibrate", description=(
         "Measure this machine (device, experts kernels, collectives and comm backends with "
         ">= 2 ranks) and write a hardware profile for python -m epmoe.plan --profile FILE."))
-    p.add_argument("--out", required=True, help="the profile JSON to write")
+    p.add_argument("--out", required=True, type=writable_file, help="the profile JSON to write")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     p.add_argument("--base", default=None, help="profile to inherit unmeasured figures from "
                                                 "(default: the shipped one of this GPU, or cpu)")

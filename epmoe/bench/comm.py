@@ -35,6 +35,7 @@ import torch
 from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, _sweep, bench_loopback
 from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS
 from epmoe.config import QuantConfig
+from epmoe.outputs import writable_file
 
 HT_TOKENS = (512, 1024, 2048, 4096, 8192)
 LL_TOKENS = (1, 8, 32, 128, 256)
@@ -102,8 +103,8 @@ def _fmt(rows: list[Row]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results as JSON to this file")
-    p.add_argument("--jsonl", help="append each row (with its options and kernels) as a JSON "
+    p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
+    p.add_argument("--jsonl", type=writable_file, help="append each row (with its options and kernels) as a JSON "
                                    "line as soon as it is measured")
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
     p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")

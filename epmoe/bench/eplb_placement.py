@@ -23,6 +23,7 @@ import torch
 from epmoe.eplb import (MODES, deepseek_rebalance, make_routing, rebalance,
                         rebalance_incremental)
 from epmoe.eplb.traffic import routing_from_loads, traffic_from_routing
+from epmoe.outputs import writable_file
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUP = 61, 256, 8, 8, 4  # DeepSeek-V3-like
 TOKEN_BYTES = 7168 * 3  # fp8 dispatch row + bf16 combine row
@@ -89,7 +90,7 @@ def run_case(name, w, num_replicas, num_nodes, num_gpus, mode, reps, old=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="also write the rows as JSON to this file")
+    ap.add_argument("--json", type=writable_file, help="also write the rows as JSON to this file")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10, help="timed runs per placement")
     a = ap.parse_args(argv)

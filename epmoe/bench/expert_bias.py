@@ -23,6 +23,7 @@ import sys
 import torch
 
 from epmoe.config import QuantConfig, get_preset
+from epmoe.outputs import writable_file
 
 
 def bench_ms(fn) -> float:
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="128,4096")
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--recipes", default="bf16,mxfp8")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, type=writable_file)
     a = p.parse_args(argv)
     try:
         tokens = [int(t) for t in a.tokens.split(",") if t]

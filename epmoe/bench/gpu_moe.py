@@ -28,6 +28,7 @@ import os
 import torch
 
 from epmoe.config import QuantConfig, get_preset
+from epmoe.outputs import writable_file
 
 DSV3 = get_preset("deepseek-v3")
 FP8 = QuantConfig("fp8_block")
@@ -355,7 +356,7 @@ def _two_gpu(rank, world, port, only, out_path):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None, help="write the cases here")
+    p.add_argument("--json", default=None, type=writable_file, help="write the cases here")
     p.add_argument("--only", default="a,b,t,s,c,d,e", help="comma-separated cases")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

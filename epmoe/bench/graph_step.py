@@ -20,6 +20,8 @@ import json
 import statistics
 import sys
 
+from epmoe.outputs import writable_file
+
 
 def measure(model: str, recipe: str, experts: str, tokens: int, layers: int, steps: int,
             timing: str) -> dict:
@@ -69,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--steps", type=int, default=30, help="steps per mode (step 0: warm-up)")
     p.add_argument("--timing", default="launched", choices=("launched", "device"))
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--json", default=None, type=writable_file, help="write the rows here")
     return p
 
 

@@ -30,6 +30,7 @@ from epmoe.bench import kernels as kb
 from epmoe.kernels.gate_topk import RouterConfig
 from epmoe.kernels.gemm_tma import GemmConfig
 from epmoe.kernels.quantize import QuantKernelConfig
+from epmoe.outputs import writable_dir
 
 G = GemmConfig
 FP8_CANDIDATES = {
@@ -317,7 +318,7 @@ def picks_to_configs(best: dict) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=".", type=writable_dir)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--phase", choices=("compile", "tune", "all"), default="all",

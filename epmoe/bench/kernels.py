@@ -23,6 +23,7 @@ import sys
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
+from epmoe.outputs import writable_file
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 7168, 2048, 32, 8
 ROUTER_CFG = MoEConfig("dsv3-router", hidden=HIDDEN, moe_intermediate=INTER, num_experts=256,
@@ -290,7 +291,7 @@ def run(token_counts, picks=None, json_path=None, before: bool = True,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results as JSON to this file")
+    p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="4096 tokens only")
     p.add_argument("--tokens", default="4096,16384", help="token counts, comma-separated")
     p.add_argument("--skip-before", action="store_true",

@@ -47,6 +47,8 @@ import sys
 import tempfile
 import time
 
+from epmoe.outputs import writable_file
+
 WITHIN = 0.20
 FLOOR_MS = 0.05
 
@@ -108,7 +110,7 @@ def render_group(s: dict, rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m epmoe.bench.plan_accuracy",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, type=writable_file, help="write the results here")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="default: 1 on CUDA, 2 on CPU")
     ap.add_argument("--steps", type=int, default=None, help="default: 12 on CUDA, 6 on CPU")

@@ -25,6 +25,8 @@ import json
 import statistics
 import sys
 
+from epmoe.outputs import writable_file
+
 HOLD_MS = 10.0  # longer than the host takes to issue a forward (a warning says if not)
 
 
@@ -137,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--host-top", type=int, default=0,
                    help="list the N functions with the most host time (cProfile)")
-    p.add_argument("--json", default=None, help="write the results here as JSON")
+    p.add_argument("--json", default=None, type=writable_file, help="write the results here as JSON")
     return p
 
 

@@ -24,6 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm import sync as S  # noqa: E402
+from epmoe.outputs import writable_file  # noqa: E402
 
 W = 2
 W_C = tl.constexpr(W)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctas", default="1,24,132", help="comma-separated grid sizes")
     p.add_argument("--warps", type=int, default=16)
     p.add_argument("--launches", type=int, default=200)
-    p.add_argument("--json", help="write the figures as JSON to this file")
+    p.add_argument("--json", type=writable_file, help="write the figures as JSON to this file")
     a = p.parse_args(argv)
     if INTERPRET or not torch.cuda.is_available():
         print("error: needs a CUDA GPU (compiled Triton, not the interpreter)", file=sys.stderr)

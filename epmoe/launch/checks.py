@@ -7,11 +7,11 @@ import argparse
 import importlib.util
 import math
 import os
-from pathlib import Path
 
 from epmoe.config import DEFAULT_PRESET, PRESETS, RECIPES, QuantConfig, get_preset
 from epmoe.launch.cluster import ClusterAddress, parse_address
 from epmoe.launch.errors import InputError
+from epmoe.outputs import dir_problem, file_problem
 
 MAX_SEED = 2**32  # seeds feed torch generators through small products: keep them in range
 
@@ -239,30 +239,17 @@ def check_runnable(run, device: str) -> None:
 
 
 def _check_writable_file(path: str | None, flag: str) -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise InputError(f"{flag} {path} is a folder; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: folder {str(parent)!r} does not exist; create it or "
-                         f"pick another path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise InputError(f"{flag} {path} is not writable; pick another path")
+    why = path and file_problem(path)
+    if why:
+        raise InputError(f"{flag} {why}")
 
 
 def _check_plot_dir(path: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise InputError("--plot needs matplotlib: pip install matplotlib")
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise InputError(f"--plot {path} is a file; give a folder")
-    q = p
-    while not q.exists():
-        q = q.parent
-    if not os.access(q, os.W_OK | os.X_OK):
-        raise InputError(f"--plot {path}: {str(q)!r} is not writable; pick another folder")
+    why = dir_problem(path)
+    if why:
+        raise InputError(f"--plot {why}")
 
 
 def _check_fault(world: int) -> None:

@@ -19,6 +19,7 @@ from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
 from epmoe.plan.topology import LINK_SPECS, Topology
+from epmoe.outputs import writable_file
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=None,
                    help="memory budget per rank (default 90%% of the profile's HBM)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--out", default=None, help="write the plan file (JSON) here")
+    p.add_argument("--out", default=None, type=writable_file, help="write the plan file (JSON) here")
     return p
 
 

@@ -22,6 +22,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from epmoe.outputs import writable_dir
+
 DEFAULT_SWEEP = Path(__file__).parent / "sweeps" / "deepseek-v3.toml"
 
 
@@ -31,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
         "sizes (a model, not a measurement), or validate against DeepEP's published tables."))
     p.add_argument("sweep", nargs="?", default=str(DEFAULT_SWEEP),
                    help="sweep file (.toml or .json), or 'validate'")
-    p.add_argument("--out", default=None, help="directory for sim.json and the PNG plots")
+    p.add_argument("--out", default=None, type=writable_dir, help="directory for sim.json and the PNG plots")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--profile", default=None,
                    help="validate: predict every row with this profile (default: each table's "

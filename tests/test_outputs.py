@@ -1,0 +1,61 @@
+"""Output paths are checked before a command starts (epmoe.outputs): every CLI that writes a
+file or a folder exits 2 at argument parsing on one it cannot write, naming the path."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from epmoe.outputs import dir_problem, file_problem
+
+# (module, the flag that writes, file or folder, other arguments the parser requires)
+WRITERS = [
+    ("epmoe.plan.__main__", "--out", "file", ["--model", "deepseek-v3"]),
+    ("epmoe.sim.__main__", "--out", "dir", []),
+    ("epmoe.bench.calibrate", "--out", "file", []),
+    ("epmoe.bench.comm", "--json", "file", []),
+    ("epmoe.bench.comm", "--jsonl", "file", []),
+    ("epmoe.bench.kernels", "--json", "file", []),
+    ("epmoe.bench.graph_step", "--json", "file", []),
+    ("epmoe.bench.gpu_moe", "--json", "file", []),
+    ("epmoe.bench.eplb_placement", "--json", "file", []),
+    ("epmoe.bench.profile_layer", "--json", "file", []),
+    ("epmoe.bench.expert_bias", "--json", "file", []),
+    ("epmoe.bench.plan_accuracy", "--json", "file", []),
+    ("epmoe.bench.symm_sync", "--json", "file", []),
+    ("epmoe.bench.kernel_tune", "--out", "dir", []),
+    ("epmoe.bench.integration", "--out", "dir", []),
+]
+
+
+def test_the_rules(tmp_path):
+    f = tmp_path / "x.json"
+    assert file_problem(str(f)) is None and dir_problem(str(tmp_path / "a" / "b")) is None
+    assert "is a folder" in file_problem(str(tmp_path))
+    assert "does not exist" in file_problem(str(tmp_path / "no" / "x.json"))
+    f.write_text("{}")
+    assert "is a file" in dir_problem(str(f))
+    assert "is a file, not a folder" in dir_problem(str(f / "sub"))
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        assert "not writable" in file_problem(str(ro / "x.json"))
+        assert "not writable" in dir_problem(str(ro / "d"))
+
+
+@pytest.mark.parametrize("module,flag,kind,extra", WRITERS,
+                         ids=[f"{m.split('.')[-1]}{f}" for m, f, _, _ in WRITERS])
+def test_a_path_it_cannot_write_is_exit_2_before_anything_starts(module, flag, kind, extra,
+                                                                 tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = str(blocker / ("x.json" if kind == "file" else "out"))
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exc:
+        main([*extra, flag, bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and bad in err, err
