@@ -84,3 +84,39 @@ def test_a_table_file_from_the_user(tmp_path, capsys):
     f.write_text(f.read_text().replace("sms = 24", "smz = 24"))
     with pytest.raises(ValueError, match=r"row 0: unknown keys \['smz'\]"):
         load_table(f)
+
+
+def test_deepep_v2_rows_within_20_percent_and_bound_by_their_links():
+    """DeepEP V2's README table (V2 sizes its SMs to saturate the links: modelled as V1's
+    link fits without the SM term). Every row within 20%; the same rows as V1 kernels at
+    V2's few SMs are bound by those SMs and far slower, as V1 was."""
+    from dataclasses import replace
+
+    rows = _rows("deepep-v2-sm90") + _rows("deepep-v2-sm100")
+    assert len(rows) == 10 and {r.kernels for r in rows} == {"v2"}
+    for r in rows:
+        res = predict(r)
+        assert abs(res.error) < 0.20, (r.table, r.name, r.sms, res.predicted, r.published)
+        assert res.limit in ("nvlink", "rdma")
+        v1 = predict(replace(r, kernels="v1"))
+        assert v1.limit == "sm" or r.sms >= 24, (r.name, v1.limit)
+        assert v1.predicted <= res.predicted
+    by_sms = {r.sms: predict(r).predicted for r in _rows("deepep-v2-sm100")
+              if r.ep == 8 and r.direction == "dispatch"}
+    assert by_sms[64] == by_sms[24]  # no SM term: the model does not see V2's 24-SM shortfall
+
+
+def test_v2_kernels_are_modelled_for_the_normal_mode_only_and_never_planned(tmp_path):
+    from epmoe.plan.comm_cost import BACKENDS, MODELLED_ONLY
+
+    f = tmp_path / "v2ll.toml"
+    f.write_text('name = "v2ll"\nsource = "a test"\ngpu = "h200"\ntokens = 128\nhidden = 7168\n'
+                 'top_k = 8\ndispatch = "fp8_block"\nkernels = "v2"\nrows = [\n'
+                 '  { mode = "ll", ep = 8, direction = "dispatch", published = 50.0, '
+                 'unit = "us", experts = 256 },\n]\n')
+    with pytest.raises(ValueError, match=r"DeepEP v2's ll kernels are not modelled"):
+        load_table(f)
+    f.write_text(f.read_text().replace('kernels = "v2"', 'kernels = "v3"'))
+    with pytest.raises(ValueError, match=r"kernels \('v3'\) must be one of \('v1', 'v2'\)"):
+        load_table(f)
+    assert not set(MODELLED_ONLY) & set(BACKENDS)  # the planner picks among BACKENDS

@@ -15,11 +15,15 @@ Mechanisms (each a term below, each constant from the profile, which says where 
 - SMs given to comm: an SM-driven transfer also takes the rows its SMs move (every row the
   rank sends or receives, its own rows included: they are copied by the same SMs) over
   SMs x the per-SM rate; the transfer takes the longer of that and its slowest link class.
+- DeepEP V2's normal kernels (`deepep-v2`, modelled, not run: epmoe runs V1): V2 computes
+  its SM and QP counts to saturate the links (its README: "analytical SM & QP count
+  calculation"), so they take V1's link fits (alpha, the SM-driven NVLink efficiency, the
+  RDMA line rate, the two-hop fan-out) without the SM term.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan.profile import HardwareProfile
@@ -30,19 +34,21 @@ from epmoe.plan.traffic import (LL_HEADER_BYTES, act_row_bytes, local_combine_by
 
 HT = ("deepep-ht", "symm-ht")
 LL = ("deepep-ll", "symm-ll")
+MODELLED_ONLY = ("deepep-v2",)  # predicted (epmoe.sim), never planned: epmoe does not run it
+HT_KERNELS = HT + MODELLED_ONLY
 # Combines whose expert rank reduces a token's rows first and sends one row per (token, rank)
 # back (the others send one per (token, expert)).
-PRE_REDUCED = HT + ("symm-ll",)
+PRE_REDUCED = HT_KERNELS + ("symm-ll",)
 NCCL = ("all2all", "allgather")
 BACKENDS = ("local", "allgather", "all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll")
 # Host syncs per call: DeepEP HT waits on the host for the received counts (notify_dispatch);
 # all2all's split sizes go to the host (.tolist()); allgather reads the max row count.
-HOST_SYNCS = {"deepep-ht": 1, "all2all": 1, "allgather": 1}
+HOST_SYNCS = {"deepep-ht": 1, "deepep-v2": 1, "all2all": 1, "allgather": 1}
 # Torch ops launched around the transfers (counted in epmoe/comm/*.py and layer.py).
 DISPATCH_OPS = {"local": 7, "allgather": 12, "all2all": 20, "deepep-ht": 6, "deepep-ll": 3,
-                "symm-ht": 3, "symm-ll": 3}
+                "symm-ht": 3, "symm-ll": 3, "deepep-v2": 6}
 COMBINE_OPS = {"local": 2, "allgather": 4, "all2all": 6, "deepep-ht": 2, "deepep-ll": 2,
-               "symm-ht": 2, "symm-ll": 2}
+               "symm-ht": 2, "symm-ll": 2, "deepep-v2": 2}
 # NCCL data calls per dispatch: rows, ids, weights (+ scales for quantized recipes); the
 # count/size exchange before them is one more call plus a host sync (_count_us).
 NCCL_CALLS = {"all2all": 3, "allgather": 3}
@@ -143,7 +149,7 @@ def _sm_shape(backend: str, direction: str, c: CommCase) -> tuple[list, float, b
             return c.stats.pairs_rank, act_row_bytes(d, c.quant) + LL_HEADER_BYTES, False
         return c.stats.hit_rank, act_row_bytes(d, c.quant) + k * META_BYTES_PER_K, True
     per = c.stats.hit_rank if backend in PRE_REDUCED else c.stats.pairs_rank
-    return per, 2.0 * d, backend in HT  # bf16 rows back
+    return per, 2.0 * d, backend in HT_KERNELS  # bf16 rows back
 
 
 def sm_bytes(backend: str, direction: str, c: CommCase) -> float:
@@ -153,6 +159,14 @@ def sm_bytes(backend: str, direction: str, c: CommCase) -> float:
     return _sm_rows(c, per) * row
 
 
+def _link_fit(c: CommCase, backend: str, cls: str, direction: str):
+    """The profile's fit of a backend on a link class; deepep-v2: V1's without the SM term."""
+    if backend == "deepep-v2":
+        f = c.prof.comm_fit("deepep-ht", cls, direction)
+        return replace(f, per_sm_GBps=None, sms=None)
+    return c.prof.comm_fit(backend, cls, direction)
+
+
 def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,
               sms: int | None, sm_rows: float = 0.0) -> tuple[float, dict, dict]:
     """max over link classes of alpha + max(link time, SM time): link time = max(sent,
@@ -160,7 +174,7 @@ def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: 
     (SM-driven fits only)."""
     worst, link_bytes, notes = 0.0, {}, {}
     for cls, (sent, recv) in rows.items():
-        fit = c.prof.comm_fit(backend, cls, direction)
+        fit = _link_fit(c, backend, cls, direction)
         bw = fit.bandwidth_GBps(c.topo.link(cls).GBps)
         us = max(sent, recv) * row_bytes / (bw * 1e3)
         sm_bw = fit.sm_GBps(sms)
@@ -191,7 +205,7 @@ def _count_us(c: CommCase, backend: str) -> float:
     if backend in NCCL_COUNT_CALL:
         return _nccl_alpha(c, NCCL_COUNT_CALL[backend]) + sync
     cls = "rdma" if c.topo.num_nodes > 1 else c.topo.intra
-    return c.prof.comm_fit(backend, cls, "dispatch").count_us + sync
+    return _link_fit(c, backend, cls, "dispatch").count_us + sync
 
 
 def dispatch_cost(backend: str, c: CommCase) -> CommCost:
@@ -212,7 +226,7 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
                         0.0, lb, notes, us)
     q = quantize_us(c, c.tokens)
     row = act_row_bytes(d, c.quant) + k * META_BYTES_PER_K
-    if backend in HT:
+    if backend in HT_KERNELS:
         us, lb, notes = _sm_transfer(c, backend, "dispatch")
         total = q + _count_us(c, backend) + us + launch_us(c.prof, DISPATCH_OPS[backend])
         return CommCost(total, q, lb, notes, us)
@@ -243,7 +257,7 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
         if c.prof.has_kernel("local", "combine"):
             return CommCost(c.prof.kernel("local", "combine").time_us(nbytes))
         return CommCost(max(nbytes / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
-    if backend in LL or backend in HT:
+    if backend in LL or backend in HT_KERNELS:
         us, lb, notes = _sm_transfer(c, backend, "combine")
         return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
     if backend == "all2all":

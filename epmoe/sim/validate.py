@@ -13,8 +13,10 @@ defaults of the measured case (`tokens` per rank, `hidden`, `top_k`, the `dispat
 with `mode` ht (DeepEP's normal kernels) or ll (low latency), `unit` us (the kernel's
 latency) or GB/s in DeepEP's convention: intranode, every received row (the rank's own
 included) x row bytes / time; internode, every (token, destination node) pair (own node
-included) x row bytes / time. Optional per row: `n_group` / `topk_group` (group-limited
-routing), `sms` (SMs given to the HT kernels), `tokens`. Rows are predicted with the table's
+included) x row bytes / time. Optional per row (or as a table default): `n_group` /
+`topk_group` (group-limited routing), `sms` (SMs given to the HT kernels), `tokens`,
+`kernels` ("v1", the default, or "v2": DeepEP V2's normal kernels, modelled as bound by their
+links alone: epmoe.plan.comm_cost). Rows are predicted with the table's
 GPU profile (or one given) and `Topology.parse("Nx8")`; no constant in a profile is fitted to
 any row (see epmoe/plan/specs.py).
 """
@@ -35,7 +37,8 @@ from epmoe.plan.traffic import act_row_bytes
 
 PUBLISHED_DIR = Path(__file__).parent / "published"
 MODES, DIRECTIONS, UNITS = ("ht", "ll"), ("dispatch", "combine"), ("GB/s", "us")
-BACKEND = {"ht": "deepep-ht", "ll": "deepep-ll"}
+KERNELS = ("v1", "v2")  # DeepEP's kernel generation (V2: normal kernels only)
+BACKEND = {("ht", "v1"): "deepep-ht", ("ll", "v1"): "deepep-ll", ("ht", "v2"): "deepep-v2"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Row:
     n_group: int = 1
     topk_group: int = 1
     sms: int | None = None
+    kernels: str = "v1"
 
     @property
     def name(self) -> str:
@@ -86,7 +90,9 @@ class Result:
 
 ROW_KEYS = {f.name for f in fields(Row)} - {"table", "source", "gpu"}
 TABLE_KEYS = {"name", "source", "gpu", "tokens", "hidden", "top_k", "dispatch",
-              "gpus_per_node", "rows"}
+              "gpus_per_node", "kernels", "n_group", "topk_group", "rows"}
+DEFAULT_KEYS = ("tokens", "hidden", "top_k", "dispatch", "gpus_per_node", "kernels", "n_group",
+                "topk_group")
 
 
 def load_table(path) -> Table:
@@ -97,8 +103,7 @@ def load_table(path) -> Table:
     if extra or missing:
         raise ValueError(f"published table {p.name}: unknown keys {sorted(extra)}, missing "
                          f"{sorted(missing)}; allowed: {sorted(TABLE_KEYS)}")
-    defaults = {k: d[k] for k in ("tokens", "hidden", "top_k", "dispatch", "gpus_per_node")
-                if k in d}
+    defaults = {k: d[k] for k in DEFAULT_KEYS if k in d}
     rows = []
     for i, r in enumerate(d["rows"]):
         bad = set(r) - ROW_KEYS
@@ -116,9 +121,12 @@ def load_table(path) -> Table:
 
 def _check(r: Row, where: str) -> None:
     for what, value, allowed in (("mode", r.mode, MODES), ("direction", r.direction, DIRECTIONS),
-                                 ("unit", r.unit, UNITS)):
+                                 ("unit", r.unit, UNITS), ("kernels", r.kernels, KERNELS)):
         if value not in allowed:
             raise ValueError(f"{where}: {what} ({value!r}) must be one of {allowed}")
+    if (r.mode, r.kernels) not in BACKEND:
+        raise ValueError(f"{where}: DeepEP {r.kernels}'s {r.mode} kernels are not modelled "
+                         f"(modelled: {sorted(BACKEND)})")
     if r.published <= 0 or r.ep < 2 or r.experts % r.ep:
         raise ValueError(f"{where}: needs published > 0, ep >= 2 and experts ({r.experts}) "
                          f"divisible by ep ({r.ep})")
@@ -139,8 +147,8 @@ def predict(row: Row, prof=None) -> Result:
     stats = routing_stats(cfg, RoutingSpec(), topo.world, topo.gpus_per_node)
     case = CommCase(cfg, QuantConfig(row.dispatch), topo, prof, stats, row.tokens, row.tokens,
                     sms=row.sms if row.mode == "ht" else None, reuse_layout=True)
-    cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(BACKEND[row.mode],
-                                                                            case)
+    cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(
+        BACKEND[row.mode, row.kernels], case)
     t, d = cost.kernel_us, row.direction
     limit = max(("nvlink", "rdma", "sm"), key=lambda c: cost.notes.get(f"{d}.{c}_bytes", 0.0)
                 / cost.notes.get(f"{d}.{c}_GBps", 1.0))
