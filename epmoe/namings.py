@@ -95,6 +95,7 @@ NAMINGS = {
                      "shared_experts."),
     "hunyuan": _scheme(_MLP, "gate.wg.weight", shared="shared_mlp."),  # gate kept fp32
     "afmoe": _scheme(_MLP, "router.gate.weight", "expert_bias", "shared_experts."),
+    "bailing": _scheme(_MLP, "gate.weight", "gate.expert_bias", "shared_experts."),
     "qwen3_omni": _scheme("thinker.model.layers.{l}.mlp.", "gate.weight"),  # Omni's thinker
     "lfm2": _scheme("model.layers.{l}.feed_forward.", "gate.weight", "expert_bias", proj=W13),
     "mixtral": _scheme(_SPARSE, "gate.weight", proj=W13),

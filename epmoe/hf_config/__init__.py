@@ -47,6 +47,9 @@ each family's Hugging Face modeling code:
                               num_experts_per_token); a latent MoE (Kimi-K3) is refused
   lfm2_moe                    sigmoid (+ expert_bias if use_expert_bias) over every expert,
                               / (sum + 1e-6) if norm_topk_prob, x routed_scaling_factor
+  bailing_moe(_v2)            Ling / Ring: by score_function: sigmoid + expert_bias within
+                              V3's groups (2.x) or softmax (1.x); / sum if norm_topk_prob and
+                              top_k > 1; x routed_scaling_factor; num_shared_experts
 Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.
 MoE layers (layers.py): `first_k_dense_replace` or `num_dense_layers` / `moe_layer_freq`
 (DeepSeek, GLM, AFMoE), `decoder_sparse_step` / `mlp_only_layers` (Qwen), `mlp_layer_types` /

@@ -127,6 +127,34 @@ def _afmoe(d: dict, at: str, f: dict) -> dict:
     return dict(f, router="sigmoid_grouped", n_group=1, topk_group=1, renormalize=True)
 
 
+def _bailing(d: dict, at: str, f: dict) -> dict:
+    # BailingMoe (Ling 1.x: softmax; Ling / Ring 2.x: sigmoid + expert_bias, V3's groups):
+    # scores by score_function (or scoring_func), selected on scores + expert_bias if
+    # moe_router_enable_expert_bias, within the topk_group groups of best top-2 sums; weights
+    # the unbiased scores, / (sum + 1e-20) if top_k > 1 and norm_topk_prob, x
+    # routed_scaling_factor (unless moe_router_enable_routed_scaling is false); shared experts
+    # num_shared_experts x (moe_shared_expert_intermediate_size or moe_intermediate_size)
+    func = d.get("score_function") or d.get("scoring_func") or "softmax"
+    if func not in ("sigmoid", "softmax"):
+        raise _refuse(at, f"score_function {func!r} is not sigmoid or softmax")
+    bias = bool(d.get("moe_router_enable_expert_bias"))
+    groups, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    if func == "softmax" and groups > 1:
+        raise _refuse(at, f"n_group {groups} with softmax scores: Bailing ranks groups by their "
+                          f"top-2 sums, epmoe's softmax groups by their best expert")
+    router = "sigmoid_grouped" if func == "sigmoid" else "softmax_biased" if bias else "softmax"
+    f = dict(f, router=router, selection_bias=bias or func != "sigmoid", n_group=groups,
+             topk_group=topk_group if groups > 1 else 1,
+             renormalize=bool(d.get("norm_topk_prob", True)) and f["top_k"] > 1)
+    if d.get("moe_router_enable_routed_scaling") is False:
+        f["routed_scaling_factor"] = 1.0
+    own = d.get("moe_shared_expert_intermediate_size")
+    if own and f["num_shared_experts"] and int(own) != f["moe_intermediate"]:
+        f = dict(f, shared_intermediate_size=int(own) * f["num_shared_experts"],
+                 num_shared_experts=1)
+    return f
+
+
 _DEEPSEEK = Family("deepseek", "sigmoid_grouped", True, "dense_first")
 _GRANITE = Family("granite", "softmax", True, "all", reads_norm=False, reads_scale=False,
                   shared="granite")
@@ -191,6 +219,9 @@ FAMILIES = {
                           adjust=_kimi),
     # LFM2-8B-A1B: sigmoid + expert_bias, renormalized (+1e-6) if norm_topk_prob, x scale
     "lfm2_moe": Family("lfm2", "sigmoid_grouped", True, "dense_first", adjust=_lfm2),
+    # inclusionAI's Ling / Ring (BailingMoe 1.x / 2.x): by score_function (see _bailing)
+    "bailing_moe": Family("bailing", "softmax", True, "dense_first", adjust=_bailing),
+    "bailing_moe_v2": Family("bailing", "softmax", True, "dense_first", adjust=_bailing),
     # Arcee AFMoE: sigmoid + expert_bias, top-k over all, always renormalized, x route_scale
     "afmoe": Family("afmoe", "sigmoid_grouped", True, "dense_first", reads_norm=False,
                     adjust=_afmoe),
