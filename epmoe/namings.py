@@ -98,6 +98,7 @@ NAMINGS = {
     "bailing": _scheme(_MLP, "gate.weight", "gate.expert_bias", "shared_experts."),
     "qwen3_omni": _scheme("thinker.model.layers.{l}.mlp.", "gate.weight"),  # Omni's thinker
     "lfm2": _scheme("model.layers.{l}.feed_forward.", "gate.weight", "expert_bias", proj=W13),
+    "jamba": _scheme("model.layers.{l}.feed_forward.", "router.weight"),
     "mixtral": _scheme(_SPARSE, "gate.weight", proj=W13),
     "kimi": _scheme(_SPARSE, "gate.weight", "gate.e_score_correction_bias", "shared_experts.",
                     proj=W13, shared_proj=GUD),  # Kimi-Linear

@@ -12,7 +12,8 @@ compute (the model is refused, not approximated: families.py). The router's sema
 each family's Hugging Face modeling code:
   deepseek_v3, deepseek_v32,  sigmoid scores + selection bias, group-limited top-k,
   kimi_k2, glm4_moe, dots1,   renormalized if norm_topk_prob, then x routed_scaling_factor
-  glm4v_moe_text              (GLM-4.5V: its layers under model.language_model.)
+  glm4v_moe_text,             (GLM-4.5V: its layers under model.language_model.)
+  glm4_moe_lite, solar_open
   minimax_m2                  sigmoid scores + selection bias (use_routing_bias), top-k over
                               all experts, always renormalized, no scale; no shared expert
   deepseek_v4                 sqrt(softplus) (or its scoring_func) + selection bias, top-k
@@ -47,10 +48,12 @@ each family's Hugging Face modeling code:
                               num_experts_per_token); a latent MoE (Kimi-K3) is refused
   lfm2_moe                    sigmoid (+ expert_bias if use_expert_bias) over every expert,
                               / (sum + 1e-6) if norm_topk_prob, x routed_scaling_factor
+  jamba                       softmax top-k, not renormalized; MoE every expert_layer_period-th
+                              layer from expert_layer_offset
   bailing_moe(_v2)            Ling / Ring: by score_function: sigmoid + expert_bias within
                               V3's groups (2.x) or softmax (1.x); / sum if norm_topk_prob and
                               top_k > 1; x routed_scaling_factor; num_shared_experts
-Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe.
+Refused with the reason (families.REFUSED): phimoe, longcat_flash, jetmoe, nemotron_h.
 MoE layers (layers.py): `first_k_dense_replace` or `num_dense_layers` / `moe_layer_freq`
 (DeepSeek, GLM, AFMoE), `decoder_sparse_step` / `mlp_only_layers` (Qwen), `mlp_layer_types` /
 `num_hash_layers` (DeepSeek-V4), `moe_layers` / `interleave_moe_layer_step` (Llama 4),

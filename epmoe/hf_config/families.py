@@ -20,7 +20,7 @@ class Family:
     naming: str | None  # epmoe.checkpoint.NAMINGS key; None: its checkpoints are not read
     router: str  # without a scoring_func field
     renormalize: bool  # without a norm_topk_prob field: the HF config class's default
-    layers: str  # dense_first | sparse_step | hash_first | interleave | ernie | all
+    layers: str  # dense_first | sparse_step | hash_first | interleave | ernie | period | all
     reads_norm: bool = True  # False: the modeling code always renormalizes (field unread)
     reads_scale: bool = True  # False: it never scales (routed_scaling_factor unread)
     clamps: bool = False  # its routed experts clamp gate / up at swiglu_limit
@@ -163,6 +163,8 @@ FAMILIES = {
     "deepseek_v32": _DEEPSEEK,  # V3.2: V3's MoE layer (its change is the attention)
     "kimi_k2": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,
+    "glm4_moe_lite": _DEEPSEEK,  # GLM-4.7-Flash: GLM-4.5's MoE layer (its change is MLA)
+    "solar_open": _DEEPSEEK,  # Upstage Solar-Open: GLM-4.5's MoE layer
     # GLM-4.5V's language model: GLM-4.5's block; its layers under model.language_model.
     "glm4v_moe_text": Family("deepseek", "sigmoid_grouped", True, "dense_first"),
     "dots1": Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
@@ -219,6 +221,9 @@ FAMILIES = {
                           adjust=_kimi),
     # LFM2-8B-A1B: sigmoid + expert_bias, renormalized (+1e-6) if norm_topk_prob, x scale
     "lfm2_moe": Family("lfm2", "sigmoid_grouped", True, "dense_first", adjust=_lfm2),
+    # AI21 Jamba: softmax top-k, never renormalized; every expert_layer_period-th layer from
+    # expert_layer_offset is MoE, experts intermediate_size wide
+    "jamba": Family("jamba", "softmax", False, "period", reads_norm=False, reads_scale=False),
     # inclusionAI's Ling / Ring (BailingMoe 1.x / 2.x): by score_function (see _bailing)
     "bailing_moe": Family("bailing", "softmax", True, "dense_first", adjust=_bailing),
     "bailing_moe_v2": Family("bailing", "softmax", True, "dense_first", adjust=_bailing),
@@ -233,4 +238,6 @@ REFUSED = {
     "longcat_flash": "its zero-computation experts (a pick past the routed experts adds the "
                      "weighted input itself)",
     "jetmoe": "its mixture-of-attention-heads layers",
+    "nemotron_h": "its experts (squared-ReLU MLPs without a gate: up and down only; epmoe's "
+                  "experts compute SwiGLU)",
 }

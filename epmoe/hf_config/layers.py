@@ -12,6 +12,10 @@ def moe_layers(d: dict, fam: Family, at: str) -> tuple[int, ...]:
         first = int(d.get("first_k_dense_replace") or d.get("num_dense_layers") or 0)
         freq = int(d.get("moe_layer_freq") or 1)
         layers = [i for i in range(n) if i >= first and i % freq == 0]
+    elif fam.layers == "period":  # Jamba: every period-th layer from the offset
+        period = int(d.get("expert_layer_period") or 1)
+        offset = int(d.get("expert_layer_offset") or 0)
+        layers = [i for i in range(n) if i % period == offset]
     elif fam.layers == "sparse_step":
         step = int(d.get("decoder_sparse_step") or 1)
         dense = set(d.get("mlp_only_layers") or ())
