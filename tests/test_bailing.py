@@ -14,9 +14,8 @@ import torch
 
 from epmoe.config import QuantConfig
 from epmoe.hf_config import describe, parse_hf_config, read_hf_config
-from epmoe.reference import reference_route
-from epmoe.router import route
 from tests.launch_util import config_folder, launch_in_process
+from tests.route_util import assert_routes_as
 
 # BailingMoeV2_5Config's defaults (inclusionAI/Ring-V2.5), as a config.json gives them
 RING = dict(model_type="bailing_moe", architectures=["BailingMoeV2_5ForCausalLM"],
@@ -94,15 +93,7 @@ def test_the_router_routes_as_its_modeling_code(which, seed):
         bias = None
     else:
         want_ids, want_w = _ring_gate(logits, bias, c.top_k, 8, 4, 2.5)
-    ids, w = reference_route(logits, c, bias)
-    wo = want_ids.sort(-1)
-    assert torch.equal(ids.sort(-1).values, wo.values)
-    o = ids.sort(-1)
-    torch.testing.assert_close(w.gather(1, o.indices), want_w.gather(1, wo.indices),
-                               rtol=1e-12, atol=0)
-    r = route(logits, c, None if bias is None else bias.float(), id_dtype=torch.int64,
-              backend="torch")
-    assert torch.equal(r.topk_ids_TK.sort(-1).values, wo.values)
+    assert_routes_as(logits, c, bias, want_ids, want_w)
 
 
 def test_a_checkpoint_under_bailings_names_passes_the_oracle(tmp_path):

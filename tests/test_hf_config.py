@@ -17,6 +17,7 @@ from epmoe.config import PRESETS, QuantConfig, get_preset
 from epmoe.hf_config import parse_hf_config, read_hf_config
 from epmoe.reference import reference_route
 from tests.launch_util import config_folder, launch_in_process
+from tests.route_util import assert_routes_as
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128]}
@@ -183,7 +184,6 @@ def test_deepseek_v2_group_limited_greedy_routes_as_its_modeling_code(norm, k, s
     tests/test_more_families.py)."""
     from epmoe.hf_config import describe
     from epmoe.kernels.gate_topk import unsupported
-    from epmoe.router import route
 
     hf = parse_hf_config(dict(DEEPSEEK_V2, norm_topk_prob=norm, num_experts_per_tok=k), "v2")
     c = hf.cfg
@@ -194,16 +194,10 @@ def test_deepseek_v2_group_limited_greedy_routes_as_its_modeling_code(norm, k, s
     assert unsupported(c) is None
     logits = torch.randn(64, 160, generator=torch.Generator().manual_seed(seed)) * 3
     want_ids, want_w = _deepseek_v2_gate(logits, k, norm, 16.0, 8, 3)
-    ids, w = reference_route(logits, c)
-    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
-    o, wo = ids.sort(-1), want_ids.sort(-1)
-    torch.testing.assert_close(w.gather(1, o.indices), want_w.gather(1, wo.indices),
-                               rtol=1e-12, atol=0)
-    r = route(logits, c, id_dtype=torch.int64, backend="torch")
-    assert torch.equal(r.topk_ids_TK.sort(-1).values, wo.values)
+    assert_routes_as(logits, c, None, want_ids, want_w)
     if k > 1:  # the groups bind (top-1 is always in the best group): without them some token
         free = reference_route(logits, c.replace(n_group=1, topk_group=1))[0]  # picks others
-        assert not torch.equal(free.sort(-1).values, wo.values)
+        assert not torch.equal(free.sort(-1).values, want_ids.sort(-1).values)
 
 
 # MiniMaxAI/MiniMax-M2 and rednote-hilab/dots.llm1.inst: config.json (MoE fields as released)

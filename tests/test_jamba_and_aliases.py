@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from epmoe.hf_config import parse_hf_config, read_hf_config
-from epmoe.reference import reference_route
-from epmoe.router import route
 from tests.launch_util import config_folder, launch_in_process
+from tests.route_util import assert_routes_as
 
 # JambaConfig's defaults (ai21labs/Jamba-v0.1's MoE fields), as a config.json gives them
 JAMBA = dict(model_type="jamba", hidden_size=4096, intermediate_size=14336,
@@ -49,13 +48,7 @@ def test_jamba_routes_as_its_modeling_code(seed):
     logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(seed),
                          dtype=torch.float64) * 2
     want_w, want_ids = torch.topk(torch.softmax(logits, dim=1), 2, dim=-1)
-    ids, w = reference_route(logits, c)
-    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
-    o, wo = ids.sort(-1), want_ids.sort(-1)
-    torch.testing.assert_close(w.gather(1, o.indices), want_w.gather(1, wo.indices),
-                               rtol=1e-12, atol=0)
-    r = route(logits, c, id_dtype=torch.int64, backend="torch")
-    assert torch.equal(r.topk_ids_TK.sort(-1).values, wo.values)
+    assert_routes_as(logits, c, None, want_ids, want_w)
 
 
 @pytest.mark.parametrize("raw", [GLM_LITE, SOLAR], ids=["glm4_moe_lite", "solar_open"])

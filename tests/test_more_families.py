@@ -16,9 +16,9 @@ import torch
 
 from epmoe.config import QuantConfig
 from epmoe.hf_config import describe, parse_hf_config, read_hf_config
-from epmoe.reference import reference_route
 from epmoe.router import route
 from tests.launch_util import config_folder, launch_in_process
+from tests.route_util import assert_routes_as
 
 GRANITE = dict(model_type="granitemoe", hidden_size=4096, intermediate_size=11008,
                num_hidden_layers=32, hidden_act="silu", num_local_experts=8,
@@ -230,13 +230,7 @@ def test_each_router_routes_as_its_modeling_code(raw, seed):
             "moe_normalize_expert_weights") is not None}.get(
             text.get("model_type", raw["model_type"]), text.get("norm_topk_prob", True))
         want_ids, want_w = _softmax_topk(logits, c.top_k, renorm)
-    ids, w = reference_route(logits, c, bias)
-    order, want_order = ids.sort(-1), want_ids.sort(-1)
-    assert torch.equal(order.values, want_order.values)
-    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices),
-                               rtol=1e-12, atol=0)
-    r = route(logits, c, bias, id_dtype=torch.int64, backend="torch")  # the runtime's path
-    assert torch.equal(r.topk_ids_TK.sort(-1).values, want_order.values)
+    assert_routes_as(logits, c, bias, want_ids, want_w)
 
 
 # ---------------------------------------------------------------------- checkpoints
