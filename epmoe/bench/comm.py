@@ -104,8 +104,9 @@ def _fmt(rows: list[Row]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
-    p.add_argument("--jsonl", type=writable_file, help="append each row (with its options and kernels) as a JSON "
-                                   "line as soon as it is measured")
+    p.add_argument("--jsonl", type=writable_file,
+                   help="append each row (with its options and kernels) as a JSON "
+                        "line as soon as it is measured")
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
     p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")
     p.add_argument("--num-sms", type=int, default=0,

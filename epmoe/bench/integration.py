@@ -86,7 +86,8 @@ def _launch_cases(ep: int, model: str, tokens: int, gpus: int) -> list[tuple[str
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.integration", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/integration", type=writable_dir, help="folder for logs and summaries")
+    p.add_argument("--out", default="runs/integration", type=writable_dir,
+                   help="folder for logs and summaries")
     p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated: {','.join(STEPS)}")
     p.add_argument("--ep", type=int, default=None, help="ranks (default: the GPU count, or 2)")
     p.add_argument("--model", default="deepseek-v3-tiny",

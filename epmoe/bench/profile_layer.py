@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--host-top", type=int, default=0,
                    help="list the N functions with the most host time (cProfile)")
-    p.add_argument("--json", default=None, type=writable_file, help="write the results here as JSON")
+    p.add_argument("--json", default=None, type=writable_file,
+                   help="write the results here as JSON")
     return p
 
 

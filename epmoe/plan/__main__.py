@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=None,
                    help="memory budget per rank (default 90%% of the profile's HBM)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--out", default=None, type=writable_file, help="write the plan file (JSON) here")
+    p.add_argument("--out", default=None, type=writable_file,
+                   help="write the plan file (JSON) here")
     return p
 
 

@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
         "sizes (a model, not a measurement), or validate against DeepEP's published tables."))
     p.add_argument("sweep", nargs="?", default=str(DEFAULT_SWEEP),
                    help="sweep file (.toml or .json), or 'validate'")
-    p.add_argument("--out", default=None, type=writable_dir, help="directory for sim.json and the PNG plots")
+    p.add_argument("--out", default=None, type=writable_dir,
+                   help="directory for sim.json and the PNG plots")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--profile", default=None,
                    help="validate: predict every row with this profile (default: each table's "
