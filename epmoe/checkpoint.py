@@ -177,7 +177,7 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
             w2 = torch.stack([d[0] for _, _, d in raw])
             s2 = torch.stack([d[1] for _, _, d in raw])
             check_shape(w13.shape, (len(ids), 2 * cfg.moe_intermediate, cfg.hidden),
-                         "experts' gate/up")
+                        "experts' gate/up")
             check_shape(w2.shape, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
             experts = ExpertWeights(QWeight(w13, s13, "fp8_block"), QWeight(w2, s2, "fp8_block"),
                                     torch.as_tensor(ids, dtype=torch.long))
