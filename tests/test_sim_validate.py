@@ -120,3 +120,23 @@ def test_v2_kernels_are_modelled_for_the_normal_mode_only_and_never_planned(tmp_
     with pytest.raises(ValueError, match=r"kernels \('v3'\) must be one of \('v1', 'v2'\)"):
         load_table(f)
     assert not set(MODELLED_ONLY) & set(BACKENDS)  # the planner picks among BACKENDS
+
+
+def test_a_sweep_compares_v2_with_v1_and_the_runtime_refuses_it():
+    """deepep-v2 as a fixed sweep candidate (scope model): on H200 at EP 8 V1's default 20 SMs
+    bound its transfers, V2's do not, so V2's predicted step is the shorter; the runtime
+    rules refuse it (epmoe runs V1)."""
+    from epmoe.config import QuantConfig, get_preset
+    from epmoe.plan.cost import Candidate, Workload, predict_layer
+    from epmoe.plan.planner import rule_violation
+    from epmoe.plan.profile import load_profile
+    from epmoe.plan.topology import Topology
+
+    cfg, q = get_preset("deepseek-v3"), QuantConfig("fp8_block")
+    topo, prof = Topology.parse("1x8", gpu="h200"), load_profile("h200")
+    v1, v2 = (Candidate("ep_dp", b, "deepgemm") for b in ("deepep-ht", "deepep-v2"))
+    work = Workload(cfg, q, 4096)
+    t1, t2 = (predict_layer(c, work, topo, prof).total_us for c in (v1, v2))
+    assert t2 < t1
+    assert "modelled only" in rule_violation(v2, cfg, q, topo, 90, scope="runtime")
+    assert rule_violation(v2, cfg, q, topo, 90, scope="model") is None

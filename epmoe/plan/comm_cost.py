@@ -36,6 +36,7 @@ HT = ("deepep-ht", "symm-ht")
 LL = ("deepep-ll", "symm-ll")
 MODELLED_ONLY = ("deepep-v2",)  # predicted (epmoe.sim), never planned: epmoe does not run it
 HT_KERNELS = HT + MODELLED_ONLY
+FITS_OF = {"deepep-v2": "deepep-ht"}  # a modelled-only backend: whose profile fits it takes
 # Combines whose expert rank reduces a token's rows first and sends one row per (token, rank)
 # back (the others send one per (token, expert)).
 PRE_REDUCED = HT_KERNELS + ("symm-ll",)
@@ -161,10 +162,8 @@ def sm_bytes(backend: str, direction: str, c: CommCase) -> float:
 
 def _link_fit(c: CommCase, backend: str, cls: str, direction: str):
     """The profile's fit of a backend on a link class; deepep-v2: V1's without the SM term."""
-    if backend == "deepep-v2":
-        f = c.prof.comm_fit("deepep-ht", cls, direction)
-        return replace(f, per_sm_GBps=None, sms=None)
-    return c.prof.comm_fit(backend, cls, direction)
+    f = c.prof.comm_fit(FITS_OF.get(backend, backend), cls, direction)
+    return replace(f, per_sm_GBps=None, sms=None) if backend in MODELLED_ONLY else f
 
 
 def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: float,

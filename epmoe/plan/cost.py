@@ -28,8 +28,8 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import blend
 from epmoe.plan.forms import FORMS, LayerPlan
-from epmoe.plan.comm_cost import (BACKENDS, HT, LL, CommCase, collective_us, combine_cost,
-                                  dispatch_cost, launch_us)
+from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY, CommCase,
+                                  collective_us, combine_cost, dispatch_cost, launch_us)
 from epmoe.plan.profile import HardwareProfile
 from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, routing_stats
 from epmoe.plan.topology import Topology
@@ -63,8 +63,9 @@ class Candidate:
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"form ({self.form!r}) must be one of {FORMS}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"comm backend ({self.backend!r}) must be one of {BACKENDS}")
+        if self.backend not in BACKENDS + MODELLED_ONLY:
+            raise ValueError(f"comm backend ({self.backend!r}) must be one of "
+                             f"{BACKENDS + MODELLED_ONLY}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts kernel ({self.experts!r}) must be one of {EXPERTS}")
         if self.form != "ep_dp" and self.backend != "local":
@@ -362,9 +363,10 @@ def _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> Memory
                                            + 2.0 * d)
     buffers = 0.0
     world = topo.world
-    if cand.backend in HT:  # NVL (and RDMA) ring buffers: channels x peers x 256 rows
-        sms = case.sms or case.prof.comm_fit(cand.backend, topo.intra if topo.num_nodes == 1
-                                             else "rdma", "dispatch").sms or 20
+    if cand.backend in HT_KERNELS:  # NVL (and RDMA) ring buffers: channels x peers x 256 rows
+        sms = case.sms or case.prof.comm_fit(FITS_OF.get(cand.backend, cand.backend),
+                                             topo.intra if topo.num_nodes == 1 else "rdma",
+                                             "dispatch").sms or 20
         buffers = sms / 2 * min(world, topo.gpus_per_node) * 256 * 2.0 * d
         buffers *= 2 if topo.num_nodes > 1 else 1
     elif cand.backend in LL:  # per slot x max tokens, dispatch + combine, double-buffered

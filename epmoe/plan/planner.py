@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.plan.comm_cost import BACKENDS, HT, LL, CommCase, collective_us
+from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY,
+                                  CommCase, collective_us)
 from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.cost import EXPERTS, TOP_STAGES, Candidate, LayerPrediction, Workload, \
     predict_layer
@@ -65,9 +66,11 @@ def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: To
         LayerPlan(cand.form, 0, world, b, cand.experts, num_slots).validate(cfg, quant)
     except ValueError as exc:
         return str(exc)
+    if scope == "runtime" and b in MODELLED_ONLY:
+        return f"backend {b} is modelled only (epmoe runs DeepEP V1: deepep-ht)"
     if scope == "runtime" and b not in (available or _registered()):
         return f"backend {b} is not registered in epmoe.comm"
-    if b in HT + LL + ("symm-ht", "symm-ll"):
+    if b in HT_KERNELS + LL:
         from epmoe.comm.deepep import ll_shape_unsupported, shape_unsupported
 
         if not sm_arch:
@@ -97,9 +100,9 @@ def profile_gap(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topol
     try:
         prof.curve(cand.experts, "bf16" if cand.experts == "torch" else quant.recipe,
                    "contiguous", 2 * inter, cfg.hidden)
-        if b in HT + LL or b.startswith("symm"):
+        if b in HT_KERNELS + LL:
             for cls in {topo.intra} | ({"rdma"} if topo.num_nodes > 1 else set()):
-                prof.comm_fit(b, cls, "dispatch")
+                prof.comm_fit(FITS_OF.get(b, b), cls, "dispatch")
     except KeyError as exc:
         return str(exc).strip('"')
     return None
