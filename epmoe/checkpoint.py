@@ -91,11 +91,33 @@ class SafetensorsCheckpoint:
         return torch.stack(parts) if parts else sl[0:block][None][0:0]
 
 
+# a projection's scale: Hugging Face's fp8 block scale, or DeepSeek's own (V4: `.scale`, e8m0)
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+_PACKED_FP4 = (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
+
+
+def _scale_name(ckpt, prefix: str, proj: str) -> str | None:
+    return next((prefix + proj + s for s in SCALE_SUFFIXES if ckpt.has(prefix + proj + s)),
+                None)
+
+
 def _load_proj(ckpt: SafetensorsCheckpoint, prefix: str, proj: str) -> torch.Tensor:
-    """One projection as fp32, dequantizing fp8 `weight_scale_inv` 128x128 blocks."""
-    w = ckpt.get(prefix + proj + ".weight")
-    sname = prefix + proj + ".weight_scale_inv"
-    if w.dtype == FP8_DTYPE or ckpt.has(sname):
+    """One projection as fp32: fp8 with 128x128 block scales (`weight_scale_inv` fp32, or
+    DeepSeek-V4's `scale` e8m0), or e2m1 packed two a byte [N, K/2] with an e8m0 scale per 32
+    [N, K/32] (DeepSeek-V4's MXFP4 experts), or as stored."""
+    name = prefix + proj + ".weight"
+    w = ckpt.get(name)
+    sname = _scale_name(ckpt, prefix, proj)
+    if w.dtype in _PACKED_FP4:
+        if sname is None:
+            raise ValueError(f"checkpoint tensor {name!r} is {w.dtype}: packed e2m1 needs its "
+                             f"scale ({prefix + proj}.scale)")
+        s = ckpt.get(sname)
+        n, half = w.shape
+        check_shape(tuple(s.shape), (n, half // 16), f"MXFP4 scale of {name!r}")
+        return dequantize_mxfp4(w.view(torch.uint8).reshape(n, half // 16, 16),
+                                s.view(torch.uint8))
+    if w.dtype == FP8_DTYPE or sname is not None:
         s = ckpt.get(sname).float()
         n, k = w.shape
         s_full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
@@ -117,15 +139,13 @@ def _load_w13(ckpt, pre: str, proj: tuple) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _load_fp8_proj(ckpt, prefix, proj):
-    """fp8 weight + fp32 block scale exactly as stored (no requantization); None where the
-    checkpoint holds it otherwise."""
-    sname = prefix + proj + ".weight_scale_inv"
-    if not ckpt.has(prefix + proj + ".weight"):
+    """fp8 weight + its 128x128 block scale as fp32, exactly as stored (no requantization);
+    None where the checkpoint holds it otherwise."""
+    sname = _scale_name(ckpt, prefix, proj)
+    if not ckpt.has(prefix + proj + ".weight") or sname is None:
         return None
     w = ckpt.get(prefix + proj + ".weight")
-    if w.dtype != FP8_DTYPE or not ckpt.has(sname):
-        return None
-    return w, ckpt.get(sname).float()
+    return (w, ckpt.get(sname).float()) if w.dtype == FP8_DTYPE else None
 
 
 def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig, layer: int,

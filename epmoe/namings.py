@@ -7,6 +7,8 @@ scheme (`{l}`: the checkpoint's layer index, `{e}`: the expert), read by epmoe.c
   shared          the shared MLP's prefix (None: none); shared_gate: Qwen2-MoE's gate [1, D]
   proj            gate / up / down projection names (fused: gate_up, None, down)
   shared_proj     the shared MLP's, where they differ from the experts'
+  alt             the scheme a checkpoint of this family may hold instead (DeepSeek-V4's
+                  hub layout, or transformers' names for it: "deepseek")
   fused           the experts' tensors carry an expert axis: "gpt_oss" ([E, in, out], gate / up
                   interleaved; bf16 or MXFP4 blocks), "out_in" ([E, out, in], gate rows then
                   up: Granite, transformers 5), "bmm" ([E, in, out], gate columns then up:
@@ -34,10 +36,17 @@ W13_ONE = (("gate_up_proj", False), ("gate_and_up_proj", True))
 
 def located(nm: dict, has, layer: int) -> dict:
     """The scheme `nm` with its layer prefix moved to where the checkpoint keeps `layer`'s
-    router (`has(name)`: the checkpoint holds that tensor); `nm` itself where it is already
-    there, or found nowhere (the reader then names the missing tensor)."""
+    router (`has(name)`: the checkpoint holds that tensor), or its `alt` scheme where the
+    checkpoint holds that one's router instead; `nm` itself where it is already there, or
+    found nowhere (the reader then names the missing tensor)."""
+    if has(nm["gate"].format(l=layer)):
+        return nm
+    if nm.get("alt"):
+        alt = located(NAMINGS[nm["alt"]], has, layer)
+        if has(alt["gate"].format(l=layer)):
+            return alt
     ours = next((p for p in LAYER_PREFIXES if nm["gate"].startswith(p)), None)
-    if ours is None or has(nm["gate"].format(l=layer)):
+    if ours is None:
         return nm
     for other in LAYER_PREFIXES:
         moved = {k: v.replace(ours, other, 1) if isinstance(v, str) else v
@@ -100,6 +109,10 @@ NAMINGS = {
     "lfm2": _scheme("model.layers.{l}.feed_forward.", "gate.weight", "expert_bias", proj=W13),
     "jamba": _scheme("model.layers.{l}.feed_forward.", "router.weight"),
     "mixtral": _scheme(_SPARSE, "gate.weight", proj=W13),
+    # DeepSeek's own layout (DeepSeek-V4's hub checkpoints): no "model." prefix, w1 / w3 / w2
+    # with a `scale` beside each quantized weight (experts MXFP4, the shared MLP fp8)
+    "deepseek_v4": _scheme("layers.{l}.ffn.", "gate.weight", "gate.bias", "shared_experts.",
+                           proj=W13, alt="deepseek"),
     "kimi": _scheme(_SPARSE, "gate.weight", "gate.e_score_correction_bias", "shared_experts.",
                     proj=W13, shared_proj=GUD),  # Kimi-Linear
     "minimax": _scheme(_SPARSE, "gate.weight", "e_score_correction_bias", proj=W13),

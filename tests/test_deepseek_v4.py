@@ -54,7 +54,7 @@ def test_v4_reads_to_its_moe_layer_and_routes_as_its_modeling_code(norm):
     assert (c.router, c.n_group, c.renormalize, c.routed_scaling_factor, c.swiglu_limit,
             c.activation) == ("sqrtsoftplus", 1, True, 1.5, 10.0, "swiglu")
     assert hf.moe_layers == tuple(range(3, 43)) and c.num_moe_layers == 40
-    assert hf.naming is None
+    assert hf.naming == "deepseek_v4"  # its checkpoints: tests/test_deepseek_v4_checkpoint.py
     g = torch.Generator().manual_seed(4)
     logits, bias = torch.randn(64, 256, generator=g) * 3, torch.randn(256, generator=g) * 0.1
     ids, w = reference_route(logits, c, bias)
@@ -107,16 +107,12 @@ def test_the_clamp_is_the_routed_experts_not_the_shared_experts():
 
 
 @pytest.mark.timeout(240)
-def test_a_v4_config_launches_against_the_oracle_and_its_checkpoint_is_refused(tmp_path):
+def test_a_v4_config_launches_against_the_oracle(tmp_path):
     """One rank in-process, synthetic weights, a clamp that bites on routed and shared rows
     alike: the runtime's shared MLP must not clamp, as the oracle's does not."""
-    from epmoe.launch.cli import main as launch
-
     folder = config_folder(tmp_path, "Tiny-V4", dict(
         V4, hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
         num_experts_per_tok=4, num_hidden_layers=5, swiglu_limit=0.25))
     rc, s = launch_in_process(tmp_path, ["--model", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
     assert len(s["correctness"]["per_layer"]) == 2  # layers 3 and 4; 0-2 are hash-routed
-    (folder / "model.safetensors").write_bytes(b"")
-    assert launch(["--weights", str(folder), "--ep", "1", "--device", "cpu", "--quiet"]) == 2

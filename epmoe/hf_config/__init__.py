@@ -20,8 +20,9 @@ each family's Hugging Face modeling code:
                               over all experts, always renormalized, x routed_scaling_factor;
                               routed experts clamp gate / up at swiglu_limit (the shared expert
                               does not). Its first hash-routed layers (mlp_layer_types
-                              "hash_moe": experts picked by token id) are not MoE layers here,
-                              and its checkpoints (DeepSeek's own layout) are not read.
+                              "hash_moe": experts picked by token id) are not MoE layers here.
+                              Checkpoints in DeepSeek's own layout (layers.{l}.ffn.: MXFP4
+                              experts, fp8 shared MLP, e8m0 `scale`s) or transformers' names.
   deepseek_v2                 softmax top-k ("greedy", or "group_limited_greedy": the
                               topk_group groups with the best expert); x routed_scaling_factor
                               only when not renormalized (its modeling code)
@@ -177,6 +178,8 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
 def _stored_recipe(d: dict) -> str | None:
     q = d.get("quantization_config") or {}
     method = q.get("quant_method")
+    if "fp4" in (d.get("expert_dtype"), q.get("expert_dtype")):  # DeepSeek-V4: MXFP4 experts
+        return "w4a8_mxfp4"
     if method is None:
         return "bf16"
     if method == "fp8" and list(q.get("weight_block_size") or ()) == [128, 128]:
