@@ -185,7 +185,7 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     if nm.get("fused"):
         experts = fused_experts(ckpt, nm, cfg, quant, cl, ids, inter_slice, device)
         return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
-                             device)
+                             device, layer in cfg.hash_layers)
 
     keep_fp8 = quant.recipe == "fp8_block" and quant.scale_fmt == "fp32" and inter_slice is None
     if keep_fp8 and ids:
@@ -204,7 +204,7 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
             if device is not None:
                 experts = experts.to(device)
             return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
-                                 device)
+                                 device, layer in cfg.hash_layers)
 
     w13s, w2s = [], []
     for e in ids:
@@ -218,14 +218,28 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     check_shape(w13.shape, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
     check_shape(w2.shape, (len(ids), cfg.hidden, n_i), "experts' down")
     experts = build_expert_weights(w13, w2, quant, ids, device)
-    return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device)
+    return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device,
+                         layer in cfg.hash_layers)
 
 
-def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device):
+def _hash_table(ckpt, nm, cfg, cl) -> torch.Tensor:
+    """A hash layer's [vocab, K] experts per token id, beside its gate (`gate.tid2eid`)."""
+    name = nm["gate"].format(l=cl).removesuffix("weight") + "tid2eid"
+    t = ckpt.get(name)
+    check_shape(tuple(t.shape), (cfg.vocab_size, cfg.top_k), f"hash layer table {name!r}")
+    if t.is_floating_point() or t.numel() and not 0 <= int(t.min()) <= int(t.max()) < \
+            cfg.num_experts:
+        raise ValueError(f"{name!r} must hold expert ids in [0, {cfg.num_experts})")
+    return t.to(torch.int32)
+
+
+def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device,
+                  hashed=False):
     gate = ckpt.get(nm["gate"].format(l=cl)).float()
     check_shape(gate.shape, (cfg.num_experts, cfg.hidden), "router gate")
+    table = _hash_table(ckpt, nm, cfg, cl) if hashed else None
     bias = None
-    if nm["bias"] and ckpt.has(nm["bias"].format(l=cl)):
+    if table is None and nm["bias"] and ckpt.has(nm["bias"].format(l=cl)):
         bias = ckpt.get(nm["bias"].format(l=cl)).float().reshape(-1)
         check_shape(bias.shape, (cfg.num_experts,), "router bias")
     if cfg.router_bias and bias is None:
@@ -249,4 +263,5 @@ def _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, 
         gate = gate.to(device)
         bias = None if bias is None else bias.to(device)
         sgate = None if sgate is None else sgate.to(device)
-    return LayerWeights(gate, bias, experts, shared, sgate)
+        table = None if table is None else table.to(device)
+    return LayerWeights(gate, bias, experts, shared, sgate, table)

@@ -65,6 +65,10 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # one shared MLP this wide, where the model's width is
     #                                    no multiple of moe_intermediate (Granite, Qwen2-MoE);
     #                                    0: num_shared_experts x moe_intermediate
+    hash_layers: tuple[int, ...] = ()  # MoE layers (0-based) that pick experts by token id
+    #                                    from a [vocab_size, top_k] table (DeepSeek-V4's first
+    #                                    layers); their weights are the router's scores there
+    vocab_size: int = 0  # the token ids hash layers take (0: no hash layers)
 
     def __post_init__(self) -> None:
         for f in ("hidden", "moe_intermediate", "num_experts", "top_k", "n_group", "topk_group",
@@ -103,6 +107,15 @@ class MoEConfig:
                f"width: it needs num_shared_experts == 1 (got {self.num_shared_experts})")
         _check(not self.shared_gate or self.num_shared_experts >= 1,
                "shared_gate scales the shared experts' output: it needs num_shared_experts >= 1")
+        _check(isinstance(self.hash_layers, tuple) and len(set(self.hash_layers)) ==
+               len(self.hash_layers) and all(isinstance(h, int) and 0 <= h <
+                                             self.num_moe_layers for h in self.hash_layers),
+               f"hash_layers ({self.hash_layers!r}) must be a tuple of distinct MoE layer "
+               f"indices below num_moe_layers ({self.num_moe_layers})")
+        _check(not self.hash_layers or self.vocab_size >= 1,
+               f"hash_layers route by token id: vocab_size ({self.vocab_size}) must be >= 1")
+        _check(not self.hash_layers or self.n_group == 1,
+               "hash layers take their experts from a table: n_group must be 1")
         _check(not self.router_bias or self.router == "softmax",
                f"router_bias applies to the softmax router; router {self.router!r} always "
                f"carries its selection bias (e_score_correction_bias)")

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from epmoe.router import Routing
+from epmoe.router import Routing, TokenIds
 
 CAPTURABLE_BACKENDS = ("local", "symm-ht", "symm-ll")
 CAPTURABLE_EXPERTS = ("triton", "deepgemm")
@@ -52,7 +52,9 @@ def capture_violation(form: str, backend: str, experts: str) -> str | None:
     return None
 
 
-def _static(r: Routing | None) -> Routing | None:
+def _static(r: Routing | TokenIds | None) -> Routing | TokenIds | None:
+    if isinstance(r, TokenIds):
+        return TokenIds(r.token_ids_T.clone())
     return None if r is None else Routing(r.topk_ids_TK.clone(), r.topk_weights_TK.clone())
 
 
@@ -63,7 +65,7 @@ class StepGraph:
 
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
-    routes: list[Routing | None]
+    routes: list[Routing | TokenIds | None]
     keep: list[dict]
 
     @classmethod
@@ -83,9 +85,12 @@ class StepGraph:
                              f"{len(self.routes)} routings; got {tuple(x.shape)}, {len(routes)}")
         self.x.copy_(x, non_blocking=True)
         for s, r in zip(self.routes, routes):
-            if (s is None) != (r is None):
-                raise ValueError("a captured step's routing source changed (router vs given)")
-            if s is not None:
+            if type(s) is not type(r):
+                raise ValueError("a captured step's routing source changed (router, token ids "
+                                 "or given)")
+            if isinstance(s, TokenIds):
+                s.token_ids_T.copy_(r.token_ids_T, non_blocking=True)
+            elif s is not None:
                 s.topk_ids_TK.copy_(r.topk_ids_TK, non_blocking=True)
                 s.topk_weights_TK.copy_(r.topk_weights_TK, non_blocking=True)
         self.graph.replay()

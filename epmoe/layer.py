@@ -20,7 +20,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
 from epmoe.overlap import LayerStreams
 from epmoe.plan.forms import LayerPlan
-from epmoe.router import ReplicaMap, Routing, route_tokens
+from epmoe.router import ReplicaMap, Routing, TokenIds, hash_route, route_tokens
 from epmoe.timing import StageTimer
 from epmoe.weights import LayerWeights
 
@@ -48,28 +48,38 @@ class MoELayer:
         self._gate_bf16 = weights.gate_ED.to(torch.bfloat16) if weights.gate_ED.is_cuda \
             else None
 
-    def route(self, x_TD: torch.Tensor) -> Routing:
+    def route(self, x_TD: torch.Tensor, token_ids: TokenIds | None = None) -> Routing:
         """Gate GEMM + top-k: one fused Triton launch on CUDA (bf16 GEMM, fp32 accumulation),
-        the fp32 torch reference elsewhere (`epmoe.router.route_tokens`)."""
+        the fp32 torch reference elsewhere (`epmoe.router.route_tokens`). A hash layer (its
+        weights hold a token-id table) takes its experts from the table by `token_ids`, its
+        weights from the fp32 logits (`epmoe.router.hash_route`)."""
+        tid2eid = self.weights.tid2eid_VK
+        if tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("a hash layer routes by token id: give the rows' TokenIds")
+            logits = x_TD.float() @ self.weights.gate_ED.float().T
+            return hash_route(logits, self.cfg, tid2eid, token_ids.token_ids_T)
         gate = self._gate_bf16 if self._gate_bf16 is not None and x_TD.is_cuda \
             else self.weights.gate_ED
         return route_tokens(x_TD, gate, self.cfg, self.weights.bias_E)
 
-    def route_physical(self, x_TD: torch.Tensor, routing: Routing | None,
+    def route_physical(self, x_TD: torch.Tensor, routing: Routing | TokenIds | None,
                        token_offset: int = 0) -> tuple[Routing, torch.Tensor]:
-        """The router stage: the logical routing (the router's unless given) and its physical
-        ids (replica choice when the layer has a replica map)."""
-        if routing is None:
-            routing = self.route(x_TD)
+        """The router stage: the logical routing (the router's unless given; a hash layer's
+        from its rows' token ids) and its physical ids (replica choice when the layer has a
+        replica map)."""
+        if routing is None or isinstance(routing, TokenIds):
+            routing = self.route(x_TD, routing)
         ids = routing.topk_ids_TK
         if self.replica_map is not None:
             ids = self.replica_map.to_physical(ids, token_offset)
         return routing, ids
 
-    def forward(self, x_TD: torch.Tensor, routing: Routing | None = None,
+    def forward(self, x_TD: torch.Tensor, routing: Routing | TokenIds | None = None,
                 token_offset: int = 0) -> torch.Tensor:
         """x [T, D] bf16 -> out [T, D] bf16. routing: precomputed logical routing (synthetic
-        or replayed), else the layer's router. token_offset: the global index of this rank's
+        or replayed), else the layer's router (a hash layer's: given the rows' TokenIds).
+        token_offset: the global index of this rank's
         first token (replica choice is a function of the global token index)."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden:
             raise ValueError(f"x must be [T, hidden={self.cfg.hidden}], got {tuple(x_TD.shape)}")

@@ -63,7 +63,8 @@ class Oracle(NamedTuple):
     gate [E, D]; bias [E] or None (softmax router: added to the logits; score routers: the
     selection-only correction bias); w13 [E, 2I, D]; w2 [E, D, I]; shared (w13 [2Is, D],
     w2 [D, Is]) or None; b13 [E, 2I] / b2 [E, D] expert biases or None; shared_gate [D] or
-    None (the shared output x sigmoid(x . shared_gate)). A plain 5-tuple (gate, bias, w13, w2,
+    None (the shared output x sigmoid(x . shared_gate)); tid2eid [vocab, K] int or None (a
+    hash layer: reference_hash_route). A plain 5-tuple (gate, bias, w13, w2,
     shared) is accepted wherever an Oracle is."""
 
     gate: torch.Tensor
@@ -74,6 +75,7 @@ class Oracle(NamedTuple):
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    tid2eid: torch.Tensor | None = None  # a hash layer's experts per token id [vocab, K]
 
 
 def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
@@ -83,19 +85,7 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
     ids = torch.empty(t, k, dtype=torch.long)
     ws = torch.empty(t, k, dtype=torch.float64)
     for n in range(t):
-        lg = logits_TE[n].double()
-        if cfg.router == "softmax":
-            if bias_E is not None:  # gpt-oss: logits = x W^T + b
-                lg = lg + bias_E.double()
-            s = torch.exp(lg - lg.max())
-            s = s / s.sum()
-        elif cfg.router == "sigmoid_grouped":
-            s = 1.0 / (1.0 + torch.exp(-lg))
-        elif cfg.router == "softmax_biased":
-            s = torch.exp(lg - lg.max())
-            s = s / s.sum()
-        else:
-            s = torch.sqrt(torch.log1p(torch.exp(lg)))
+        s = _reference_scores(logits_TE[n], cfg, bias_E)
         # selection: the score routers on score + their correction bias
         b = s if cfg.router == "softmax" or bias_E is None else s + bias_E.double()
         allowed = set(range(cfg.num_experts))
@@ -107,11 +97,44 @@ def reference_route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None):
             groups = sorted(range(cfg.n_group), key=lambda g: -gscore[g])[:cfg.topk_group]
             allowed = {g * per + i for g in groups for i in range(per)}
         order = sorted(allowed, key=lambda e: -b[e].item())[:k]
-        w = torch.stack([s[e] for e in order])
-        if cfg.renormalize:
-            w = w / (w.sum() + cfg.renorm_eps)
         ids[n] = torch.tensor(order)
-        ws[n] = w * cfg.routed_scaling_factor
+        ws[n] = _reference_weights(s, order, cfg)
+    return ids, ws
+
+
+def _reference_scores(lg: torch.Tensor, cfg: MoEConfig, bias_E=None) -> torch.Tensor:
+    """One token's float64 scores over all experts (the softmax router's bias is part of its
+    logits, gpt-oss's)."""
+    lg = lg.double()
+    if cfg.router in ("softmax", "softmax_biased"):
+        if cfg.router == "softmax" and bias_E is not None:  # gpt-oss: logits = x W^T + b
+            lg = lg + bias_E.double()
+        s = torch.exp(lg - lg.max())
+        return s / s.sum()
+    if cfg.router == "sigmoid_grouped":
+        return 1.0 / (1.0 + torch.exp(-lg))
+    return torch.sqrt(torch.logaddexp(lg, torch.zeros_like(lg)))  # softplus, no overflow
+
+
+def _reference_weights(s: torch.Tensor, order, cfg: MoEConfig) -> torch.Tensor:
+    w = torch.stack([s[e] for e in order])
+    if cfg.renormalize:
+        w = w / (w.sum() + cfg.renorm_eps)
+    return w * cfg.routed_scaling_factor
+
+
+def reference_hash_route(logits_TE: torch.Tensor, cfg: MoEConfig, tid2eid_VK: torch.Tensor,
+                         token_ids_T: torch.Tensor):
+    """A hash layer (DeepSeek-V4's Gate with tid2eid), token by token: its experts
+    tid2eid[token id], their weights the float64 scores of those experts, renormalized as
+    configured, x routed_scaling_factor -> (ids [T, K] int64, weights [T, K] float64)."""
+    t = logits_TE.shape[0]
+    ids = torch.empty(t, cfg.top_k, dtype=torch.long)
+    ws = torch.empty(t, cfg.top_k, dtype=torch.float64)
+    for n in range(t):
+        order = [int(e) for e in tid2eid_VK[int(token_ids_T[n])]]
+        ids[n] = torch.tensor(order)
+        ws[n] = _reference_weights(_reference_scores(logits_TE[n], cfg), order, cfg)
     return ids, ws
 
 
@@ -175,9 +198,12 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
     """float64 [T, D]. oracle: an `Oracle` (or its first five fields as a tuple) in float64
     (see weights.dequantized_full_layer). Routing from the oracle's own router unless given
     (given ids are logical expert ids; -1 = empty slot)."""
-    gate, bias, w13, w2, shared, b13, b2, shared_gate = Oracle(*oracle)
+    gate, bias, w13, w2, shared, b13, b2, shared_gate, tid2eid = Oracle(*oracle)
     x = x_TD.double()
     if topk_ids_TK is None:
+        if tid2eid is not None:
+            raise ValueError("a hash layer routes by token id: give its routing "
+                             "(reference_hash_route)")
         topk_ids_TK, topk_weights_TK = reference_route(x @ gate.T, cfg, bias)
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):

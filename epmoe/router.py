@@ -89,25 +89,57 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
         logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
         ids, w = triton_route_logits(logits, cfg, bias_E)
         return Routing(ids.to(id_dtype), w)
-    logits = logits_TE.float()
-    k = cfg.top_k
+    scores, biased = _scores(logits_TE.float(), cfg, bias_E)
+    if cfg.n_group > 1:
+        biased = _keep_groups(biased, cfg)
+    ids = torch.topk(biased, cfg.top_k, dim=-1).indices
+    return Routing(ids.to(id_dtype), _weights(scores, ids, cfg))
+
+
+def _scores(logits: torch.Tensor, cfg: MoEConfig, bias_E) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (scores the weights come from, scores the selection ranks)."""
     if cfg.router == "softmax":
         if bias_E is not None:  # gpt-oss's router bias: part of the logits
             logits = logits + bias_E.float()
-        scores = biased = torch.softmax(logits, dim=-1)
-    else:
-        scores = torch.sigmoid(logits) if cfg.router == "sigmoid_grouped" else \
-            torch.softmax(logits, dim=-1) if cfg.router == "softmax_biased" else \
-            torch.sqrt(torch.nn.functional.softplus(logits))
-        biased = scores if bias_E is None else scores + bias_E.float()
-    if cfg.n_group > 1:
-        biased = _keep_groups(biased, cfg)
-    ids = torch.topk(biased, k, dim=-1).indices
+        scores = torch.softmax(logits, dim=-1)
+        return scores, scores
+    scores = torch.sigmoid(logits) if cfg.router == "sigmoid_grouped" else \
+        torch.softmax(logits, dim=-1) if cfg.router == "softmax_biased" else \
+        torch.sqrt(torch.nn.functional.softplus(logits))
+    return scores, (scores if bias_E is None else scores + bias_E.float())
+
+
+def _weights(scores: torch.Tensor, ids: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """The chosen experts' scores, renormalized as configured, x routed_scaling_factor."""
     w = scores.gather(1, ids)
     if cfg.renormalize:
         w = w / (w.sum(-1, keepdim=True) + cfg.renorm_eps).clamp(min=1e-20)
-    w = w * cfg.routed_scaling_factor
-    return Routing(ids.to(id_dtype), w.float())
+    return (w * cfg.routed_scaling_factor).float()
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """A hash layer's routing input: the token id of each of its rows (int [T]); the layer
+    looks its experts up in its table (`hash_route`)."""
+
+    token_ids_T: torch.Tensor
+
+
+def hash_route(logits_TE: torch.Tensor, cfg: MoEConfig, tid2eid_VK: torch.Tensor,
+               token_ids_T: torch.Tensor, id_dtype: torch.dtype = torch.int32) -> Routing:
+    """DeepSeek-V4's hash layers: the experts tid2eid[token id] (no selection, no bias); their
+    weights the router's scores of those experts (cfg.router's score function), renormalized
+    as configured, x routed_scaling_factor. Device ops only (CUDA-graph capturable)."""
+    _check_logits(logits_TE, cfg)
+    if tid2eid_VK.dim() != 2 or tid2eid_VK.shape[1] != cfg.top_k:
+        raise ValueError(f"tid2eid must be [vocab, top_k={cfg.top_k}], got "
+                         f"{tuple(tid2eid_VK.shape)}")
+    if token_ids_T.shape != (logits_TE.shape[0],):
+        raise ValueError(f"token ids must be [T={logits_TE.shape[0]}], got "
+                         f"{tuple(token_ids_T.shape)}")
+    scores, _ = _scores(logits_TE.float(), cfg, None)
+    ids = tid2eid_VK[token_ids_T.long()].long()
+    return Routing(ids.to(id_dtype), _weights(scores, ids, cfg))
 
 
 def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,

@@ -21,7 +21,7 @@ from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
-from epmoe.router import Routing
+from epmoe.router import Routing, TokenIds
 from epmoe.timing import DeviceSleep, StageTimer
 from epmoe.weights import layer_weights
 
@@ -159,13 +159,17 @@ class Runtime:
         x = torch.randn(self.run.tokens, self.cfg.hidden, generator=g)
         return x.to(torch.bfloat16).to(self.device)
 
-    def routing_for(self, step: int, l: int) -> Routing | None:
-        """Synthetic / replayed routing (None = the model's router). One global stream per step
-        over every rank's tokens (generated once for all layers), so replicas, the oracle and
-        EPLB see the same routing whatever the rank count; each layer takes the rows it runs."""
-        if self.run.routing == "router":
-            return None
+    def routing_for(self, step: int, l: int) -> Routing | TokenIds | None:
+        """Synthetic / replayed routing (None = the model's router; a hash layer's router:
+        its rows' TokenIds). One global stream per step over every rank's tokens (generated
+        once for all layers), so replicas, the oracle and EPLB see the same routing whatever
+        the rank count; each layer takes the rows it runs."""
         cfg = self.cfg
+        first = self.run.token_offset(l, self.rank)
+        rows = slice(first, first + self.run.layer_tokens(l))
+        if self.run.routing == "router":
+            return TokenIds(self._token_ids(step)[rows].to(self.device)) \
+                if l in cfg.hash_layers else None
         if getattr(self, "_routing_step", None) != step:
             from epmoe.eplb.routing import make_routing
 
@@ -176,10 +180,18 @@ class Runtime:
         ids = self._routing_ids[l]
         g = torch.Generator().manual_seed(self.run.seed + step * 17 + l)
         w = torch.softmax(torch.randn(ids.shape[0], cfg.top_k, generator=g), -1)
-        first = self.run.token_offset(l, self.rank)
-        rows = slice(first, first + self.run.layer_tokens(l))
         return Routing(ids[rows].to(torch.int32).to(self.device),
                        (w[rows] * cfg.routed_scaling_factor).to(self.device))
+
+    def _token_ids(self, step: int) -> torch.Tensor:
+        """The step's token ids over every rank's rows (uniform over the vocabulary; the hash
+        layers route by them), one stream per step like the synthetic routing's."""
+        if getattr(self, "_tokens_step", None) != step:
+            g = torch.Generator().manual_seed(self.run.seed * 7919 + step * 131 + 104729)
+            self._token_stream = torch.randint(0, self.cfg.vocab_size, (self.run.global_tokens,),
+                                               generator=g)
+            self._tokens_step = step
+        return self._token_stream
 
     @property
     def token_offset(self) -> int:
@@ -268,9 +280,10 @@ class Runtime:
             if run.check:  # device tensors; report() moves them to the host
                 # the routing the layer used (its own router's when r is None): the oracle
                 # replays it, and checks the router separately (routed=True)
-                used = layer.last_routing
+                used, by_id = layer.last_routing, isinstance(r, TokenIds)
                 keep.append(dict(x=x, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
-                                 routed=torch.tensor(r is None),
+                                 routed=torch.tensor(r is None or by_id),
+                                 tok=r.token_ids_T if by_id else None,
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
         return keep

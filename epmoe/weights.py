@@ -17,6 +17,7 @@ outputs that TP sums carry it once. Slices must fall on quant-block boundaries (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,8 @@ class LayerWeights:
     shared    ExpertWeights | None  the shared experts as one MLP (E=1), or this rank's slice
     shared_gate_D  fp32 [D] | None  with cfg.shared_gate: the shared MLP's output is scaled by
                                sigmoid(x . shared_gate_D) (held wherever a shared share is)
+    tid2eid_VK  int32 [vocab, K] | None  a hash layer's experts per token id (cfg.hash_layers;
+                               every rank holds all of it: every rank routes)
     """
 
     gate_ED: torch.Tensor
@@ -46,6 +49,7 @@ class LayerWeights:
     experts: ExpertWeights
     shared: ExpertWeights | None
     shared_gate_D: torch.Tensor | None = None
+    tid2eid_VK: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,7 +59,8 @@ _M32 = 0xFFFFFFFF
 # A 32-bit integer hash (H. Wellons' hash-prospector family); both multipliers are < 2**31, so
 # every product of a 32-bit state fits in int64 without overflow on any device.
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
-_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3, "b13": 4, "b2": 5, "sgate": 6}
+_TAGS = {"w13": 0, "w2": 1, "gate": 2, "bias": 3, "b13": 4, "b2": 5, "sgate": 6,
+         "tid2eid": 7}
 # standard deviations of the synthetic biases (see the module docstring)
 _ROUTER_BIAS_STD, _SCORE_BIAS_STD, _B13_STD, _B2_STD = 0.5, 0.1, 0.5, 0.25
 _SHARED, _ROUTER = -1, -7  # the expert numbers of the shared MLP and of the router
@@ -147,6 +152,20 @@ def synthetic_router(cfg: MoEConfig, layer: int, seed: int,
         bias = counter_normal((cfg.num_experts,), weight_key(seed, layer, _ROUTER, "bias"), std,
                               device)
     return gate, bias
+
+
+def synthetic_hash_table(cfg: MoEConfig, layer: int, seed: int, device=None) -> torch.Tensor:
+    """A hash layer's int32 [vocab, K] table: K distinct experts per token id, start + j x
+    step (mod E) with the step coprime to E; start and step drawn per token id by a CPU
+    generator keyed by (seed, layer): the same table on every rank and device."""
+    k0, k1 = weight_key(seed, layer, _ROUTER, "tid2eid")
+    g = torch.Generator().manual_seed((k1 << 31) ^ k0)
+    e, v = cfg.num_experts, cfg.vocab_size
+    steps = torch.tensor([s for s in range(1, e) if math.gcd(s, e) == 1] or [1])
+    start = torch.randint(0, e, (v,), generator=g)
+    step = steps[torch.randint(0, len(steps), (v,), generator=g)]
+    ids = (start[:, None] + torch.arange(cfg.top_k)[None, :] * step[:, None]) % e
+    return ids.to(torch.int32).to(device or "cpu")
 
 
 def synthetic_expert_bias(cfg: MoEConfig, layer: int, expert: int, seed: int,
@@ -255,7 +274,9 @@ def synthetic_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int,
             sgate = counter_normal((cfg.hidden,), weight_key(seed, layer, _SHARED, "sgate"),
                                    cfg.hidden ** -0.5, device)
     gate, bias = synthetic_router(cfg, layer, seed, device)
-    return LayerWeights(gate, bias, experts, shared, sgate)
+    table = synthetic_hash_table(cfg, layer, seed, device) if layer in cfg.hash_layers else None
+    return LayerWeights(gate, None if table is not None else bias, experts, shared, sgate,
+                        table)
 
 
 def layer_weights(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, expert_ids,
@@ -291,4 +312,5 @@ def layer_to_oracle(lw: LayerWeights) -> Oracle:
     def f64(t):
         return None if t is None else t.double()
     return Oracle(lw.gate_ED.double(), f64(lw.bias_E), w13, w2, shared, f64(lw.experts.b13),
-                  f64(lw.experts.b2), f64(lw.shared_gate_D))
+                  f64(lw.experts.b2), f64(lw.shared_gate_D),
+                  None if lw.tid2eid_VK is None else lw.tid2eid_VK.cpu().long())

@@ -53,7 +53,8 @@ def test_v4_reads_to_its_moe_layer_and_routes_as_its_modeling_code(norm):
         (4096, 2048, 256, 6, 1)
     assert (c.router, c.n_group, c.renormalize, c.routed_scaling_factor, c.swiglu_limit,
             c.activation) == ("sqrtsoftplus", 1, True, 1.5, 10.0, "swiglu")
-    assert hf.moe_layers == tuple(range(3, 43)) and c.num_moe_layers == 40
+    assert hf.moe_layers == tuple(range(43)) and c.num_moe_layers == 43
+    assert (c.hash_layers, c.vocab_size) == ((0, 1, 2), 129280)
     assert hf.naming == "deepseek_v4"  # its checkpoints: tests/test_deepseek_v4_checkpoint.py
     g = torch.Generator().manual_seed(4)
     logits, bias = torch.randn(64, 256, generator=g) * 3, torch.randn(256, generator=g) * 0.1
@@ -66,12 +67,14 @@ def test_v4_reads_to_its_moe_layer_and_routes_as_its_modeling_code(norm):
 def test_v4_layers_follow_mlp_layer_types_and_its_routers_are_checked():
     types = ["hash_moe", "moe", "hash_moe", "moe"]
     hf = parse_hf_config(dict(V4, num_hidden_layers=4, mlp_layer_types=types), "v4")
-    assert hf.moe_layers == (1, 3)
-    assert parse_hf_config(dict(V4, num_hash_layers=0), "v4").moe_layers == tuple(range(43))
+    assert hf.moe_layers == (0, 1, 2, 3) and hf.cfg.hash_layers == (0, 2)
+    no_hash = parse_hf_config(dict(V4, num_hash_layers=0), "v4")
+    assert no_hash.moe_layers == tuple(range(43)) and no_hash.cfg.hash_layers == ()
+    assert parse_hf_config(dict(V4, num_hidden_layers=2), "v4").cfg.hash_layers == (0, 1)
     with pytest.raises(ValueError, match="mlp_layer_types must give moe or hash_moe"):
         parse_hf_config(dict(V4, num_hidden_layers=4, mlp_layer_types=["dense"] * 4), "v4")
-    with pytest.raises(ValueError, match="none of its 3 layers is a MoE layer"):
-        parse_hf_config(dict(V4, num_hidden_layers=3), "v4")
+    with pytest.raises(ValueError, match=r"hash-routed layers \[0, 1, 2\] need vocab_size"):
+        parse_hf_config({k: v for k, v in V4.items() if k != "vocab_size"}, "v4")
     soft = parse_hf_config(dict(V4, scoring_func="softmax"), "v4").cfg  # bias on the scores
     assert (soft.router, soft.selection_bias, soft.renormalize) == ("softmax_biased", True, True)
     sig = parse_hf_config(dict(V4, scoring_func="sigmoid"), "v4").cfg
@@ -115,4 +118,5 @@ def test_a_v4_config_launches_against_the_oracle(tmp_path):
         num_experts_per_tok=4, num_hidden_layers=5, swiglu_limit=0.25))
     rc, s = launch_in_process(tmp_path, ["--model", str(folder)])
     assert rc == 0 and s["correctness"]["passed"] is True, s["correctness"]
-    assert len(s["correctness"]["per_layer"]) == 2  # layers 3 and 4; 0-2 are hash-routed
+    assert len(s["correctness"]["per_layer"]) == 5  # 0-2 hash-routed, 3-4 by the router
+    assert s["correctness"]["router"]["agreement"] == 1.0

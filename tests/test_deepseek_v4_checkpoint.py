@@ -92,14 +92,15 @@ def test_the_hub_layout_reads_to_its_values(tmp_path, as_fp4):
     folder = config_folder(tmp_path, "Tiny-V4", TINY)
     hf = read_hf_config(str(folder))
     c = hf.cfg
-    assert hf.naming == "deepseek_v4" and hf.moe_layers == (1, 2)
+    assert hf.naming == "deepseek_v4" and hf.moe_layers == (0, 1, 2)
+    assert c.hash_layers == (0,)
     assert hf.stored_recipe == "w4a8_mxfp4"
     t, want = _v4_checkpoint(folder, as_fp4)
     ids = [3, 6]
     x = torch.randn(5, 256, dtype=torch.float64)
     for recipe in ("bf16", "w4a8_mxfp4"):
         q = QuantConfig(recipe)
-        lw = load_layer(str(folder), None, c, q, 1, ids)  # MoE layer 1 = checkpoint layer 2
+        lw = load_layer(str(folder), None, c, q, 2, ids)
         w13, w2 = dequantize_weight(lw.experts.w13).double(), dequantize_weight(lw.experts.w2)
         for n, e in enumerate(ids):
             pre = f"layers.2.ffn.experts.{e}."
@@ -112,7 +113,8 @@ def test_the_hub_layout_reads_to_its_values(tmp_path, as_fp4):
             torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
         assert torch.equal(lw.gate_ED, t["layers.2.ffn.gate.weight"].float())
         assert torch.equal(lw.bias_E, t["layers.2.ffn.gate.bias"])
-    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 1, ids)
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 2, ids)
+    assert lw.tid2eid_VK is None
     sh, s13, s2 = "layers.2.ffn.shared_experts.", *(dequantize_weight(w)[0].double()
                                                      for w in (lw.shared.w13, lw.shared.w2))
     assert torch.equal(s13, torch.cat([want[sh + "w1"], want[sh + "w3"]]))
@@ -126,14 +128,15 @@ def test_the_hub_layout_reads_to_its_values(tmp_path, as_fp4):
 
 @pytest.mark.timeout(300)
 def test_a_v4_checkpoint_launches_against_the_oracle(tmp_path):
-    """The two MoE layers (layer 0 routes by token id: not run) on one rank and on two, bf16
-    and the checkpoint's own w4a8_mxfp4."""
+    """Its three MoE layers (layer 0 routes by token id through the checkpoint's table) on one
+    rank and on two, bf16 and the checkpoint's own w4a8_mxfp4."""
     folder = config_folder(tmp_path, "Tiny-V4", TINY)
     _v4_checkpoint(folder, as_fp4=False)
     for extra in ([], ["--ep", "2", "--no-dp", "--quant", "w4a8_mxfp4"]):
         rc, s = launch_in_process(tmp_path, ["--weights", str(folder)], *extra)
         assert rc == 0 and s["correctness"]["passed"] is True, (extra, s["correctness"])
-        assert len(s["correctness"]["per_layer"]) == 2
+        assert len(s["correctness"]["per_layer"]) == 3
+        assert s["correctness"]["router"]["agreement"] == 1.0
 
 
 def test_transformers_names_for_v4_are_read_too(tmp_path):
@@ -153,11 +156,33 @@ def test_transformers_names_for_v4_are_read_too(tmp_path):
                             ("down_proj", (256, 128))):
             t[mlp + proj + ".weight"] = torch.randn(*shape, generator=g).bfloat16()
     save_file(t, str(folder / "model.safetensors"))
-    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 1, [4])
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 2, [4])
     assert torch.equal(lw.bias_E, t[pre + "gate.e_score_correction_bias"])
     assert torch.equal(lw.experts.w13.data[0], torch.cat([t[pre + "experts.4.gate_proj.weight"],
                                                           t[pre + "experts.4.up_proj.weight"]]))
     (folder / "model.safetensors").unlink()
     save_file({"elsewhere.weight": torch.zeros(1)}, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match=r"tensor 'layers\.2\.ffn\..*' not in checkpoint"):
-        load_layer(str(folder), None, c, QuantConfig("bf16"), 1, [4])
+        load_layer(str(folder), None, c, QuantConfig("bf16"), 2, [4])
+
+
+def test_a_hash_layers_table_is_read_beside_its_gate(tmp_path):
+    """Layer 0 routes by token id: its gate.tid2eid [vocab, K] read as stored, no bias;
+    a table of the wrong shape or with ids outside the experts is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from epmoe.checkpoint import load_layer
+
+    folder = config_folder(tmp_path, "Tiny-V4", TINY)
+    t, _ = _v4_checkpoint(folder, as_fp4=False)
+    c = read_hf_config(str(folder)).cfg
+    lw = load_layer(str(folder), None, c, QuantConfig("bf16"), 0, [1])
+    assert torch.equal(lw.tid2eid_VK, t["layers.0.ffn.gate.tid2eid"]) and lw.bias_E is None
+    f = folder / "model-00001-of-00001.safetensors"
+    for bad, match in ((t["layers.0.ffn.gate.tid2eid"][:, :1].contiguous(), r"tid2eid"),
+                       (t["layers.0.ffn.gate.tid2eid"] + 8, r"must hold expert ids in \[0, 8\)")):
+        tensors = load_file(str(f))
+        tensors["layers.0.ffn.gate.tid2eid"] = bad
+        save_file(tensors, str(f))
+        with pytest.raises(ValueError, match=match):
+            load_layer(str(folder), None, c, QuantConfig("bf16"), 0, [1])

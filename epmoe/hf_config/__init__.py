@@ -19,8 +19,9 @@ each family's Hugging Face modeling code:
   deepseek_v4                 sqrt(softplus) (or its scoring_func) + selection bias, top-k
                               over all experts, always renormalized, x routed_scaling_factor;
                               routed experts clamp gate / up at swiglu_limit (the shared expert
-                              does not). Its first hash-routed layers (mlp_layer_types
-                              "hash_moe": experts picked by token id) are not MoE layers here.
+                              does not). Its first layers (mlp_layer_types "hash_moe", else
+                              num_hash_layers) take their experts from gate.tid2eid by token
+                              id, weighted by the same scores (MoEConfig.hash_layers).
                               Checkpoints in DeepSeek's own layout (layers.{l}.ffn.: MXFP4
                               experts, fp8 shared MLP, e8m0 `scale`s) or transformers' names.
   deepseek_v2                 softmax top-k ("greedy", or "group_limited_greedy": the
@@ -72,7 +73,7 @@ from epmoe.config import MoEConfig
 from epmoe.hf_config.families import FAMILIES, REFUSED, Family
 from epmoe.hf_config.fields import (EXPERT_WIDTH, EXPERTS, HIDDEN, SCALE, SHARED_COUNT, TOP_K,
                                     get, language_model)
-from epmoe.hf_config.layers import moe_layers
+from epmoe.hf_config.layers import hash_layers, moe_layers
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,10 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
     if "activation" not in fixed and act not in ("silu", "swish"):
         raise ValueError(f"{at}: hidden_act {act!r}: epmoe's experts compute SwiGLU (silu)")
     layers = moe_layers(d, fam, at)
+    hashed = tuple(layers.index(i) for i in hash_layers(d, fam, at))
+    if hashed and not d.get("vocab_size"):
+        raise ValueError(f"{at}: hash-routed layers {list(hashed)} need vocab_size (their "
+                         f"tables' rows)")
     f = dict(name=name, hidden=int(get(d, at, *HIDDEN)), moe_intermediate=width,
              num_experts=int(get(d, at, *EXPERTS)), top_k=int(get(d, at, *TOP_K)),
              num_shared_experts=shared, shared_intermediate_size=shared_width,
@@ -169,7 +174,8 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
              routed_scaling_factor=float(get(d, at, *SCALE, default=1.0) or 1.0)
              if fam.reads_scale else 1.0,
              swiglu_limit=float(d["swiglu_limit"]) if fam.clamps and d.get("swiglu_limit")
-             else None, num_moe_layers=len(layers), **fixed)
+             else None, num_moe_layers=len(layers), hash_layers=hashed,
+             vocab_size=int(d["vocab_size"]) if hashed else 0, **fixed)
     if fam.adjust is not None:
         f = fam.adjust(d, at, f)
     return HFModel(MoEConfig(**f), fam.naming, layers, _stored_recipe(d), mtype)

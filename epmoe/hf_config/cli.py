@@ -45,8 +45,10 @@ def describe(hf: HFModel) -> list[tuple[str, str]]:
     ckpt = "not read (--weights refuses it)" if hf.naming is None else \
         f"naming {hf.naming}, experts stored " \
         f"{hf.stored_recipe or 'in a format not decoded here'}"
-    return [("model_type", hf.model_type),
-            ("MoE layers", f"{len(hf.moe_layers)}: checkpoint layers {_spans(hf.moe_layers)}"),
+    hashed = [hf.moe_layers[h] for h in c.hash_layers]
+    layers = f"{len(hf.moe_layers)}: checkpoint layers {_spans(hf.moe_layers)}" + (
+        f"; {_spans(tuple(hashed))} by token id" if hashed else "")
+    return [("model_type", hf.model_type), ("MoE layers", layers),
             ("experts", f"{c.num_experts} routed, top-{c.top_k}, hidden {c.hidden}, "
                         f"intermediate {c.moe_intermediate}"),
             ("shared", shared), ("router", route), ("activation", act), ("checkpoint", ckpt)]

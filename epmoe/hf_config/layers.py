@@ -33,17 +33,31 @@ def moe_layers(d: dict, fam: Family, at: str) -> tuple[int, ...]:
         layers = [int(i) for i in d.get("moe_layers") or range(step - 1, n, step)]
         if any(not 0 <= i < n for i in layers):
             raise ValueError(f"{at}: moe_layers {layers} name layers outside its {n}")
-    elif fam.layers == "hash_first":  # DeepSeek-V4: "hash_moe" layers pick experts by token id
-        types = d.get("mlp_layer_types")
-        if types is None:
-            hashed = int(d.get("num_hash_layers", 3))
-            types = ["hash_moe"] * hashed + ["moe"] * (n - hashed)
-        if len(types) != n or set(types) - {"moe", "hash_moe"}:
-            raise ValueError(f"{at}: mlp_layer_types must give moe or hash_moe for each of its "
-                             f"{n} layers")
-        layers = [i for i, t in enumerate(types) if t == "moe"]
+    elif fam.layers == "hash_first":  # DeepSeek-V4: every layer, its first ones hash-routed
+        _v4_types(d, n, at)  # (checked here: hash_layers reads them)
+        layers = list(range(n))
     else:
         layers = list(range(n))
     if not layers:
         raise ValueError(f"{at}: none of its {n} layers is a MoE layer")
     return tuple(layers)
+
+
+def hash_layers(d: dict, fam: Family, at: str) -> tuple[int, ...]:
+    """The checkpoint layers that pick their experts by token id (DeepSeek-V4's "hash_moe"
+    layers: mlp_layer_types, else the first num_hash_layers)."""
+    if fam.layers != "hash_first":
+        return ()
+    types = _v4_types(d, int(get(d, at, *LAYER_COUNT)), at)
+    return tuple(i for i, t in enumerate(types) if t == "hash_moe")
+
+
+def _v4_types(d: dict, n: int, at: str) -> list[str]:
+    types = d.get("mlp_layer_types")
+    if types is None:
+        hashed = min(int(d.get("num_hash_layers", 3)), n)
+        types = ["hash_moe"] * hashed + ["moe"] * (n - hashed)
+    if len(types) != n or set(types) - {"moe", "hash_moe"}:
+        raise ValueError(f"{at}: mlp_layer_types must give moe or hash_moe for each of its "
+                         f"{n} layers")
+    return list(types)

@@ -11,7 +11,8 @@ import torch
 from epmoe import __version__
 from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.plan.run import RunConfig
-from epmoe.reference import Oracle, max_rel_err, reference_moe, reference_route, tolerance
+from epmoe.reference import (Oracle, max_rel_err, reference_hash_route, reference_moe,
+                             reference_route, tolerance)
 from epmoe.weights import layer_weights
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
@@ -31,6 +32,7 @@ class LazyOracleLayer:
         o = layer_to_oracle(lw)
         self.gate, self.bias, self.shared, self.shared_gate = o.gate, o.bias, o.shared, \
             o.shared_gate
+        self.tid2eid = o.tid2eid
         self._cache: dict[int, tuple] = {}
         outer = self
 
@@ -62,7 +64,7 @@ class LazyOracleLayer:
 
     def as_tuple(self) -> Oracle:
         return Oracle(self.gate, self.bias, self.w13, self.w2, self.shared, self.b13, self.b2,
-                      self.shared_gate)
+                      self.shared_gate, self.tid2eid)
 
 
 def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
@@ -92,7 +94,9 @@ def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
         ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
         per_layer.append(max_rel_err(out, ref))
         if bool(recs[0].get("routed", False)):
-            router.append(check_router(x, ids, w, oracle, run.cfg))
+            tok = None if recs[0].get("tok") is None else \
+                torch.cat([rec["tok"][:n_check] for rec in recs])
+            router.append(check_router(x, ids, w, oracle, run.cfg, tok))
         checked = max(checked, n_check * len(srcs))
         if len(srcs) == 1:  # replicated tokens: every rank must hold the same output
             for r in reports[1:]:
@@ -124,10 +128,15 @@ ROUTER_MIN_AGREEMENT = 0.9
 ROUTER_WEIGHT_TOL = 1e-2
 
 
-def check_router(x, ids, w, oracle, cfg) -> dict:
-    """Top-k sets and weights of the layer's router against the float64 reference router."""
-    gate, bias = oracle[0], oracle[1]
-    ref_ids, ref_w = reference_route(x.double() @ gate.T, cfg, bias)
+def check_router(x, ids, w, oracle, cfg, token_ids=None) -> dict:
+    """Top-k sets and weights of the layer's router against the float64 reference router (a
+    hash layer's, given the rows' token ids: its table's experts, their scores)."""
+    o = Oracle(*oracle)
+    logits = x.double() @ o.gate.T
+    if token_ids is not None:
+        ref_ids, ref_w = reference_hash_route(logits, cfg, o.tid2eid, token_ids)
+    else:
+        ref_ids, ref_w = reference_route(logits, cfg, o.bias)
     ids_s, order = ids.long().sort(1)
     ref_s, ref_order = ref_ids.sort(1)
     same = (ids_s == ref_s).all(1)
