@@ -97,3 +97,35 @@ def test_an_eplb_switch_is_captured_again():
         assert torch.equal(a["out"], b["out"]) and torch.equal(a["phys"], b["phys"])
     assert bool((graph.last[0]["phys"] >= e).any())  # the new replicas took tokens
     assert check_correctness(graph.run, [graph.report()])["passed"]
+
+
+def test_hash_layers_replay_with_each_steps_token_ids():
+    """DeepSeek-V4's hash layers (experts by token id) in a captured step: the token ids are
+    a static input copied in per replay, so replayed steps equal eager ones bit for bit, the
+    replay routes by this step's ids, and the oracle (its router check included) passes."""
+    from epmoe.config import MoEConfig
+
+    cfg = MoEConfig("v4-hash", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
+                    num_shared_experts=1, router="sqrtsoftplus", routed_scaling_factor=1.5,
+                    swiglu_limit=10.0, num_moe_layers=3, hash_layers=(0, 1), vocab_size=4096)
+    rts = []
+    for graph in (False, True):
+        run = RunConfig(model="v4-hash", model_config=cfg, quant=QuantConfig("bf16"), tokens=96,
+                        layers=3, steps=4, backend="local", experts="triton", cuda_graph=graph)
+        rt = Runtime(run)
+        for s in range(4):
+            rt.step(s)
+        rts.append(rt)
+    eager, graph = rts
+    assert graph.graph is not None
+    for l, (a, b) in enumerate(zip(eager.last, graph.last)):
+        for key in ("x", "out", "ids", "w", "tok"):
+            assert (a[key] is None) == (b[key] is None) and (a[key] is None or
+                                                              torch.equal(a[key], b[key])), (l, key)
+    tok = graph._token_ids(3)[:96]
+    assert torch.equal(graph.last[0]["tok"], tok)  # this step's ids, not the capture's
+    table = graph.layers[0].weights.tid2eid_VK.cpu()
+    assert torch.equal(graph.last[0]["ids"].long().sort(1).values,
+                       table[tok].long().sort(1).values)
+    res = check_correctness(graph.run, [graph.report()])
+    assert res["passed"] and res["router"]["agreement"] == 1.0, res
