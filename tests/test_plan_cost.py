@@ -222,3 +222,27 @@ def test_cpu_ranks_outnumbering_cores_stretch_every_stage():
     for s, us in free.stages_us.items():
         assert shared.stages_us[s] == pytest.approx(4 * us), s
     assert shared.total_us == pytest.approx(4 * free.total_us)
+
+
+def test_experts_no_token_picks_are_never_sampled_and_raise_no_warning():
+    """A measured load with idle experts (a short launch, hash layers): the sampler keys them
+    at infinity instead of 0 x inf, so no NaN warning reaches the user and none is picked."""
+    import warnings
+
+    import numpy as np
+
+    from epmoe.plan.routing import _sample_topk
+
+    class ZeroDraws:  # Exp(1) draws of exactly 0 (rare in float32, certain here) everywhere
+        def standard_exponential(self, size, dtype):
+            out = np.random.default_rng(2).standard_exponential(size=size, dtype=dtype)
+            out[:, 100:110] = 0.0  # idle experts' columns
+            return out
+
+    pop = np.zeros(256)
+    pop[:40] = np.random.default_rng(1).random(40) + 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids = _sample_topk(pop / pop.sum(), 6, 1, 1, 2000, ZeroDraws())
+    assert ids.shape == (2000, 6) and int(ids.max()) < 40
+    assert all(len(set(row)) == 6 for row in ids.tolist())

@@ -220,9 +220,10 @@ def _sample_topk(pop: np.ndarray, k: int, n_group: int, topk_group: int, n: int,
     group's score is the sum of its two best log-scores, i.e. the product of its two
     smallest keys)."""
     e = pop.shape[0]
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # an Exp(1) draw of 0 x 1 / 0
         inv = (1.0 / pop).astype(np.float32)
-    key = rng.standard_exponential(size=(n, e), dtype=np.float32) * inv[None, :]
+        key = rng.standard_exponential(size=(n, e), dtype=np.float32) * inv[None, :]
+    key[:, ~(pop > 0)] = np.inf  # never picked ahead of a loaded expert
     if n_group > 1:
         g = key.reshape(n, n_group, e // n_group)
         two = np.partition(g, min(1, g.shape[2] - 1), axis=2)[:, :, :2]
