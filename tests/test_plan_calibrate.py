@@ -118,3 +118,21 @@ def test_a_calibration_at_other_shapes_adds_curves_and_replaces_only_its_own():
     assert kern["triton"]["gather"].prov.source == "inherited"
     assert comm.keys() == base.comm.keys() and coll.keys() == base.collectives.keys()
     assert all(f.prov.source == "inherited" for t in coll.values() for f in t.values())
+
+
+def test_a_model_with_hash_layers_is_timed_as_its_scoring_layers(tmp_path, capsys):
+    """DeepSeek-V4's layer 0 routes by token id: the calibration's one-layer runs (which
+    also time the layer's own router) run it as a top-k layer, so every stage is measured."""
+    from tests.launch_util import config_folder
+    from tests.test_deepseek_v4 import V4
+
+    folder = config_folder(tmp_path, "tiny-v4", dict(
+        V4, hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
+        num_experts_per_tok=4, num_hidden_layers=2))
+    out = tmp_path / "v4.json"
+    assert main(["--quick", "--ranks", "1", "--out", str(out), "--name", "t", "--device",
+                 "cpu", "--model", str(folder)]) == 0
+    said = capsys.readouterr().out
+    assert "routes by token id" not in said and "torch/bf16" not in said, said
+    prof = load_profile(str(out))
+    assert prof.kernels["router"]["sqrtsoftplus"].prov.source == "measured"

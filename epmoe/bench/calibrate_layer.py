@@ -142,12 +142,16 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
 
 
 def _build(model: str, quant, experts: str, tokens: int, dev):
-    """A one-layer Runtime at ep 1 -> (its layer, the experts backend it really built)."""
+    """A one-layer Runtime at ep 1 -> (its layer, the experts backend it really built). A
+    model whose first layers route by token id (DeepSeek-V4) is timed as its scoring layers
+    (the same experts; its router the top-k one, which the hash layers' lookup undercuts)."""
+    from epmoe.config import get_preset
     from epmoe.plan.run import RunConfig
     from epmoe.runtime import Runtime
 
+    plain = (("hash_layers", ()), ("vocab_size", 0)) if get_preset(model).hash_layers else ()
     run = RunConfig(model=model, quant=quant, experts=experts, tokens=tokens, layers=1,
-                    steps=1, check=False)
+                    steps=1, check=False, model_overrides=plain)
     rt = Runtime(run, device=dev)
     layer = rt.layers[0]
     return rt, layer, layer.experts.name
