@@ -118,3 +118,17 @@ def test_link_fit_scales_with_the_link_and_the_sms():
     assert f.bandwidth_GBps(900.0) == 600.0  # twice the link, twice the bandwidth
     assert f.sm_GBps() == 100.0 and f.sm_GBps(7) == 35.0  # default 20 SMs x 5 GB/s
     assert LinkFit(1.0, 1.0, 1.0, Provenance("estimate", "t")).sm_GBps(20) is None
+
+
+def test_the_v4_flash_calibration_holds_measured_w4a8_curves_at_its_shapes():
+    """h200-calibrated-v4flash (one H200, BENCHMARKS.md section 12): DeepSeek-V4-Flash's two
+    GEMMs (4096 x 4096 and 4096 x 2048) measured for Triton W4A8 and fp8_block; a W4A8 lookup
+    at those shapes finds its own curve, not the fp8_block fallback."""
+    p = load_profile("h200-calibrated-v4flash")
+    for recipe in ("w4a8_mxfp4", "fp8_block"):
+        for n, k in ((4096, 4096), (4096, 2048)):
+            c = p.curve("triton", recipe, "contiguous", n, k)
+            assert (c.recipe, c.n, c.k, c.prov.source) == (recipe, n, k, "measured")
+            assert len(c.points) >= 3
+    assert p.curve("triton", "w4a8_mxfp4", "contiguous", 4096, 4096).points != \
+        p.curve("triton", "fp8_block", "contiguous", 4096, 4096).points
