@@ -72,7 +72,8 @@ def _maybe_autotune(fn):
     """Autotune BLOCK_N / warps / stages on GPU; the interpreter runs one fixed config."""
     if INTERPRET:
         return fn
-    return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M"],
+    return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M",
+                                                       "BLOCK_K"],
                            prune_configs_by={"early_config_prune": _prune_configs})(fn)
 
 
@@ -234,9 +235,11 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     a_data, b_data = a_2d, w.data
     bs = w.scale if w.scale is not None else w.data
     s = s_2d if s_2d is not None else a_2d
-    # K step: 64 (bf16), 128 (one activation scale per step), mxfp8: the largest of 128 / 64 /
-    # 32 that divides K (its e8m0 groups of 32 are whole in any of them)
-    block_k = 64 if recipe == 0 else 128
+    # K step: 64 (bf16), 128 (fp8_block: one activation scale per step), 64 (w4a8_mxfp4: its
+    # in-kernel decode spills less; 12% faster at DeepSeek-V4-Flash's 4096 x 4096 on one H200,
+    # BENCHMARKS.md section 12), mxfp8: the largest of 128 / 64 / 32 that divides K (its e8m0
+    # groups of 32 are whole in any of them)
+    block_k = 64 if recipe in (0, 3) else 128
     if recipe == 2:
         block_k = next(b for b in (128, 64, 32) if k % b == 0)
     kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, HAS_BIAS=bias is not None,
