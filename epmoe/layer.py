@@ -79,8 +79,8 @@ class MoELayer:
                 token_offset: int = 0) -> torch.Tensor:
         """x [T, D] bf16 -> out [T, D] bf16. routing: precomputed logical routing (synthetic
         or replayed), else the layer's router (a hash layer's: given the rows' TokenIds).
-        token_offset: the global index of this rank's
-        first token (replica choice is a function of the global token index)."""
+        token_offset: the global index of this rank's first token (replica choice is a
+        function of the global token index)."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden:
             raise ValueError(f"x must be [T, hidden={self.cfg.hidden}], got {tuple(x_TD.shape)}")
         t = self.timer

@@ -170,7 +170,7 @@ FAMILIES = {
     "dots1": Family("deepseek", "sigmoid_grouped", False, "dense_first"),  # V3's MoE layer
     "minimax_m2": Family("minimax", "sigmoid_grouped", True, "all", reads_norm=False,
                          reads_scale=False, adjust=_no_shared),
-    # V4: checkpoints in DeepSeek's own layout (or transformers' names); hash layers not run
+    # V4: checkpoints in its own layout or transformers' names; its first layers hash-routed
     "deepseek_v4": Family("deepseek_v4", "sqrtsoftplus", True, "hash_first", reads_norm=False,
                           clamps=True),
     "deepseek_v2": Family("deepseek", "softmax", False, "dense_first", adjust=_deepseek_v2),
