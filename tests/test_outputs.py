@@ -18,6 +18,7 @@ WRITERS = [
     ("epmoe.bench.comm", "--json", "file", []),
     ("epmoe.bench.comm", "--jsonl", "file", []),
     ("epmoe.bench.kernels", "--json", "file", []),
+    ("epmoe.bench.w4a8_gemm", "--json", "file", []),
     ("epmoe.bench.graph_step", "--json", "file", []),
     ("epmoe.bench.gpu_moe", "--json", "file", []),
     ("epmoe.bench.eplb_placement", "--json", "file", []),

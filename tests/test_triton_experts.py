@@ -177,3 +177,38 @@ def test_use_slot_restores_and_separates_buffers():
         b = tri.ws.take("h", (4, 8), torch.bfloat16, tri.slot)
     assert tri.slot == 0 and a.data_ptr() != b.data_ptr()
     assert tri.ws.take("h", (2, 8), torch.bfloat16, 0).data_ptr() == a.data_ptr()
+
+
+def test_w4a8_block_m_follows_the_expected_rows_per_expert(monkeypatch):
+    """W4A8's BLOCK_M (the swapped MMA's N side): from the pairs per expert on the contiguous
+    path, the rows on the shared MLP's dense path, the capacity's uniform share on the masked
+    one; other recipes keep the backend's."""
+    import epmoe.experts.triton_experts as te
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args, block_m=None, **kwargs):
+            seen.append(block_m)
+            return fn(*args, block_m=block_m, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(te, "triton_m_grouped_gemm_nt_masked",
+                        spy(te.triton_m_grouped_gemm_nt_masked))
+    monkeypatch.setattr(te, "triton_m_grouped_gemm_nt_contiguous",
+                        spy(te.triton_m_grouped_gemm_nt_contiguous))
+    cfg = CFG.replace(num_experts=4, top_k=2)
+    for recipe, want in (("w4a8_mxfp4", [64, 64, 16, 16, 32, 32]),
+                         ("fp8_block", [64, 64, 64, 64, 128, 128])):
+        quant = QuantConfig(recipe)
+        tri = TritonExperts(_weights(cfg, quant), cfg, quant, block_m=128)
+        # the shared MLP: one expert's weights under the model's config (as the Runtime)
+        one = TritonExperts(_weights(cfg.replace(num_experts=1, top_k=1), quant), cfg, quant,
+                            block_m=128)
+        seen.clear()
+        one.run_dense(quantize_act(torch.randn(40, cfg.hidden, device=DEV), quant))
+        x = quantize_act(torch.randn(4, 24, cfg.hidden, device=DEV), quant)  # 24 x 2 / 4 = 12
+        tri.run_masked(x, torch.full((4,), 24, dtype=torch.int32, device=DEV))
+        ids = torch.randint(0, 4, (64, 2), dtype=torch.int32, device=DEV)  # 32 per expert
+        tri.apply(quantize_act(torch.randn(64, cfg.hidden, device=DEV), quant), ids,
+                  torch.rand(64, 2, device=DEV))
+        assert seen == want, recipe

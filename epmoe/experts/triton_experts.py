@@ -17,6 +17,7 @@ from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_wo
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import ValidRows, triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
+from epmoe.kernels.gemm_w4a8 import w4a8_block_m
 from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
 from epmoe.kernels.permute import triton_make_contiguous_layout, triton_permute_rows
@@ -88,6 +89,9 @@ class TritonExperts(Experts):
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         bm = self.block_m if layout.alignment % self.block_m == 0 else None
+        if bm is not None and self.quant.recipe == "w4a8_mxfp4":
+            # rows an expert gets, at most: from shapes (inv_perm_NK: the (token, k) pairs)
+            bm = w4a8_block_m(layout.inv_perm_NK.numel() / layout.num_experts, bm)
         t = self.timer
         with t.stage("experts.gemm1"):
             h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
@@ -98,10 +102,17 @@ class TritonExperts(Experts):
             return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm,
                                                        bias=self.weights.b2)
 
-    def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def run_masked(self, x: QTensor, counts_E: torch.Tensor,
+                   rows_per_expert: float | None = None) -> torch.Tensor:
+        """rows_per_expert: the rows an expert is expected to get (w4a8's BLOCK_M follows
+        it); default the capacity's share under uniform routing, C x top_k / experts."""
         e, c, _ = x.data.shape
         counts_E = counts_E.to(torch.int32)
         bm = min(self.block_m, 64)
+        if self.quant.recipe == "w4a8_mxfp4":
+            rows = c * self.cfg.top_k / self.cfg.num_experts if rows_per_expert is None \
+                else rows_per_expert
+            bm = w4a8_block_m(rows, bm)
         rows = ValidRows.masked(counts_E, c)
         h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant, rows=rows,
@@ -121,7 +132,7 @@ class TritonExperts(Experts):
         counts.fill_(n)
         # scales stay [N, G] as they are (the masked GEMM reads 2-D scales as rows E*C)
         x3 = QTensor(x.data.contiguous().view(1, n, d), x.scale, x.recipe, x.group, x.scale_fmt)
-        return self.run_masked(x3, counts).view(n, d)
+        return self.run_masked(x3, counts, rows_per_expert=n).view(n, d)
 
     def apply_masked(self, x_ECD: QTensor, counts_E, layout: MaskedLayout,
                      topk_weights_NK) -> torch.Tensor:

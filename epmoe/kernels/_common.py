@@ -95,3 +95,56 @@ def fp8_scale(amax, fp8_max, POW2: tl.constexpr):
     if POW2:
         s = (e8 << 23).to(tl.float32, bitcast=True)
     return s, e8
+
+
+@triton.jit
+def e8m0_to_fp32(e):
+    """e8m0 bytes (biased exponents) -> 2**(e - 127) in fp32 (0: the subnormal 2**-127)."""
+    e = e.to(tl.int32)
+    return tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def grouped_tile(row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The pointer grouped GEMMs' tile of program (0, 0, e). Grouped order: GROUP_M consecutive
+    M tiles sweep all N tiles together, so the programs in flight share their A rows and
+    (mostly one expert's) weight tiles in L2. Masked: M = capacity C, expert e's rows are
+    [e*C, e*C + count); contiguous: a tile's expert is its first row's (-1: padding, skipped).
+    -> (run, expert, output rows, clamped rows to load, row mask, N offsets, clamped N)."""
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(GRID_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    if MASKED:
+        e = tl.program_id(2)
+        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        run = pid_m * BLOCK_M < tl.load(counts_ptr + e)
+        rows = e * M + local
+        row_mask = local < M
+        rows_ld = e * M + tl.minimum(local, M - 1)  # clamped: loads need no mask
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        e = tl.load(row_expert_ptr + pid_m * BLOCK_M)
+        run = e >= 0
+        row_mask = rows < M
+        rows_ld = tl.minimum(rows, M - 1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
+    return run, e.to(tl.int64), rows, rows_ld.to(tl.int64), row_mask, offs_n, offs_nl
+
+
+@triton.jit
+def store_tile(acc, c_ptr, stride_cm, rows, row_mask, offs_n, N, bias_ptr, stride_b, e64,
+               offs_nl, HAS_BIAS: tl.constexpr, PRE_ROUND: tl.constexpr):
+    """acc (+ the expert's fp32 bias row, before the one bf16 rounding) -> c rows, masked."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * stride_b + offs_nl)[None, :]
+    if PRE_ROUND:
+        acc = round_bf16(acc)
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_n < N)[None, :])

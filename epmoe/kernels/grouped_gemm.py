@@ -10,20 +10,23 @@ tiles past an expert's count are skipped. Recipes (acc fp32, out bf16):
               (activation scales fp32 any strides, or packed UE8M0 int32)
   mxfp8       fp8 x fp8 with e8m0 scales per 32 on both sides, dequantized to bf16 in-kernel
               (K a multiple of 32: a K step of 128, 64 or 32)
-  w4a8_mxfp4  e2m1 weights (two a byte) x e8m0 per 32, decoded in-kernel to bf16; fp8
-              activations, per-128 fp32 scales applied to the fp32 partial sums
+  w4a8_mxfp4  e2m1 weights (two a byte) x e8m0 per 32; fp8 activations, per-128 fp32 scales
+              applied to the fp32 partial sums
 
 Names follow DeepGEMM's grammar: m-grouped, nt (w stored [N, K]), contiguous / masked.
 
-Two kernels: bf16 and fp8_block run on the TMA kernel of `epmoe.kernels.gemm_tma` (persistent,
-tensor descriptors, tuned configs); this file's pointer kernel serves every recipe (mxfp8 and
-w4a8_mxfp4 dequantize in-kernel) and is the `kernel='pointer'` choice for bf16 / fp8_block.
+Three kernels: bf16 and fp8_block run on the TMA kernel of `epmoe.kernels.gemm_tma` (persistent,
+tensor descriptors, tuned configs); w4a8_mxfp4 on `epmoe.kernels.gemm_w4a8` (codes shuffled to
+fp8, fp8 MMAs); this file's pointer kernel serves every recipe (mxfp8 and w4a8_mxfp4 decoded to
+bf16 in-kernel) and is the `kernel='pointer'` choice for bf16 / fp8_block / w4a8_mxfp4.
 """
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, check, round_bf16
+from epmoe.kernels._common import (INTERPRET, check, e8m0_to_fp32, grouped_tile,
+                                     store_tile)
 from epmoe.kernels.gemm_tma import TUNED, GemmConfig, launch_tma, tma_supported
+from epmoe.kernels.gemm_w4a8 import launch_w4a8
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -36,13 +39,6 @@ _RECIPE_ID = {"bf16": 0, "fp8_block": 1, "mxfp8": 2, "w4a8_mxfp4": 3}
 # K granularity per recipe: its scale groups along K (mxfp8's 32 both sides; 128 where an
 # activation scale covers 128 columns). gpt-oss's hidden 2880 is 90 x 32, not a multiple of 128.
 _K_GROUP = {"bf16": 1, "fp8_block": 128, "mxfp8": 32, "w4a8_mxfp4": 128}
-
-
-@triton.jit
-def _e8m0_to_fp32(e):
-    e = e.to(tl.int32)
-    bits = tl.where(e == 0, 0x400000, e << 23)  # 2**-127 is subnormal
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,34 +84,9 @@ def _grouped_gemm_kernel(
         DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
-    # Grouped tile order: GROUP_M consecutive M tiles sweep all N tiles together, so the
-    # programs in flight share their A rows and (mostly one expert's) weight tiles in L2.
-    pid = tl.program_id(0)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(GRID_M - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
-    if MASKED:  # M = capacity C; rows of expert e are [e*C, e*C + count)
-        e = tl.program_id(2)
-        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        run = pid_m * BLOCK_M < tl.load(counts_ptr + e)
-        rows = e * M + local
-        row_mask = local < M
-        rows_ld = e * M + tl.minimum(local, M - 1)  # clamped: loads need no mask
-    else:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        e = tl.load(row_expert_ptr + pid_m * BLOCK_M)
-        run = e >= 0
-        row_mask = rows < M
-        rows_ld = tl.minimum(rows, M - 1)
+    run, e64, rows, rows64, row_mask, offs_n, offs_nl = grouped_tile(
+        row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED, BLOCK_M, BLOCK_N, GROUP_M)
     if run:
-        rows64 = rows_ld.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
-        e64 = e.to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         # Pointers built once, advanced by BLOCK_K per step (no per-element 64-bit math inside)
         a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]
@@ -147,11 +118,11 @@ def _grouped_gemm_kernel(
             else:
                 w = tl.load(b_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
             if RECIPE >= 2:  # e8m0 weight scales per 32 columns: dequantize to bf16 in-kernel
-                ws = _e8m0_to_fp32(tl.load(ws_ptrs))
+                ws = e8m0_to_fp32(tl.load(ws_ptrs))
                 w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
                                * ws[:, :, None], (BLOCK_N, BLOCK_K))
             if RECIPE == 2:  # mxfp8 activations: e8m0 per 32 as well
-                a_s2 = _e8m0_to_fp32(tl.load(as2_ptrs))
+                a_s2 = e8m0_to_fp32(tl.load(as2_ptrs))
                 a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
                                * a_s2[:, :, None], (BLOCK_M, BLOCK_K))
             if RECIPE == 0 or RECIPE == 2:  # no per-block scale: accumulate in the MMA
@@ -171,7 +142,7 @@ def _grouped_gemm_kernel(
                 kb = k0 // 128  # per-row activation scale of this K block of 128
                 if A_PACKED:
                     word = tl.load(as_row + (kb // 4) * stride_as_g)
-                    a_s = _e8m0_to_fp32((word >> (8 * (kb % 4))) & 255)
+                    a_s = e8m0_to_fp32((word >> (8 * (kb % 4))) & 255)
                 else:
                     a_s = tl.load(as_row + kb * stride_as_g)
                 if RECIPE == 1:  # 128 x 128 weight block scales, applied with a_s in fp32
@@ -188,13 +159,8 @@ def _grouped_gemm_kernel(
                 ws_ptrs += (BLOCK_K // 32) * stride_bs_k
             if RECIPE == 2:
                 as2_ptrs += (BLOCK_K // 32) * stride_as_g
-        if HAS_BIAS:  # the expert's fp32 bias row, before the one bf16 rounding
-            acc += tl.load(bias_ptr + e64 * stride_b + offs_nl)[None, :]
-        if PRE_ROUND:
-            acc = round_bf16(acc)
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & n_mask[None, :])
+        store_tile(acc, c_ptr, stride_cm, rows, row_mask, offs_n, N, bias_ptr, stride_b, e64,
+                   offs_nl, HAS_BIAS, PRE_ROUND)
 
 
 def _check_operands(x: QTensor, w: QWeight) -> None:
@@ -228,10 +194,14 @@ def _check_operands(x: QTensor, w: QWeight) -> None:
 
 def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tensor,
             row_expert, counts, m: int, grid_m: int, num_e: int, block_m: int, masked: bool,
-            bias=None):
+            bias=None, kernel: str = "auto"):
+    if w.recipe == "w4a8_mxfp4" and kernel == "auto":
+        launch_w4a8(w, a_2d, s_2d, out_2d, row_expert, counts, m, grid_m, num_e, block_m,
+                    masked, bias)
+        return
     e, n, k = w.shape
     recipe = _RECIPE_ID[w.recipe]
-    packed = x.scale_fmt == "ue8m0_packed" and recipe in (1, 3)
+    packed = x.scale_fmt == "ue8m0_packed" and recipe == 1
     a_data, b_data = a_2d, w.data
     bs = w.scale if w.scale is not None else w.data
     s = s_2d if s_2d is not None else a_2d
@@ -309,8 +279,9 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
 
     config  GemmConfig of the TMA kernel (default: the tuned one for the recipe)
     out     optional preallocated [M, N] bf16 output
-    kernel  'auto' (TMA kernel for bf16 / fp8_block, pointer kernel otherwise), 'tma',
-            'pointer' (the pre-TMA kernel, every recipe)
+    kernel  'auto' (TMA kernel for bf16 / fp8_block, `epmoe.kernels.gemm_w4a8`'s fp8-MMA
+            kernel for w4a8_mxfp4, the pointer kernel otherwise), 'tma', 'pointer' (the
+            pre-TMA kernel, every recipe; w4a8_mxfp4 decoded to bf16 there)
     bias    optional fp32 [E, N]: each row's expert's row added in fp32 before the bf16 cast
             (gpt-oss's down bias)"""
     _check_operands(x, w)
@@ -336,7 +307,7 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
                    w.shape[0], False, bm, cfg, bias)
     else:
         _launch(x, w, x.data, x.scale, y, layout.row_expert_M, layout.counts_E, m,
-                triton.cdiv(m, bm), 1, bm, masked=False, bias=bias)
+                triton.cdiv(m, bm), 1, bm, masked=False, bias=bias, kernel=kernel)
     return y
 
 
@@ -368,7 +339,7 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
                    config or TUNED[w.recipe], bias)
     else:
         _launch(x, w, x.data.view(e * c, k), s, y.view(e * c, -1), counts_E, counts_E, c,
-                triton.cdiv(c, block_m), e, block_m, masked=True, bias=bias)
+                triton.cdiv(c, block_m), e, block_m, masked=True, bias=bias, kernel=kernel)
     return y
 
 
