@@ -2,8 +2,8 @@
 decode, checked exactly: one-hot activations (fp8 1.0, scale 1.0) make each output one
 weight, which must equal quant.dequantize_weight's value for every code at every scale whose
 products stay in bf16's normal range, on the masked and the contiguous path, for both kernels
-(`kernel='auto'`: `epmoe.kernels.gemm_w4a8`, at a decode and a prefill BLOCK_M, and the
-bf16-decode `'pointer'` one)."""
+(`kernel='auto'`: `epmoe.kernels.gemm_w4a8`, at decode BLOCK_Ms and at 128, where it sums a
+block's groups before the activation scale, and the bf16-decode `'pointer'` one)."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from epmoe.quant import FP8_DTYPE, QTensor, QWeight, dequantize_weight
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 K = 128
 SCALES = list(range(2, 253))  # e8m0 bytes whose products with every code stay normal in bf16
-ROUTES = [("auto", 16), ("auto", 64), ("pointer", 64)]
+ROUTES = [("auto", 16), ("auto", 64), ("auto", 128), ("pointer", 64)]
 
 
 def _every_code_at(scale_EnG: torch.Tensor) -> QWeight:
@@ -85,14 +85,14 @@ def test_groups_at_different_scales_decode_exactly(kernel, block_m):
 def test_every_code_decodes_exactly_contiguous(kernel, block_m):
     w = _every_code_at_scales(SCALES[::10])
     ids = torch.zeros(K, 1, dtype=torch.int32, device=DEV)
-    lay = make_contiguous_layout(ids, 1, 64)
+    lay = make_contiguous_layout(ids, 1, 128)
     y = triton_m_grouped_gemm_nt_contiguous(permute_qtensor(_one_hot(K), lay), w, lay,
                                             block_m=block_m, kernel=kernel)
     valid = lay.row_expert_M >= 0
     assert torch.equal(y[valid].float(), dequantize_weight(w)[0].T)
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 128])
 def test_random_codes_at_random_scales(block_m, seed):
     """K = 640 (five 128-column blocks, two experts, one partly filled): random codes at
     random scales over 5 binades and activations of uneven magnitude, both kernels against

@@ -74,17 +74,14 @@ def _pow2(e):
 
 
 @triton.jit
-def _block(acc, a_s, p, a, words, g: tl.constexpr, INTERP: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """acc + group g of a 128-column block: one fp8 MMA, scaled by the rows' 2**(s - 127)
-    then by a_s (which carries the shuffle's 2**6). This order of products: no inf at the
-    extreme scales."""
+def _group(p, a, words, g: tl.constexpr, INTERP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Group g of a 128-column block: one fp8 MMA, scaled by the rows' 2**(s - 127)."""
     w = _decode(p, not INTERP, BLOCK_N)
     if INTERP:  # the interpreter's fp8 dot: through fp32 (exact products)
         d = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
     else:
         d = tl.dot(w, tl.trans(a))
-    return acc + (d * _pow2(((words >> (8 * g)) & 255) - 127)[:, None]) * a_s[None, :]
+    return d * _pow2(((words >> (8 * g)) & 255) - 127)[:, None]
 
 
 @_maybe_autotune
@@ -110,11 +107,18 @@ def _w4a8_kernel(
         as_row = as_ptr + rows64 * stride_as_m
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(0, K // 128):
-            a_s = tl.load(as_row + kb * stride_as_g) * 64.0
+            a_s = tl.load(as_row + kb * stride_as_g) * 64.0  # 64: the shuffle's 2**-6
             words = tl.load(ws_ptrs + kb)
-            for g in tl.static_range(4):
-                acc = _block(acc, a_s, tl.load(b_ptrs + g * 16), tl.load(a_ptrs + g * 32),
-                             words, g, INTERP, BLOCK_N)
+            if BLOCK_M >= 128:  # the 4 groups summed first, a_s applied once (1.25 vs 2
+                part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # ops an element;
+                for g in tl.static_range(4):  # 0.87x at 96 rows an expert, BENCHMARKS 13)
+                    part += _group(tl.load(b_ptrs + g * 16), tl.load(a_ptrs + g * 32), words,
+                                   g, INTERP, BLOCK_N)
+                acc += part * a_s[None, :]
+            else:  # a_s on each group: one tile less live (faster below BLOCK_M 128)
+                for g in tl.static_range(4):
+                    acc += _group(tl.load(b_ptrs + g * 16), tl.load(a_ptrs + g * 32), words,
+                                  g, INTERP, BLOCK_N) * a_s[None, :]
             a_ptrs += 128
             b_ptrs += 64
         store_tile(tl.trans(acc), c_ptr, stride_cm, rows, row_mask, offs_n, N, bias_ptr,
