@@ -13,7 +13,7 @@ the activation scale x 2**6 into the accumulator. Against the bf16 route
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, grouped_tile, store_tile
+from epmoe.kernels._common import INTERPRET, e8m0_to_fp32, grouped_tile, store_tile
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -68,12 +68,6 @@ def _decode(p, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _pow2(e):
-    """int32 e >= -149 -> 2**e in fp32, subnormals included (exact)."""
-    return tl.where(e >= -126, (e + 127) << 23, 1 << (e + 149)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _group(p, a, words, g: tl.constexpr, INTERP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Group g of a 128-column block: one fp8 MMA, scaled by the rows' 2**(s - 127)."""
     w = _decode(p, not INTERP, BLOCK_N)
@@ -81,7 +75,7 @@ def _group(p, a, words, g: tl.constexpr, INTERP: tl.constexpr, BLOCK_N: tl.const
         d = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
     else:
         d = tl.dot(w, tl.trans(a))
-    return d * _pow2(((words >> (8 * g)) & 255) - 127)[:, None]
+    return d * e8m0_to_fp32((words >> (8 * g)) & 255)[:, None]
 
 
 @_maybe_autotune
