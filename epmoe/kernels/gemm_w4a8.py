@@ -1,14 +1,18 @@
 """The W4A8 grouped GEMM on fp8 tensor cores: e2m1 weights (two a byte, low nibble first) with
-an e8m0 scale per 32 columns, times fp8 e4m3 activations with an fp32 scale per 128 columns; contiguous and masked layouts, as `epmoe.kernels.grouped_gemm`.
+an e8m0 scale per 32 columns, times fp8 e4m3 activations with an fp32 scale per 128 columns;
+contiguous and masked layouts, as `epmoe.kernels.grouped_gemm`.
 
 The decode is a bit shuffle, exact for every code: an e2m1 code (sign e1 e0 m) placed with e1 e0
 m on e4m3's bits 4..2 and its sign on bit 7 is an e4m3 number worth exactly the code's value x
 2**-6 (e2m1's subnormal 0.5 lands on e4m3's subnormal 4 x 2**-9). On the GPU one 32-bit
 operation handles four bytes (inline PTX, `pack=4`), so a weight costs about one integer
 operation instead of the ~10 of a decode to bf16. Each group of 32 columns is then one fp8
-MMA (K = 32, fp32 out) scaled by its e8m0 scale on the fly; each 128 columns' sum is scaled by
-the activation scale x 2**6 into the accumulator. Against the bf16 route
-(`kernel='pointer'`), the A tile is no longer converted and the MMA runs at fp8 rate.
+MMA (K = 32, fp32 out) scaled by its e8m0 scale, and by the activation scale x 2**6 (per
+group below BLOCK_M 128; at 128 once per 128 columns, on the 4 groups' sum). The operands are
+swapped (acc^T = W A^T), so BLOCK_M, the tokens' side, can be 16 for a decode batch's few rows
+per expert (`w4a8_block_m`). Against the bf16 route (`kernel='pointer'`) on one H200 at
+DeepSeek-V4-Flash's shapes: 3.4-4.1x faster for decode batches (there on par with fp8_block),
+1.4-1.6x for prefill (there 2.4-2.8x behind fp8_block; BENCHMARKS.md section 13).
 """
 
 from __future__ import annotations
@@ -38,32 +42,29 @@ def _maybe_autotune(fn):
                            prune_configs_by={"early_config_prune": _prune})(fn)
 
 
+# e2m1 nibbles -> e4m3 bytes worth the code x 2**-6, four bytes per 32-bit op: the low nibble's
+# sign (bit 3) to bit 7 and its magnitude (bits 2..0) to bits 4..2; the high nibble's the same.
+_LOW = tl.constexpr("{ .reg .b32 t; and.b32 t, $1, 0x07070707; shl.b32 t, t, 2;"
+                    " and.b32 $0, $1, 0x08080808; shl.b32 $0, $0, 4; or.b32 $0, $0, t; }")
+_HIGH = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C;"
+                     " and.b32 $0, $1, 0x80808080; or.b32 $0, $0, t; }")
+
+
 @triton.jit
-def _low_codes_e4m3(p, ASM: tl.constexpr):
-    """uint8 bytes -> e4m3 bits of their low nibbles' e2m1 values x 2**-6."""
+def _codes_e4m3(p, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes -> e4m3 bits of their low (or high) nibbles' e2m1 values x 2**-6."""
     if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; and.b32 t, $1, 0x07070707; shl.b32 t, t, 2;"
-            " and.b32 $0, $1, 0x08080808; shl.b32 $0, $0, 4; or.b32 $0, $0, t; }",
-            "=r,r", [p], dtype=tl.uint8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_HIGH if HIGH else _LOW, "=r,r", [p], dtype=tl.uint8,
+                                         is_pure=True, pack=4)
+    if HIGH:
+        return ((p >> 2) & 0x1C) | (p & 0x80)
     return ((p & 7) << 2) | ((p & 8) << 4)
-
-
-@triton.jit
-def _high_codes_e4m3(p, ASM: tl.constexpr):
-    """uint8 bytes -> e4m3 bits of their high nibbles' e2m1 values x 2**-6."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C;"
-            " and.b32 $0, $1, 0x80808080; or.b32 $0, $0, t; }",
-            "=r,r", [p], dtype=tl.uint8, is_pure=True, pack=4)
-    return ((p >> 2) & 0x1C) | (p & 0x80)
 
 
 @triton.jit
 def _decode(p, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Codes [BLOCK_N, 16] bytes -> e4m3 [BLOCK_N, 32] in column order, values x 2**-6."""
-    w = tl.reshape(tl.join(_low_codes_e4m3(p, ASM), _high_codes_e4m3(p, ASM)), (BLOCK_N, 32))
+    w = tl.reshape(tl.join(_codes_e4m3(p, False, ASM), _codes_e4m3(p, True, ASM)), (BLOCK_N, 32))
     return w.to(tl.float8e4nv, bitcast=True)
 
 
