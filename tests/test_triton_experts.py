@@ -197,8 +197,8 @@ def test_w4a8_block_m_follows_the_expected_rows_per_expert(monkeypatch):
     monkeypatch.setattr(te, "triton_m_grouped_gemm_nt_contiguous",
                         spy(te.triton_m_grouped_gemm_nt_contiguous))
     cfg = CFG.replace(num_experts=4, top_k=2)
-    for recipe, want in (("w4a8_mxfp4", [64, 64, 16, 16, 32, 32]),
-                         ("fp8_block", [64, 64, 64, 64, 128, 128])):
+    for recipe, want in (("w4a8_mxfp4", [64, 64, 128, 128, 16, 16, 32, 32]),
+                         ("fp8_block", [64, 64, 64, 64, 64, 64, 128, 128])):
         quant = QuantConfig(recipe)
         tri = TritonExperts(_weights(cfg, quant), cfg, quant, block_m=128)
         # the shared MLP: one expert's weights under the model's config (as the Runtime)
@@ -206,6 +206,7 @@ def test_w4a8_block_m_follows_the_expected_rows_per_expert(monkeypatch):
                             block_m=128)
         seen.clear()
         one.run_dense(quantize_act(torch.randn(40, cfg.hidden, device=DEV), quant))
+        one.run_dense(quantize_act(torch.randn(300, cfg.hidden, device=DEV), quant))
         x = quantize_act(torch.randn(4, 24, cfg.hidden, device=DEV), quant)  # 24 x 2 / 4 = 12
         tri.run_masked(x, torch.full((4,), 24, dtype=torch.int32, device=DEV))
         ids = torch.randint(0, 4, (64, 2), dtype=torch.int32, device=DEV)  # 32 per expert

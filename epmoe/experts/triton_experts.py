@@ -109,10 +109,10 @@ class TritonExperts(Experts):
         e, c, _ = x.data.shape
         counts_E = counts_E.to(torch.int32)
         bm = min(self.block_m, 64)
-        if self.quant.recipe == "w4a8_mxfp4":
+        if self.quant.recipe == "w4a8_mxfp4":  # its kernel runs any BLOCK_M up to 128
             rows = c * self.cfg.top_k / self.cfg.num_experts if rows_per_expert is None \
                 else rows_per_expert
-            bm = w4a8_block_m(rows, bm)
+            bm = w4a8_block_m(rows, self.block_m)
         rows = ValidRows.masked(counts_E, c)
         h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant, rows=rows,
