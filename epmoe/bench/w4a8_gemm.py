@@ -66,18 +66,24 @@ def _case(name: str, n: int, k: int, tokens: int, e: int, top_k: int, w4, w8) ->
     bm = w4a8_block_m(tokens * top_k / e, 128)
     shape = f"{name} N={n} K={k} T={tokens}"
     old = ms(lambda: contig(x4, w4, lay, out=y, kernel="pointer"))
+    valid = lay.row_expert_M >= 0
+    ref = y[valid].float()
     new = ms(lambda: contig(x4, w4, lay, out=y, block_m=bm))
+    diff = float((y[valid].float() - ref).abs().max() / ref.abs().max())
     fp8 = ms(lambda: contig(x8, w8, lay, out=y))
     rows = [dict(layout="contiguous", shape=shape, block_m=bm, auto_us=new * 1e3,
-                 pointer_us=old * 1e3, fp8_block_us=fp8 * 1e3)]
+                 pointer_us=old * 1e3, fp8_block_us=fp8 * 1e3, rel_diff=diff)]
     if tokens * top_k / e <= CAPACITY:
         counts = torch.bincount(ids.flatten().long(), minlength=e).int().clamp(max=CAPACITY)
         xm = quantize_act(torch.randn(e, CAPACITY, k, device="cuda"), QuantConfig("w4a8_mxfp4"))
         ym = torch.empty(e, CAPACITY, n, dtype=torch.bfloat16, device="cuda")
         old = ms(lambda: masked(xm, w4, counts, block_m=64, out=ym, kernel="pointer"))
+        live = torch.arange(CAPACITY, device="cuda")[None, :] < counts[:, None]
+        ref = ym[live].float()
         new = ms(lambda: masked(xm, w4, counts, block_m=16, out=ym))
+        diff = float((ym[live].float() - ref).abs().max() / ref.abs().max())
         rows.append(dict(layout="masked", shape=shape, block_m=16, auto_us=new * 1e3,
-                         pointer_us=old * 1e3, fp8_block_us=None))
+                         pointer_us=old * 1e3, fp8_block_us=None, rel_diff=diff))
     return rows
 
 
@@ -85,13 +91,14 @@ def line(r: dict) -> str:
     fp8 = "" if r["fp8_block_us"] is None else (
         f" fp8_block {r['fp8_block_us']:7.0f} ({r['auto_us'] / r['fp8_block_us']:.2f}x)")
     return (f"{r['layout'][:6]:<6} {r['shape']:<24} bm{r['block_m']:<3} {r['auto_us']:7.0f}us "
-            f"ptr {r['pointer_us'] / r['auto_us']:4.2f}x" + fp8)
+            f"ptr {r['pointer_us'] / r['auto_us']:4.2f}x" + fp8 + f" diff {r['rel_diff']:.0e}")
 
 
 def run(tokens, spec=FLASH, json_path=None) -> list[dict]:
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  us of the auto "
-          f"kernel; ptr = pointer kernel time / auto; fp8_block: its time (auto / it)")
+          f"kernel; ptr = pointer kernel time / auto; fp8_block: its time (auto / it); diff: "
+          f"max |auto - pointer| / max |pointer| (summation order; 1e-2 fails the run)")
     rows = []
     for name, n, k in spec["shapes"]:
         w4, w8 = _weights(spec["experts"], n, k)
@@ -99,6 +106,9 @@ def run(tokens, spec=FLASH, json_path=None) -> list[dict]:
             for r in _case(name, n, k, t, spec["experts"], spec["top_k"], w4, w8):
                 print(line(r), flush=True)
                 rows.append(r)
+                if not r["rel_diff"] <= 1e-2:
+                    raise SystemExit(f"the auto and pointer kernels disagree at {r['shape']} "
+                                     f"({r['layout']}): {r['rel_diff']:.2e} > 1e-2")
         del w4, w8
         torch.cuda.empty_cache()
     if json_path:
