@@ -1,13 +1,15 @@
-"""Compile the symm kernels for sm_90 on a machine without a GPU and report what ptxas says.
+"""Compile kernels for sm_90 on a machine without a GPU and report what ptxas says.
 
-    python tools/sm90_kernel_check.py [--hidden 7168] [--warps 16] [--json]
+    python tools/sm90_kernel_check.py [--set symm|w4a8] [--hidden 7168] [--warps 16] [--json]
 
-For each kernel of `epmoe/comm/symm` at DeepSeek-V3 shapes and the backends' default tiles:
+--set symm (default): each kernel of `epmoe/comm/symm` at DeepSeek-V3 shapes and the backends'
+default tiles; --set w4a8: the W4A8 grouped GEMM (`epmoe/kernels/gemm_w4a8.py`) at each BLOCK_M
+`w4a8_block_m` picks and each of its autotune configs (their own warps and stages). Reported:
 registers per thread, spilled bytes, and how many 16-byte (v4) global loads / stores the PTX
 holds next to narrower ones. A quick way to see, before spending device time, whether a change
-made a kernel spill or lose its wide memory accesses. Pointer arguments are compiled as
-16-byte aligned, as the launches' specialization makes them for these (aligned) tensors.
-Needs the triton wheel's bundled ptxas; no CUDA driver.
+made a kernel spill or lose its wide memory accesses. Pointer arguments (and integer ones
+typed "i32:16") are compiled as multiples of 16, as the launches' specialization makes them
+for these (aligned) tensors. Needs the triton wheel's bundled ptxas; no CUDA driver.
 """
 
 from __future__ import annotations
@@ -31,14 +33,18 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 ARENA = dict(arena_ptr="*u8", delta_ptr="*i64")
 
 
-def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = True) -> dict:
+def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = True,
+                 num_stages: int | None = None) -> dict:
     """-> {registers, spill_bytes, v4_loads, v4_stores, narrow_loads, narrow_stores}."""
-    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+    src = ASTSource(fn=fn, signature={**{k: t.split(":")[0] for k, t in sig.items()},
+                                      **{k: "constexpr" for k in consts}},
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-                           for k, t in sig.items() if t.startswith("*")})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
+                           for k, t in sig.items() if t.startswith("*") or t.endswith(":16")})
+    opts = dict(num_warps=num_warps, enable_fp_fusion=fusion)
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -119,8 +125,27 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
     ]
 
 
+def w4a8_kernels() -> list[tuple]:
+    """(name, jit fn, signature, constexprs, fp fusion, warps, stages): the contiguous W4A8
+    GEMM at BLOCK_M 16 / 64 / 128 under each autotune config."""
+    from epmoe.kernels import gemm_w4a8 as g
+
+    sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*u8", bs_ptr="*i32", c_ptr="*bf16",
+               row_expert_ptr="*i32", counts_ptr="*i32", bias_ptr="*fp32", M="i32", N="i32",
+               K="i32", GRID_M="i32", stride_am="i32:16", stride_as_m="i32",
+               stride_as_g="i32", stride_be="i32:16", stride_bn="i32:16", stride_bs_e="i32",
+               stride_bs_n="i32", stride_bs_k="i32", stride_cm="i32:16", stride_b="i32")
+    return [(f"w4a8 bm{bm} bn{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}",
+             g._w4a8_kernel.fn, sig,
+             dict(MASKED=False, HAS_BIAS=False, INTERP=False, BLOCK_M=bm,
+                  BLOCK_N=c.kwargs["BLOCK_N"], GROUP_M=8), True, c.num_warps, c.num_stages)
+            for bm in (16, 64, 128) for c in g._CONFIGS]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", choices=("symm", "w4a8"), default="symm",
+                   help="the symm comm kernels, or the W4A8 grouped GEMM's configs")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--warps", type=int, default=16, help="warps per CTA (the GPU default)")
     p.add_argument("--only", default="", help="comma-separated kernel names (substrings)")
@@ -135,12 +160,14 @@ def main(argv=None) -> int:
     if not a.json:
         print(f"{'kernel':<24} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
               f"{'narrow ld/st':>13}")
-    for name, fn, sig, consts, fusion in kernels(a.hidden):
+    todo = ([(*k, a.warps, None) for k in kernels(a.hidden)] if a.set == "symm"
+            else w4a8_kernels())
+    for name, fn, sig, consts, fusion, warps, stages in todo:
         if want and not any(w in name for w in want):
             continue
-        r = compile_sm90(fn, sig, consts, a.warps, fusion)
+        r = compile_sm90(fn, sig, consts, warps, fusion, stages)
         if a.json:
-            print(json.dumps(dict(kernel=name, warps=a.warps, **r)))
+            print(json.dumps(dict(kernel=name, warps=warps, **r)))
         else:
             print(f"{name:<24} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
                   f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
