@@ -203,11 +203,12 @@ def test_mxfp8_k_not_a_multiple_of_128(k, seed):
             assert _rel_err(ym[j, :c], refm[j, :c]) <= 1e-2
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8", "w4a8_mxfp4"])
 @pytest.mark.parametrize("kernel", ["auto", "pointer"])
 def test_bias_in_the_epilogue(recipe, kernel, seed):
     """bias [E, N] fp32 (gpt-oss's down bias): each row gets its expert's row before the bf16
-    cast, in both layouts and both kernels (auto = TMA for bf16 / fp8_block)."""
+    cast, in both layouts and both kernels (auto = TMA for bf16 / fp8_block, gemm_w4a8 for
+    w4a8_mxfp4)."""
     quant = QuantConfig(recipe)
     e, n, k = 3, 256, 256
     w = _weights(e, n, k, quant)
