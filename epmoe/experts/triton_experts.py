@@ -89,9 +89,9 @@ class TritonExperts(Experts):
 
     def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
         bm = self.block_m if layout.alignment % self.block_m == 0 else None
-        if bm is not None and self.quant.recipe == "w4a8_mxfp4":
-            # rows an expert gets, at most: from shapes (inv_perm_NK: the (token, k) pairs)
-            bm = w4a8_block_m(layout.inv_perm_NK.numel() / layout.num_experts, bm)
+        if bm is not None:  # the mean (token, k) pairs per expert, from shapes: no sync (an
+            # upper bound where the layout is sized for the worst case)
+            bm = self._block_m(bm, layout.inv_perm_NK.numel() / layout.num_experts)
         t = self.timer
         with t.stage("experts.gemm1"):
             h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
@@ -102,17 +102,24 @@ class TritonExperts(Experts):
             return triton_m_grouped_gemm_nt_contiguous(a, self.weights.w2, layout, block_m=bm,
                                                        bias=self.weights.b2)
 
+    def _block_m(self, cap: int, rows_per_expert: float) -> int:
+        """The grouped GEMMs' BLOCK_M: cap, or under W4A8 (whose BLOCK_M is the swapped MMA's
+        token side) sized to the rows an expert is expected to get."""
+        if self.quant.recipe == "w4a8_mxfp4":
+            return w4a8_block_m(rows_per_expert, cap)
+        return cap
+
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    rows_per_expert: float | None = None) -> torch.Tensor:
         """rows_per_expert: the rows an expert is expected to get (w4a8's BLOCK_M follows
         it); default the capacity's share under uniform routing, C x top_k / experts."""
         e, c, _ = x.data.shape
         counts_E = counts_E.to(torch.int32)
-        bm = min(self.block_m, 64)
-        if self.quant.recipe == "w4a8_mxfp4":  # its kernel runs any BLOCK_M up to 128
-            rows = c * self.cfg.top_k / self.cfg.num_experts if rows_per_expert is None \
-                else rows_per_expert
-            bm = w4a8_block_m(rows, self.block_m)
+        expected = c * self.cfg.top_k / self.cfg.num_experts if rows_per_expert is None \
+            else rows_per_expert
+        # the pointer kernel's masked tiles stay <= 64 rows; the W4A8 kernel runs up to 128
+        cap = self.block_m if self.quant.recipe == "w4a8_mxfp4" else min(self.block_m, 64)
+        bm = self._block_m(cap, expected)
         rows = ValidRows.masked(counts_E, c)
         h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant, rows=rows,
