@@ -20,7 +20,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import Experts
 from epmoe.overlap import LayerStreams
 from epmoe.plan.forms import LayerPlan
-from epmoe.router import ReplicaMap, Routing, TokenIds, hash_route, route_tokens
+from epmoe.router import ReplicaMap, Routing, TokenIds, hash_gate_route, route_tokens
 from epmoe.timing import StageTimer
 from epmoe.weights import LayerWeights
 
@@ -52,15 +52,14 @@ class MoELayer:
         """Gate GEMM + top-k: one fused Triton launch on CUDA (bf16 GEMM, fp32 accumulation),
         the fp32 torch reference elsewhere (`epmoe.router.route_tokens`). A hash layer (its
         weights hold a token-id table) takes its experts from the table by `token_ids`, its
-        weights from the fp32 logits (`epmoe.router.hash_route`)."""
+        weights from the same logits (`epmoe.router.hash_gate_route`: fused on CUDA too)."""
         tid2eid = self.weights.tid2eid_VK
+        gate = self._gate_bf16 if self._gate_bf16 is not None and x_TD.is_cuda \
+            else self.weights.gate_ED
         if tid2eid is not None:
             if token_ids is None:
                 raise ValueError("a hash layer routes by token id: give the rows' TokenIds")
-            logits = x_TD.float() @ self.weights.gate_ED.float().T
-            return hash_route(logits, self.cfg, tid2eid, token_ids.token_ids_T)
-        gate = self._gate_bf16 if self._gate_bf16 is not None and x_TD.is_cuda \
-            else self.weights.gate_ED
+            return hash_gate_route(x_TD, gate, self.cfg, tid2eid, token_ids.token_ids_T)
         return route_tokens(x_TD, gate, self.cfg, self.weights.bias_E)
 
     def route_physical(self, x_TD: torch.Tensor, routing: Routing | TokenIds | None,

@@ -126,20 +126,54 @@ class TokenIds:
 
 
 def hash_route(logits_TE: torch.Tensor, cfg: MoEConfig, tid2eid_VK: torch.Tensor,
-               token_ids_T: torch.Tensor, id_dtype: torch.dtype = torch.int32) -> Routing:
+               token_ids_T: torch.Tensor, id_dtype: torch.dtype = torch.int32,
+               backend: str = "auto") -> Routing:
     """DeepSeek-V4's hash layers: the experts tid2eid[token id] (no selection, no bias); their
     weights the router's scores of those experts (cfg.router's score function), renormalized
-    as configured, x routed_scaling_factor. Device ops only (CUDA-graph capturable)."""
+    as configured, x routed_scaling_factor. Device ops only (CUDA-graph capturable).
+    backend as `route`'s (the Triton kernel: `gate_topk.triton_hash_route`)."""
     _check_logits(logits_TE, cfg)
-    if tid2eid_VK.dim() != 2 or tid2eid_VK.shape[1] != cfg.top_k:
-        raise ValueError(f"tid2eid must be [vocab, top_k={cfg.top_k}], got "
-                         f"{tuple(tid2eid_VK.shape)}")
-    if token_ids_T.shape != (logits_TE.shape[0],):
-        raise ValueError(f"token ids must be [T={logits_TE.shape[0]}], got "
-                         f"{tuple(token_ids_T.shape)}")
+    _check_hash(logits_TE.shape[0], cfg, tid2eid_VK, token_ids_T, id_dtype)
+    if _fast_path(logits_TE, cfg, backend):
+        from epmoe.kernels.gate_topk import triton_hash_route
+
+        logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
+        ids, w = triton_hash_route(None, None, tid2eid_VK, token_ids_T, cfg, logits_TE=logits)
+        return Routing(ids.to(id_dtype), w)
     scores, _ = _scores(logits_TE.float(), cfg, None)
     ids = tid2eid_VK[token_ids_T.long()].long()
     return Routing(ids.to(id_dtype), _weights(scores, ids, cfg))
+
+
+def hash_gate_route(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
+                    tid2eid_VK: torch.Tensor, token_ids_T: torch.Tensor,
+                    id_dtype: torch.dtype = torch.int32, backend: str = "auto") -> Routing:
+    """Gate GEMM + a hash layer's routing (`hash_route`'s rules). On CUDA ('auto') one Triton
+    launch, the gate GEMM in bf16 with fp32 accumulation as `route_tokens`' (the experts come
+    from the table: only the weights see the bf16 GEMM's ~1e-3 relative logit error);
+    elsewhere, or backend='torch', fp32 logits and the torch path (the reference)."""
+    _check_gate(x_TD, gate_ED, cfg)
+    _check_hash(x_TD.shape[0], cfg, tid2eid_VK, token_ids_T, id_dtype)
+    if _fast_path(x_TD, cfg, backend):
+        from epmoe.kernels.gate_topk import triton_hash_route
+
+        ids, w = triton_hash_route(x_TD, gate_ED, tid2eid_VK, token_ids_T, cfg)
+        return Routing(ids.to(id_dtype), w)
+    return hash_route(x_TD.float() @ gate_ED.float().T, cfg, tid2eid_VK, token_ids_T,
+                      id_dtype, backend="torch")
+
+
+def _check_hash(t: int, cfg: MoEConfig, tid2eid_VK, token_ids_T, id_dtype) -> None:
+    if tid2eid_VK.dim() != 2 or tid2eid_VK.shape[1] != cfg.top_k:
+        raise ValueError(f"tid2eid must be [vocab, top_k={cfg.top_k}], got "
+                         f"{tuple(tid2eid_VK.shape)}")
+    if token_ids_T.shape != (t,):
+        raise ValueError(f"token ids must be [T={t}], got {tuple(token_ids_T.shape)}")
+    if token_ids_T.is_floating_point() or tid2eid_VK.is_floating_point():
+        raise ValueError(f"token ids ({token_ids_T.dtype}) and tid2eid ({tid2eid_VK.dtype}) "
+                         f"must be integers")
+    if id_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")
 
 
 def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
@@ -152,12 +186,7 @@ def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
     call). Elsewhere, or backend='torch': fp32 logits `x.float() @ gate.float().T` and the
     torch router, the reference. The bf16 GEMM moves logits by ~1e-3 relative to the fp32
     product, so ids can differ from the fp32 path where two candidates are that close."""
-    if x_TD.dim() != 2 or gate_ED.dim() != 2 or x_TD.shape[1] != gate_ED.shape[1]:
-        raise ValueError(f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be "
-                         f"[T, D] and [E, D]")
-    if gate_ED.shape[0] != cfg.num_experts:
-        raise ValueError(f"gate has {gate_ED.shape[0]} rows but num_experts is "
-                         f"{cfg.num_experts}")
+    _check_gate(x_TD, gate_ED, cfg)
     if id_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")
     if _fast_path(x_TD, cfg, backend):
@@ -166,6 +195,15 @@ def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
         ids, w = triton_gate_route(x_TD, gate_ED, cfg, bias_E)
         return Routing(ids.to(id_dtype), w)
     return route(x_TD.float() @ gate_ED.float().T, cfg, bias_E, id_dtype, backend="torch")
+
+
+def _check_gate(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig) -> None:
+    if x_TD.dim() != 2 or gate_ED.dim() != 2 or x_TD.shape[1] != gate_ED.shape[1]:
+        raise ValueError(f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be "
+                         f"[T, D] and [E, D]")
+    if gate_ED.shape[0] != cfg.num_experts:
+        raise ValueError(f"gate has {gate_ED.shape[0]} rows but num_experts is "
+                         f"{cfg.num_experts}")
 
 
 @dataclass(frozen=True)

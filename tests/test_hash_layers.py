@@ -153,3 +153,95 @@ def test_a_mixed_stack_gives_each_hash_layer_the_token_ids_of_its_rows():
     assert reports[0]["last"][0]["tok"] is None
     res = check_correctness(run, reports)
     assert res["passed"] is True and res["router"]["agreement"] == 1.0, res
+
+
+# ----------------------------------------------------------- the Triton kernel's hash mode
+HASH_KINDS = {"sqrtsoftplus": {}, "softmax": dict(router="softmax"),
+              "sigmoid_no_renorm": dict(router="sigmoid_grouped", renormalize=False),
+              "softmax_biased_eps": dict(router="softmax_biased", renorm_eps=0.25)}
+
+
+def _hash_case(kind: str, seed: int, t: int = 40):
+    cfg = CFG.replace(**HASH_KINDS[kind])
+    g = torch.Generator().manual_seed(seed)
+    table = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(1000)]).int()
+    tok = torch.randint(0, 1000, (t,), generator=g)
+    return cfg, g, table, tok
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", sorted(HASH_KINDS))
+def test_the_kernels_hash_mode_takes_the_tables_experts_and_their_scores(kind, seed):
+    """Given logits (the kernel's unfused read) and the fused bf16 gate GEMM (D = 200: the K
+    loop's masked tail), against the float64 oracle: the table's ids exactly, weights within
+    1e-5 (the fused weights against the float64 product of the same bf16 values)."""
+    from epmoe.router import hash_gate_route
+
+    cfg, g, table, tok = _hash_case(kind, seed)
+    logits = torch.randn(40, 16, generator=g) * 3
+    want_ids, want_w = reference_hash_route(logits.double(), cfg, table, tok)
+    got = hash_route(logits, cfg, table, tok, id_dtype=torch.int64, backend="triton")
+    assert got.topk_ids_TK.dtype == torch.int64 and torch.equal(got.topk_ids_TK, want_ids)
+    torch.testing.assert_close(got.topk_weights_TK.double(), want_w, rtol=1e-5, atol=1e-6)
+    x = torch.randn(40, 200, generator=g).to(torch.bfloat16)
+    gate = (torch.randn(16, 200, generator=g) / 200 ** 0.5 * 3).to(torch.bfloat16)
+    want_ids, want_w = reference_hash_route(x.double() @ gate.double().T, cfg, table, tok)
+    got = hash_gate_route(x, gate, cfg, table, tok, backend="triton")
+    assert got.topk_ids_TK.dtype == torch.int32
+    assert torch.equal(got.topk_ids_TK.long(), want_ids)
+    torch.testing.assert_close(got.topk_weights_TK.double(), want_w, rtol=1e-5, atol=1e-6)
+    torch_path = hash_gate_route(x, gate, cfg, table, tok, backend="torch")
+    assert torch.equal(torch_path.topk_ids_TK.long(), want_ids)
+
+
+@pytest.mark.interpreter
+def test_the_kernels_hash_mode_marks_a_token_id_outside_the_table():
+    """An id past the vocabulary (or negative) reads nothing outside the table: expert 0 at
+    weight NaN, which no later check can miss; the other rows are unaffected."""
+    cfg, g, table, tok = _hash_case("sqrtsoftplus", 0, t=8)
+    tok[2], tok[5] = 1000, -3
+    logits = torch.randn(8, 16, generator=g)
+    got = hash_route(logits, cfg, table, tok, backend="triton")
+    bad = torch.zeros(8, dtype=torch.bool)
+    bad[[2, 5]] = True
+    assert torch.isnan(got.topk_weights_TK[bad]).all() and (got.topk_ids_TK[bad] == 0).all()
+    ok_ids, ok_w = reference_hash_route(logits[~bad].double(), cfg, table, tok[~bad])
+    assert torch.equal(got.topk_ids_TK[~bad].long(), ok_ids)
+    torch.testing.assert_close(got.topk_weights_TK[~bad].double(), ok_w, rtol=1e-5, atol=1e-6)
+
+
+def test_hash_routing_refuses_bad_inputs_before_any_kernel():
+    from epmoe.router import hash_gate_route
+
+    cfg, g, table, tok = _hash_case("sqrtsoftplus", 0, t=8)
+    x, gate = torch.randn(8, 64), torch.randn(16, 64)
+    with pytest.raises(ValueError, match="must be integers"):
+        hash_gate_route(x, gate, cfg, table, tok.float())
+    with pytest.raises(ValueError, match=r"token ids must be \[T=8\]"):
+        hash_gate_route(x, gate, cfg, table, tok[:3])
+    with pytest.raises(ValueError, match=r"gate has 15 rows but num_experts is 16"):
+        hash_gate_route(x, gate[:15], cfg, table, tok)
+    with pytest.raises(ValueError, match="id_dtype must be"):
+        hash_gate_route(x, gate, cfg, table, tok, id_dtype=torch.int16)
+
+
+@pytest.mark.gpu
+def test_the_fused_hash_route_at_deepseek_v4_flash_shape(seed):
+    """4096 tokens, hidden 4096, 256 experts, top-6 (V4-Flash's hash layers) on CUDA: the
+    fused launch against the float64 oracle on the product of the same bf16 values."""
+    from epmoe.router import hash_gate_route
+
+    cfg = MoEConfig("v4f", hidden=4096, moe_intermediate=2048, num_experts=256, top_k=6,
+                    router="sqrtsoftplus", routed_scaling_factor=1.5, num_moe_layers=1,
+                    hash_layers=(0,), vocab_size=129280)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(4096, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    gate = (torch.randn(256, 4096, device="cuda", generator=g) / 64).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(256, device="cuda", generator=g)[:6]
+                         for _ in range(512)]).int()
+    tok = torch.randint(0, 512, (4096,), device="cuda", generator=g)
+    got = hash_gate_route(x, gate, cfg, table, tok)
+    ids, w = reference_hash_route((x.double() @ gate.double().T).cpu(), cfg, table.cpu(),
+                                  tok.cpu())
+    assert torch.equal(got.topk_ids_TK.long().cpu(), ids)
+    torch.testing.assert_close(got.topk_weights_TK.double().cpu(), w, rtol=1e-5, atol=1e-6)

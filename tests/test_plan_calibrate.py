@@ -28,9 +28,12 @@ def _check(path):
     assert prof.kernel("torch", "permute").prov.source == "measured"
     # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
     for table, name in (("local", "dispatch"), ("local", "combine"),
-                        ("router", "sigmoid_grouped"), ("layer", "tail")):
+                        ("router", "sigmoid_grouped"), ("layer", "tail"), ("layer", "issue")):
         fit = prof.kernel(table, name)
         assert fit.prov.source == "measured" and "MoELayer.forward" in fit.prov.note
+    # the CPU's host issues nothing ahead: no queued figures (those are CUDA's)
+    assert not any(k.endswith(".queued") for t in prof.kernels.values() for k in t)
+    assert not any(c.queued for c in prof.mlp) and prof.as_queued() == prof
     mlp = prof.mlp_curve("torch", "bf16", 128, 256, overlapped=False)
     assert mlp is not None and mlp.prov.source == "measured" and len(mlp.points) == 3
     assert not mlp.overlapped  # CPU: no side stream
@@ -90,11 +93,18 @@ def test_a_calibration_at_other_shapes_adds_curves_and_replaces_only_its_own():
         mlp=(mlp(2048, 7168, 50.0, old), mlp(2048, 7168, 60.0, old, True)),
         kernels={"triton": {"permute": AlphaBeta(1.0, 100.0, old),
                             "permute.overlapped": AlphaBeta(2.0, 90.0, old),
-                            "gather": AlphaBeta(3.0, 80.0, old)}})
+                            "gather": AlphaBeta(3.0, 80.0, old)},
+                 "router": {"softmax": AlphaBeta(1.0, 1.0, old),
+                            "softmax.queued": AlphaBeta(1.0, 1.0, old),
+                            "sqrtsoftplus": AlphaBeta(1.0, 1.0, old),
+                            "sqrtsoftplus.queued": AlphaBeta(1.0, 1.0, old)}})
     oss = (curve(5760, 2880, 300.0, new), curve(2880, 2880, 250.0, new),
            curve(7168, 2048, 111.0, new))  # the last at a shape the base has
     gemm, kern, comm, coll, mlps = merge_onto(
-        base, oss, {"triton": {"permute": AlphaBeta(5.0, 200.0, new)}},
+        base, oss, {"triton": {"permute": AlphaBeta(5.0, 200.0, new)},
+                    "router": {"softmax": AlphaBeta(5.0, 200.0, new),
+                               "sqrtsoftplus": AlphaBeta(5.0, 200.0, new),
+                               "sqrtsoftplus.queued": AlphaBeta(2.0, 200.0, new)}},
         (mlp(2880, 2880, 40.0, new),))
 
     by_shape = {(c.n, c.k, c.overlapped): c for c in gemm}
@@ -116,6 +126,9 @@ def test_a_calibration_at_other_shapes_adds_curves_and_replaces_only_its_own():
     # kernel fits by name: permute measured alone replaces both of the base's permute fits
     assert kern["triton"]["permute"].prov == new and "permute.overlapped" not in kern["triton"]
     assert kern["triton"]["gather"].prov.source == "inherited"
+    # a plain fit measured without its queued twin (device timing) drops the base's twin
+    assert "softmax.queued" not in kern["router"] and kern["router"]["softmax"].prov == new
+    assert kern["router"]["sqrtsoftplus.queued"].alpha_us == 2.0
     assert comm.keys() == base.comm.keys() and coll.keys() == base.collectives.keys()
     assert all(f.prov.source == "inherited" for t in coll.values() for f in t.values())
 

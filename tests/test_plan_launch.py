@@ -316,3 +316,36 @@ def test_ranks_sharing_a_gpu_get_no_prediction():
     assert pred["predicted_ms"] is None and pred["predicted_step_ms"] is None
     assert pred["prediction"]["error"] == ("2 ranks share each GPU (time-sliced), which the "
                                            "cost model does not describe")
+
+
+def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
+    """Backlog: the step's first layer starts on an idle GPU; a later layer starts behind
+    the layers before while their predicted time outruns the host's issue time (then its
+    host-bound stages come from the queued figures); --timing device queues every layer."""
+    from epmoe.launch.plan_report import Backlog
+    from epmoe.plan.profile import AlphaBeta, Provenance, load_profile
+
+    m = Provenance("measured", "test")
+    base = load_profile("h200")
+    prof = base.replace(kernels={**base.kernels,
+                                 "router": {"softmax": AlphaBeta(200.0, 1e9, m),
+                                            "softmax.queued": AlphaBeta(40.0, 1e9, m)},
+                                 "layer": {"issue": AlphaBeta(1000.0, 1e9, m)}})
+
+    def layers(b, times):
+        out = []
+        for l, us in enumerate(times):
+            out.append(b.profile(l).kernel("router", "softmax").alpha_us)
+            b.ran(us)
+        return out
+
+    b = Backlog(prof, False, 1e6)
+    assert layers(b, [3000.0, 3000.0, 3000.0]) == [200.0, 40.0, 40.0]
+    assert b.note().startswith("layers 1-2 predicted as queued") and "1.000 ms" in b.note()
+    b = Backlog(prof, False, 1e6)  # the host slower than the GPU: nothing queues
+    assert layers(b, [500.0, 500.0, 500.0]) == [200.0] * 3 and b.note() is None
+    b = Backlog(prof, False, 1e6)  # a backlog drains: 1500 - 1000, then 500 + 200 - 1000 < 0
+    assert layers(b, [1500.0, 200.0, 200.0]) == [200.0, 40.0, 200.0]
+    assert "layers 1 predicted" in b.note()
+    assert layers(Backlog(prof, True, 1e6), [1.0, 1.0]) == [40.0, 40.0]
+    assert Backlog(base, True, 1e6).note() is None  # no queued figures: nothing to say

@@ -88,6 +88,39 @@ def test_json_round_trip(tmp_path):
         assert load_profile(str(p)) == prof
 
 
+def test_as_queued_takes_the_figures_timed_behind_earlier_work(tmp_path):
+    """A fit "<name>.queued" stands in for "<name>" and a queued MLP curve for its plain twin;
+    everything else stays; a profile without queued figures is unchanged; JSON keeps them."""
+    from epmoe.plan.profile import AlphaBeta, MlpCurve
+
+    base = load_profile("h200")
+    assert base.as_queued() == base
+    m, q = Provenance("measured", "idle"), Provenance("measured", "queued")
+
+    def mlp(us, prov, queued):
+        return MlpCurve("triton", "fp8_block", 2048, 7168, True, ((128, us),), prov, queued)
+
+    kern = {**base.kernels, "router": {"sigmoid_grouped": AlphaBeta(200.0, 1e3, m),
+                                       "sigmoid_grouped.queued": AlphaBeta(50.0, 1e3, q)},
+            "comm": {"quantize": AlphaBeta(30.0, 1e3, m)}}
+    prof = base.replace(kernels=kern, mlp=(mlp(900.0, m, False), mlp(400.0, q, True),
+                                           MlpCurve("triton", "bf16", 2048, 7168, False,
+                                                    ((128, 700.0),), m)))
+    assert prof.kernel("router", "sigmoid_grouped").alpha_us == 200.0
+    assert prof.mlp_curve("triton", "fp8_block", 2048, 7168, True).points[0][1] == 900.0
+    qp = prof.as_queued()
+    assert qp.kernel("router", "sigmoid_grouped").alpha_us == 50.0
+    assert "sigmoid_grouped.queued" not in qp.kernels["router"]
+    assert qp.kernel("comm", "quantize").alpha_us == 30.0  # no queued twin: as it was
+    c = qp.mlp_curve("triton", "fp8_block", 2048, 7168, True)
+    assert c.points[0][1] == 400.0 and c.prov == q and not c.queued
+    assert qp.mlp_curve("triton", "bf16", 2048, 7168, False).points[0][1] == 700.0
+    assert len(qp.mlp) == 2
+    path = tmp_path / "q.json"
+    prof.save(path)
+    assert load_profile(str(path)) == prof
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="neither a shipped profile"):
         load_profile("h9000")

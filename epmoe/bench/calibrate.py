@@ -34,7 +34,8 @@ import sys
 import time
 
 from epmoe.plan import traffic as tr
-from epmoe.plan.profile import AlphaBeta, Figure, HardwareProfile, Provenance, load_profile
+from epmoe.plan.profile import (QUEUED, AlphaBeta, Figure, HardwareProfile, Provenance,
+                                load_profile)
 from epmoe.outputs import writable_file
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
@@ -230,8 +231,8 @@ def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
     at its own (N, K) only, an MLP curve the base's at its (width, hidden) and side: the
     base keeps its other shapes, so calibrating gpt-oss's shapes over a DeepSeek-shaped
     profile adds curves (the lookups take the nearest shape) instead of dropping them. A
-    kernel fit measured here replaces the base's of its name (and its `.overlapped` twin when
-    only the alone fit was measured). -> (gemm, kernels, comm, collectives, mlp)."""
+    kernel fit measured here replaces the base's of its name (and its `.overlapped` /
+    `.queued` twins when only the plain fit was measured). -> (gemm, kernels, comm, collectives, mlp)."""
     shapes = {(c.backend, c.recipe, c.layout, c.n, c.k) for c in gemm}
     mlp_shapes = {(c.backend, c.recipe, c.overlapped, c.width, c.hidden) for c in mlp}
     kern, comm, coll, kept_gemm, kept_mlp = {}, {}, {}, (), ()
@@ -249,9 +250,10 @@ def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
                 for c, t in base.collectives.items()}
     for b, t in kernels.items():
         kern.setdefault(b, {}).update(t)
-        for name in t:  # a fit measured alone here outdates the base's fit beside the shared
-            if f"{name}.overlapped" not in t:
-                kern[b].pop(f"{name}.overlapped", None)
+        for name in t:  # a fit measured here outdates the base's fits of it measured beside
+            for sfx in (".overlapped", QUEUED):  # the shared MLP or behind a device hold
+                if name + sfx not in t:
+                    kern[b].pop(name + sfx, None)
     return tuple(gemm) + kept_gemm, kern, comm, coll, tuple(mlp) + kept_mlp
 
 

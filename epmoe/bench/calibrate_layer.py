@@ -20,11 +20,18 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
 | kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |
 |                                        | composed as the cost model does     |                |
+| kernels["layer"]["issue"]              | the host's time to issue a forward  | output bytes   |
+| the quantize / local / router rows as  | the same stages, each forward       | as above       |
+| "<name>.queued", the overlapped mlp    | behind a device hold (launched      |                |
+| curve with queued set                  | timing, CUDA)                       |                |
 
 The first rows come from forwards on balanced synthetic routing (every expert m rows: the
 GEMM curves' x is exact). The host-bound rows come from forwards that run the layer's own
 router as a launch does: a small stage's event time is its host launch time when the GPU is
 idle and its GPU time when it queues behind the router's work, so it must be timed behind it.
+A stack's later layers start behind the layers before (the host issues ahead of the GPU):
+their host-bound stages and the shared MLP beside them are timed again behind a device hold
+(the ".queued" figures; `HardwareProfile.as_queued`, the launch report's later layers).
 
 Sizes are given in rows per expert (m); tokens = m x E / k with every expert holding m rows
 (E = the model's experts, all on this one rank, as plan_accuracy's ep 1 launches run them).
@@ -49,7 +56,7 @@ from dataclasses import dataclass, field
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import fully_beside
 from epmoe.plan.cost import layer_body_us
-from epmoe.plan.profile import AlphaBeta, GemmCurve, MlpCurve
+from epmoe.plan.profile import QUEUED, AlphaBeta, GemmCurve, MlpCurve
 
 ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
                    ("cuda", True): (4, 128, 512),
@@ -135,8 +142,10 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
             t0 = time.perf_counter()
             layer.forward(x, routing)
             whole.append((time.perf_counter() - t0) * 1e6)
+            issue_ms = min(issue_ms, whole[-1] / 1e3)  # the CPU's forward is all host
     out = _stage_us(timer, reps)
     out["forward"] = statistics.median(whole)
+    out["issue"] = issue_ms * 1e3  # the host's fastest issue of a whole forward (CUDA)
     timer.reset()
     return out
 
@@ -187,7 +196,12 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     x_mid = torch.randn(mid, d, device=dev, dtype=torch.bfloat16)
     layer.forward(x_mid, balanced_routing(mid, cfg, dev))
     gemm = {(g, side): {} for g, _, _ in GEMMS for side in modes}
-    shared = {m: [] for m in modes}
+    shared = {(m, False): [] for m in modes}  # (overlapped, queued) -> points
+    # launched timing on CUDA: the host-bound stages again behind a device hold, as a
+    # stack's later layers see them (queued behind the layer before; HardwareProfile.as_queued)
+    queue = DeviceSleep(dev) if timing == "launched" and kind == "cuda" else None
+    if queue is not None:
+        shared[(modes[-1], True)] = []
     for n in ns:
         if clock.left() < 0:
             clock.skipped.append(f"{experts}/{quant.recipe} tokens>={n}: time budget")
@@ -203,15 +217,16 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         for side in modes:
             st = _forward_stages(layer, x, routing, dev, reps, side, hold)
             if not side and st.get("shared"):
-                shared[False].append((float(n), st["shared"]))
+                shared[(False, False)].append((float(n), st["shared"]))
             _routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
         # the stages a launch's host and queue shape (small GPU work behind the router's):
         # timed in forwards that run the layer's own router, as a launch does by default;
         # so is the shared MLP on its side stream: what it overlaps is the launch's path
-        st = _forward_stages(layer, x, None, dev, reps, modes[-1], hold)
-        if modes[-1] and st.get("shared"):
-            shared[True].append((float(n), st["shared"]))
-        _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1])
+        for q in (False, True) if queue is not None else (False,):
+            st = _forward_stages(layer, x, None, dev, reps, modes[-1], queue if q else hold)
+            if modes[-1] and st.get("shared"):
+                shared[(True, q)].append((float(n), st["shared"]))
+            _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
     for (g, side), pts in gemm.items():
         nn, kk = (2 * inter, d) if g == "gemm1" else (d, inter)
         pts = tuple(sorted((m, t) for m, (_, t) in pts.items()))
@@ -221,12 +236,13 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
                 f"{what}, aligned rows per expert (real rows below one aligned group)"
                 f"{beside}"), side))
     width = cfg.shared_intermediate
-    for overlapped, pts in shared.items():
+    for (overlapped, queued), pts in shared.items():
         if pts:
             side = "on its side stream with the routed path running" if overlapped \
                 else "alone (overlap_shared off)"
+            side += ", behind a device hold (queued)" if queued else ""
             fits.mlp.append(MlpCurve(experts, recipe, width, d, overlapped, tuple(sorted(pts)),
-                                     clock.prov(f"{what}: the shared stage {side}")))
+                                     clock.prov(f"{what}: the shared stage {side}"), queued))
     del layer, rt
     if kind == "cuda":
         torch.cuda.empty_cache()
@@ -273,18 +289,23 @@ def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quan
 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
-                       overlapped: bool) -> None:
+                       overlapped: bool, queued: bool = False) -> None:
     """Router, dispatch.quantize (pooled and per experts backend), the local backend's
-    dispatch / combine, and the layer's tail, from one forward with the layer's router."""
+    dispatch / combine, and the layer's tail and the host's issue time, from one forward
+    with the layer's router (queued: behind a device hold -> the ".queued" fits; no tail)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
+    sfx = QUEUED if queued else ""
     q = st.get("dispatch.quantize", 0.0)
     for name in ("quantize", f"quantize.{experts}"):  # pooled, and per backend
-        fits.add_point("comm", name, tr.quantize_bytes(n, d, quant), q or None)
+        fits.add_point("comm", name + sfx, tr.quantize_bytes(n, d, quant), q or None)
     if st.get("dispatch"):
-        fits.add_point("local", "dispatch", tr.local_dispatch_bytes(n, k),
+        fits.add_point("local", "dispatch" + sfx, tr.local_dispatch_bytes(n, k),
                        max(st["dispatch"] - q, 1e-3))
-    fits.add_point("local", "combine", tr.local_combine_bytes(n, d), st.get("combine"))
-    fits.add_point("router", cfg.router, tr.router_bytes(n, d, e), st.get("router"))
+    fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
+    fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
+    if queued:
+        return
+    fits.add_point("layer", "issue", n * d * 2.0, st.get("issue"))
     tail = st["forward"] - layer_body_us(st, overlapped)
     for name in ("tail", f"tail.{experts}"):  # pooled, and per backend (the torch
         fits.add_point("layer", name, n * d * 2.0, max(tail, 1e-3))  # backend syncs the host)
@@ -296,8 +317,11 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
     for (table, name), pts in fits.points.items():
         src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
                "router": f"router stage ({name})",
-               "layer": "whole forward minus its stages as the model composes them"}
+               "layer": "the host's fastest issue of a whole forward" if name == "issue"
+               else "whole forward minus its stages as the model composes them"}
         note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
+        if name.endswith(QUEUED):
+            note += ", behind a device hold (queued)"
         floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),

@@ -30,6 +30,7 @@ ROUTER_CFG = MoEConfig("dsv3-router", hidden=HIDDEN, moe_intermediate=INTER, num
                        top_k=8, router="sigmoid_grouped", n_group=8, topk_group=4,
                        routed_scaling_factor=2.5)
 FP8 = QuantConfig("fp8_block")
+VOCAB = 4096  # the hash router's table rows (the lookup's cost does not depend on it)
 
 
 def bench_ms(fn, rep: int = 100) -> float:
@@ -216,7 +217,7 @@ def gemm_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
 
 def router_rows(t: int, picks: dict) -> list[dict]:
     from epmoe.kernels.gate_topk import triton_gate_route
-    from epmoe.router import route
+    from epmoe.router import hash_gate_route, hash_route, route
 
     x = torch.randn(t, HIDDEN, device="cuda").to(torch.bfloat16)
     gate = torch.randn(ROUTER_CFG.num_experts, HIDDEN, device="cuda") / HIDDEN ** 0.5
@@ -231,9 +232,22 @@ def router_rows(t: int, picks: dict) -> list[dict]:
                                             config=picks.get("router")))
     flops = 2 * t * ROUTER_CFG.num_experts * HIDDEN
     shape = f"T={t} E=256 D={HIDDEN}"
+    # a hash layer (DeepSeek-V4's first layers) on the same gate: the table's experts, their
+    # sqrt(softplus) scores; before: fp32 logits and the torch lookup (the runtime's old path)
+    hcfg = ROUTER_CFG.replace(router="sqrtsoftplus", n_group=1, topk_group=1, num_moe_layers=1,
+                              hash_layers=(0,), vocab_size=VOCAB)
+    table = torch.stack([torch.randperm(256, device="cuda")[:hcfg.top_k]
+                         for _ in range(VOCAB)]).int()
+    tok = torch.randint(0, VOCAB, (t,), device="cuda")
+    hbase = bench_ms(lambda: hash_route(x.float() @ gate.T, hcfg, table, tok, backend="torch"))
+    hms = bench_ms(lambda: hash_gate_route(x, gate_bf16, hcfg, table, tok))
     return [dict(name="router fused gate+top-k", shape=shape, ms=ms,
                  metric=f"{flops / ms / 1e9:.0f} TFLOPS", value=ms * 1e3,
-                 baseline="torch router (fp32 matmul)", baseline_ms=base, ratio=base / ms)]
+                 baseline="torch router (fp32 matmul)", baseline_ms=base, ratio=base / ms),
+            dict(name="hash router fused (V4 hash layer)", shape=shape, ms=hms,
+                 metric=f"{flops / hms / 1e9:.0f} TFLOPS", value=hms * 1e3,
+                 baseline="torch hash route (fp32 matmul)", baseline_ms=hbase,
+                 ratio=hbase / hms)]
 
 
 GROUPS = ("router", "bandwidth", "gemm")

@@ -12,7 +12,10 @@ One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns i
           group_limited_greedy); then top_k by repeated arg-max (first index on ties)
   weights the unbiased scores of the chosen experts, renormalized if asked (/ (sum +
           renorm_eps)), times the routed scaling factor
-These are `epmoe.router.route`'s rules. Ids match the torch path wherever no two candidates
+  HASH    a hash layer (DeepSeek-V4): no selection, no bias; the experts are the table's row
+          of each token id (tid2eid [vocab, K]), weighted as above. A token id outside the
+          table gets expert 0 at weight NaN (loud downstream; no read outside the table)
+These are `epmoe.router.route`'s and `hash_route`'s rules. Ids match the torch path wherever no two candidates
 tie (within the scores' last-bit differences: exp/sigmoid here use the fast hardware
 exponent); weights agree to ~1e-6 relative.
 """
@@ -98,8 +101,9 @@ def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROU
 
 
 @triton.jit
-def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, stride_x, stride_g,
-                   stride_l, scaling, renorm_eps, KIND: tl.constexpr, FUSED: tl.constexpr,
+def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, tab_ptr, tok_ptr, T, E, D, V,
+                   stride_x, stride_g, stride_l, scaling, renorm_eps, KIND: tl.constexpr,
+                   FUSED: tl.constexpr, HASH: tl.constexpr,
                    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, GROUP_BEST: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP_K: tl.constexpr, RENORM: tl.constexpr, INTERP: tl.constexpr,
@@ -153,23 +157,33 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, T, E, D, strid
         if HAS_BIAS:
             sel += tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         sel = tl.where(cm[None, :], sel, neg)
-    if N_GROUP > 1:
+    if N_GROUP > 1 and not HASH:
         sel = _keep_groups(sel, cols, BLOCK_M, BLOCK_E, N_GROUP, NG_PAD, GROUP_SIZE, TOPK_GROUP,
                            GROUP_BEST)
     kc = tl.arange(0, K_PAD)[None, :]
     ids = tl.zeros((BLOCK_M, K_PAD), dtype=tl.int32)
     ws = tl.zeros((BLOCK_M, K_PAD), dtype=tl.float32)
+    if HASH:  # the table's experts of each token id (an id outside it: expert 0, NaN)
+        tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)
+        bad = (tok < 0) | (tok >= V)
+        tab = tab_ptr + tl.where(bad, 0, tok) * TOP_K
     for j in tl.static_range(TOP_K):
-        m = tl.max(sel, axis=1)
-        i = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
+        if HASH:
+            i = tl.where(bad, 0, tl.load(tab + j, mask=rm, other=0).to(tl.int32))
+        else:
+            m = tl.max(sel, axis=1)
+            i = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
         hit = cols[None, :] == i[:, None]
         wj = tl.sum(tl.where(hit, score, 0.0), axis=1)
         ids = tl.where(kc == j, i[:, None], ids)
         ws = tl.where(kc == j, wj[:, None], ws)
-        sel = tl.where(hit, neg, sel)
+        if not HASH:
+            sel = tl.where(hit, neg, sel)
     if RENORM:  # + renorm_eps (LFM2-MoE's 1e-6; 0 elsewhere)
         ws = ws / tl.maximum(tl.sum(ws, axis=1) + renorm_eps, 1e-20)[:, None]
     ws = ws * scaling
+    if HASH:
+        ws = tl.where(bad[:, None], float("nan"), ws)
     out = rows.to(tl.int64)[:, None] * TOP_K + kc
     om = rm[:, None] & (kc < TOP_K)
     tl.store(ids_ptr + out, ids, mask=om)
@@ -186,7 +200,8 @@ def unsupported(cfg: MoEConfig) -> str | None:
     return None
 
 
-def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None):
+def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None,
+            table=None, token_ids=None):
     why = unsupported(cfg)
     check(why is None, f"the router kernel cannot run this config: {why}; use the torch path "
           f"(backend='torch')")
@@ -202,13 +217,17 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     block_m = 16 if INTERPRET else max(16, min(c.block_m, 16384 // block_e))
     d = x.shape[1] if x is not None else 0
     has_bias = bias_E is not None
+    hashed = table is not None
     _router_kernel[(triton.cdiv(t, block_m),)](
         x if x is not None else logits, gate if gate is not None else logits,
         logits if logits is not None else x, bias_E if has_bias else w, ids, w,
-        t, cfg.num_experts, d, x.stride(0) if x is not None else 0,
+        table if hashed else ids, token_ids if hashed else ids,
+        t, cfg.num_experts, d, table.shape[0] if hashed else 0,
+        x.stride(0) if x is not None else 0,
         gate.stride(0) if gate is not None else 0,
         logits.stride(0) if logits is not None else 0, float(cfg.routed_scaling_factor),
-        float(cfg.renorm_eps), KIND=_KIND[cfg.router], FUSED=x is not None, HAS_BIAS=has_bias,
+        float(cfg.renorm_eps), KIND=_KIND[cfg.router], FUSED=x is not None, HASH=hashed,
+        HAS_BIAS=has_bias,
         N_GROUP=cfg.n_group, NG_PAD=next_pow2(cfg.n_group),
         GROUP_SIZE=cfg.num_experts // cfg.n_group, GROUP_BEST=group_best(cfg),
         TOPK_GROUP=cfg.topk_group,
@@ -235,11 +254,32 @@ def triton_gate_route(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
           gate_ED.shape[0] == cfg.num_experts,
           f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be [T, D] and "
           f"[num_experts={cfg.num_experts}, D]")
-    x = x_TD.to(torch.bfloat16)
-    g = gate_ED.to(torch.bfloat16)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    g = g if g.stride(1) == 1 else g.contiguous()
-    return _launch(x, g, None, cfg, bias_E, config)
+    return _launch(_bf16_rows(x_TD), _bf16_rows(gate_ED), None, cfg, bias_E, config)
 
 
-__all__ = ["triton_route_logits", "triton_gate_route", "RouterConfig", "unsupported"]
+def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
+    """t in bf16 with contiguous rows (a copy only where needed)."""
+    t = t.to(torch.bfloat16)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def triton_hash_route(x_TD: torch.Tensor | None, gate_ED: torch.Tensor | None,
+                      tid2eid_VK: torch.Tensor, token_ids_T: torch.Tensor, cfg: MoEConfig,
+                      logits_TE: torch.Tensor | None = None,
+                      config: RouterConfig | None = None):
+    """A hash layer's routing in one launch: the scores of x @ gate.T (bf16 GEMM, fp32
+    accumulation; or given fp32 / bf16 logits), the experts tid2eid[token id], their scores
+    as weights -> (topk_ids_TK int32, topk_weights_TK fp32). Shapes are checked by the
+    caller (`epmoe.router.hash_gate_route`)."""
+    tab = tid2eid_VK if tid2eid_VK.dtype == torch.int32 and tid2eid_VK.is_contiguous() \
+        else tid2eid_VK.to(torch.int32).contiguous()
+    tok = token_ids_T.contiguous()
+    if logits_TE is not None:
+        check(logits_TE.stride(1) == 1, f"logits rows must be contiguous (stride "
+              f"{logits_TE.stride()})")
+        return _launch(None, None, logits_TE, cfg, None, config, tab, tok)
+    return _launch(_bf16_rows(x_TD), _bf16_rows(gate_ED), None, cfg, None, config, tab, tok)
+
+
+__all__ = ["triton_route_logits", "triton_gate_route", "triton_hash_route", "RouterConfig",
+           "unsupported"]

@@ -94,6 +94,7 @@ def predict_run(run, reports: list[dict], planning) -> dict:
         case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
         per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
         e = cfg.num_experts
+        behind = Backlog(prof, run.timing == "device", tokens * cfg.hidden * 2.0)
         for l, c in enumerate(cands):
             spec, label = _routing(run, reports, l)
             how.add(label)
@@ -103,8 +104,9 @@ def predict_run(run, reports: list[dict], planning) -> dict:
             key = (spec, slots)
             if key not in stats and c.form != "tp":
                 stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
-            pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo, prof,
-                                 stats.get(key))
+            pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo,
+                                 behind.profile(l), stats.get(key))
+            behind.ran(pred.total_us)
             relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
             st = {**pred.stages_us, "relayout": relayout}
             if run.routing != "router":  # routing given: the router stage only looks it up
@@ -114,11 +116,50 @@ def predict_run(run, reports: list[dict], planning) -> dict:
             step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
             prev = c.form
         info["routing"] = "; ".join(sorted(how))
+        if behind.note():
+            info["notes"].append(behind.note())
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
     return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
                 predicted_step_ms=float(step_us) / 1e3, prediction=info)
+
+
+class Backlog:
+    """Which layers of a step start behind earlier work on the GPU. A step starts on an idle
+    GPU (after a synchronize); the host then issues layer l in the profile's `issue` time
+    (kernels["layer"]["issue"]) while the GPU runs the layers before, so the GPU's backlog
+    after layer l is max(0, backlog + its predicted time - its issue time). A layer that
+    starts with a backlog (or every layer, under --timing device) is predicted from the
+    profile's queued figures (`HardwareProfile.as_queued`: its host-bound stages' GPU time)."""
+
+    def __init__(self, prof, device_timing: bool, out_bytes: float):
+        self.plain, self.queued = prof, prof.as_queued()
+        issue = prof.most_specific("layer", "issue")
+        self.issue_us = issue.time_us(out_bytes) if issue is not None else 0.0
+        self.device_timing, self.us, self.layers = device_timing, 0.0, []
+
+    def profile(self, layer: int):
+        q = self.device_timing or self.us > 0.0
+        if q:
+            self.layers.append(layer)
+        return self.queued if q else self.plain
+
+    def ran(self, layer_us: float) -> None:
+        self.us = max(0.0, self.us + layer_us - self.issue_us)
+
+    def note(self) -> str | None:
+        if not self.layers or self.queued == self.plain:
+            return None
+        return (f"layers {_ranges(self.layers)} predicted as queued behind the layers "
+                f"before (host issue {self.issue_us / 1e3:.3f} ms a layer): their host-bound "
+                f"stages and the shared MLP from the profile's queued figures")
+
+
+def _ranges(xs: list[int]) -> str:
+    if xs != list(range(xs[0], xs[-1] + 1)):
+        return ",".join(map(str, xs))
+    return str(xs[0]) if len(xs) == 1 else f"{xs[0]}-{xs[-1]}"
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:

@@ -41,6 +41,7 @@ from epmoe.docfile import read_doc
 Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
 SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
 SCHEMA = 1
+QUEUED = ".queued"  # a kernel fit's name suffix: timed behind earlier GPU work (as_queued)
 DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
                   "peak_tflops_fp32", "launch_us", "sync_us")
 KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
@@ -168,7 +169,8 @@ class MlpCurve:
     hidden `hidden`. overlapped: timed on the side stream while the routed path runs (the
     CUDA default, layer.py), else alone. Between points: linear in log-log; below the first,
     the first point's time (weight-read and launch bound); above the last, linear in tokens.
-    Another (width, hidden) scales the time by the FLOP ratio."""
+    Another (width, hidden) scales the time by the FLOP ratio. queued: timed behind earlier
+    work on the GPU (a stack's later layers; `HardwareProfile.as_queued`)."""
 
     backend: str
     recipe: str
@@ -177,6 +179,7 @@ class MlpCurve:
     overlapped: bool
     points: tuple[tuple[float, float], ...]
     prov: Provenance
+    queued: bool = False
 
     def __post_init__(self):
         pts = tuple((float(n), float(t)) for n, t in self.points)
@@ -190,7 +193,8 @@ class MlpCurve:
     @property
     def key(self) -> str:
         side = "overlapped" if self.overlapped else "alone"
-        return f"{self.backend}/{self.recipe}/{side}/{self.width}x{self.hidden}"
+        return f"{self.backend}/{self.recipe}/{side}{'/queued' * self.queued}/" \
+               f"{self.width}x{self.hidden}"
 
     def time_us(self, tokens: float, width: int | None = None, hidden: int | None = None) -> float:
         pts = self.points
@@ -257,12 +261,25 @@ class HardwareProfile:
         the overlapped one if asked and measured, else the one timed alone; None when the
         profile has none (the model then adds up its GEMM curves and kernel fits)."""
         for side in dict.fromkeys((overlapped, False)):
-            cands = [c for c in self.mlp
-                     if (c.backend, c.recipe, c.overlapped) == (backend, recipe, side)]
+            cands = [c for c in self.mlp if not c.queued and
+                     (c.backend, c.recipe, c.overlapped) == (backend, recipe, side)]
             if cands:
                 return min(cands, key=lambda c: abs(math.log(c.width / width)) +
                            abs(math.log(c.hidden / hidden)))
         return None
+
+    def as_queued(self) -> "HardwareProfile":
+        """The profile as a layer sees it that starts behind earlier work on the GPU (a
+        stack's later layers when the host issues ahead): each figure timed so (a kernel
+        fit named "<name>.queued", an MLP curve with `queued`) stands in for its plain one;
+        the rest as they are. The calibration times the host-bound stages both ways."""
+        kern = {b: {**{k: v for k, v in t.items() if not k.endswith(QUEUED)},
+                    **{k[:-len(QUEUED)]: v for k, v in t.items() if k.endswith(QUEUED)}}
+                for b, t in self.kernels.items()}
+        over = {c.key.replace("/queued", ""): replace(c, queued=False)
+                for c in self.mlp if c.queued}
+        plain = {c.key: c for c in self.mlp if not c.queued}
+        return replace(self, kernels=kern, mlp=tuple({**plain, **over}.values()))
 
     def has_kernel(self, table: str, name: str) -> bool:
         return name in self.kernels.get(table, {})
@@ -362,7 +379,8 @@ def from_dict(d: Mapping) -> HardwareProfile:
                          for c, t in d.get("collectives", {}).items()},
             mlp=tuple(MlpCurve(c["backend"], c["recipe"], int(c["width"]), int(c["hidden"]),
                                bool(c["overlapped"]), tuple(tuple(p) for p in c["points"]),
-                               _prov(c["prov"])) for c in d.get("mlp", ())))
+                               _prov(c["prov"]), bool(c.get("queued", False)))
+                      for c in d.get("mlp", ())))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"profile {d.get('name', '?')!r} is malformed: missing or bad "
                          f"{exc}") from None
