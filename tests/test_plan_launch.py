@@ -330,13 +330,14 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     prof = base.replace(kernels={**base.kernels,
                                  "router": {"softmax": AlphaBeta(200.0, 1e9, m),
                                             "softmax.queued": AlphaBeta(40.0, 1e9, m)},
-                                 "layer": {"issue": AlphaBeta(1000.0, 1e9, m)}})
+                                 "layer": {"issue": AlphaBeta(1000.0, 1e9, m),
+                                           "issue.torch": AlphaBeta(5000.0, 1e9, m)}})
 
-    def layers(b, times):
+    def layers(b, times, experts="triton"):
         out = []
         for l, us in enumerate(times):
             out.append(b.profile(l).kernel("router", "softmax").alpha_us)
-            b.ran(us)
+            b.ran(us, experts)
         return out
 
     b = Backlog(prof, False, 1e6)
@@ -347,5 +348,7 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     b = Backlog(prof, False, 1e6)  # a backlog drains: 1500 - 1000, then 500 + 200 - 1000 < 0
     assert layers(b, [1500.0, 200.0, 200.0]) == [200.0, 40.0, 200.0]
     assert "layers 1 predicted" in b.note()
+    b = Backlog(prof, False, 1e6)  # the torch backend's own (host-synced) issue time
+    assert layers(b, [3000.0, 3000.0], "torch") == [200.0, 200.0] and b.note() is None
     assert layers(Backlog(prof, True, 1e6), [1.0, 1.0]) == [40.0, 40.0]
     assert Backlog(base, True, 1e6).note() is None  # no queued figures: nothing to say

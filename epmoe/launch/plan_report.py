@@ -106,7 +106,7 @@ def predict_run(run, reports: list[dict], planning) -> dict:
                 stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
             pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo,
                                  behind.profile(l), stats.get(key))
-            behind.ran(pred.total_us)
+            behind.ran(pred.total_us, c.experts)
             relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
             st = {**pred.stages_us, "relayout": relayout}
             if run.routing != "router":  # routing given: the router stage only looks it up
@@ -135,8 +135,7 @@ class Backlog:
 
     def __init__(self, prof, device_timing: bool, out_bytes: float):
         self.plain, self.queued = prof, prof.as_queued()
-        issue = prof.most_specific("layer", "issue")
-        self.issue_us = issue.time_us(out_bytes) if issue is not None else 0.0
+        self.out_bytes, self.issued = out_bytes, []
         self.device_timing, self.us, self.layers = device_timing, 0.0, []
 
     def profile(self, layer: int):
@@ -145,15 +144,19 @@ class Backlog:
             self.layers.append(layer)
         return self.queued if q else self.plain
 
-    def ran(self, layer_us: float) -> None:
-        self.us = max(0.0, self.us + layer_us - self.issue_us)
+    def ran(self, layer_us: float, experts: str) -> None:
+        """Layer l ran for layer_us (predicted) on `experts`, issued in the profile's time
+        of that experts backend (its host syncs: the torch backend's loop) or the pooled."""
+        fit = self.plain.most_specific("layer", f"issue.{experts}", "issue")
+        self.issued.append(fit.time_us(self.out_bytes) if fit is not None else 0.0)
+        self.us = max(0.0, self.us + layer_us - self.issued[-1])
 
     def note(self) -> str | None:
         if not self.layers or self.queued == self.plain:
             return None
         return (f"layers {_ranges(self.layers)} predicted as queued behind the layers "
-                f"before (host issue {self.issue_us / 1e3:.3f} ms a layer): their host-bound "
-                f"stages and the shared MLP from the profile's queued figures")
+                f"before (host issue {max(self.issued) / 1e3:.3f} ms a layer at most): their "
+                f"host-bound stages and the shared MLP from the profile's queued figures")
 
 
 def _ranges(xs: list[int]) -> str:
