@@ -149,3 +149,22 @@ def test_a_model_with_hash_layers_is_timed_as_its_scoring_layers(tmp_path, capsy
     assert "routes by token id" not in said and "torch/bf16" not in said, said
     prof = load_profile(str(out))
     assert prof.kernels["router"]["sqrtsoftplus"].prov.source == "measured"
+
+
+def test_a_fit_timed_beside_the_shared_mlp_takes_no_floor():
+    """finish(): a fit's floor is its fastest time, except for ".overlapped" fits, whose points
+    are only the sizes that ran entirely beside the shared MLP (often the largest alone): a
+    1.65 ms floor from 21846 tokens once priced act_quant at 4096 tokens 2.2x over."""
+    from epmoe.bench.calibrate import Clock
+    from epmoe.bench.calibrate_layer import LayerFits, finish
+
+    fits = LayerFits()
+    for nbytes, us in ((1e6, 40.0), (1e7, 35.0), (1e8, 90.0)):  # one wave at small sizes
+        fits.add_point("triton", "act_quant", nbytes, us)
+    fits.add_point("triton", "act_quant.overlapped", 2e8, 1650.0)
+    fits.add_point("triton", "act_quant.overlapped", 4e8, 3300.0)
+    out = finish(fits, Clock([], 1.0, "test"), fit_ab)["triton"]
+    assert out["act_quant"].floor_us == 35.0
+    assert out["act_quant"].time_us(1e5) == pytest.approx(35.0)
+    beside = out["act_quant.overlapped"]
+    assert beside.floor_us == 0.0 and beside.time_us(2e7) == pytest.approx(165.0, rel=1e-6)

@@ -145,6 +145,28 @@ def test_gemm_curve_interpolation():
         GemmCurve("x", "bf16", "contiguous", 1, 1, ((16, 1.0), (8, 1.0)), c.prov)
 
 
+def test_a_recipes_own_curve_beats_another_recipes_curve_timed_beside_the_shared_mlp():
+    """W4A8 beside the shared MLP, where only fp8_block was timed so: W4A8's own (alone)
+    curve, not fp8_block's (3x faster on Hopper: the launch once predicted W4A8's GEMM1 at
+    0.45x of its measurement so); fp8_block still gets its overlapped one, and a recipe with
+    no curve of its own falls back to fp8_block's, overlapped when asked."""
+    m = Provenance("measured", "test")
+
+    def curve(recipe, tf, overlapped):
+        return GemmCurve("triton", recipe, "contiguous", 4096, 4096, ((4, tf), (1024, tf)), m,
+                         overlapped)
+
+    prof = load_profile("h200").replace(gemm=(curve("w4a8_mxfp4", 250.0, False),
+                                              curve("fp8_block", 800.0, False),
+                                              curve("fp8_block", 700.0, True)))
+    tf = {(r, o): prof.curve("triton", r, "contiguous", 4096, 4096, o).points[0][1]
+          for r in ("w4a8_mxfp4", "fp8_block", "mxfp8") for o in (False, True)}
+    assert tf == {("w4a8_mxfp4", False): 250.0, ("w4a8_mxfp4", True): 250.0,
+                  ("fp8_block", False): 800.0, ("fp8_block", True): 700.0,
+                  ("mxfp8", False): 800.0, ("mxfp8", True): 700.0}
+    assert prof.curve("triton", "w4a8_mxfp4", "masked", 4096, 4096, True).points[0][1] == 250
+
+
 def test_link_fit_scales_with_the_link_and_the_sms():
     f = LinkFit(10.0, 300.0, 450.0, Provenance("estimate", "t"), per_sm_GBps=5.0, sms=20)
     assert f.bandwidth_GBps(450.0) == 300.0

@@ -314,7 +314,10 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
 
 
 def finish(fits: LayerFits, clock, fit_ab) -> dict:
-    """The pooled points -> {table: {name: AlphaBeta}} (each fit says what it pooled)."""
+    """The pooled points -> {table: {name: AlphaBeta}} (each fit says what it pooled). A fit's
+    floor is the fastest time it measured, but not for the ".overlapped" fits: their points
+    are the sizes whose stage ran entirely beside the shared MLP, often only the largest, whose
+    time is no floor for the sizes below them."""
     out: dict = {}
     for (table, name), pts in fits.points.items():
         src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
@@ -327,5 +330,5 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
         floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
-            floor if table != "layer" else 0.0)
+            floor if table != "layer" and not name.endswith(".overlapped") else 0.0)
     return out

@@ -242,10 +242,12 @@ class HardwareProfile:
               overlapped: bool = False) -> GemmCurve:
         """The curve of (backend, recipe, layout) nearest to (n, k) in log space; a masked
         layout falls back to the contiguous curves, a recipe to bf16 / fp8_block; overlapped
-        (the shared MLP runs beside it): the curve timed so when measured, else the alone one."""
-        for side in dict.fromkeys((overlapped, False)):
+        (the shared MLP runs beside it): the curve timed so when measured, else the alone one.
+        The recipe is matched first, then the layout, then the side (another recipe's curve
+        timed beside the shared MLP is no stand-in for this recipe's alone curve)."""
+        for rec in dict.fromkeys((recipe, "fp8_block" if recipe != "bf16" else "bf16")):
             for lay in dict.fromkeys((layout, "contiguous")):
-                for rec in dict.fromkeys((recipe, "fp8_block" if recipe != "bf16" else "bf16")):
+                for side in dict.fromkeys((overlapped, False)):
                     cands = [c for c in self.gemm if (c.backend, c.recipe, c.layout,
                                                       c.overlapped) == (backend, rec, lay, side)]
                     if cands:
