@@ -124,3 +124,21 @@ def test_a_negative_overlap_reads_as_time_outside_the_stages(cpu_run):
     assert "20% of the step outside the timed stages" in text and "overlap -" not in text
     s["timing"]["overlap"] = 0.31
     assert "overlap 0.31" in " ".join(_rendered(s).split())
+
+
+def test_a_stage_per_step_counts_each_layers_own_time():
+    """A step's first layer starts on an idle GPU (its router stage times the host's launch),
+    the later ones queue behind it: per step the stage is its calls summed, the median over
+    steps and ranks (the median call x calls per step once read 4 x 0.05 for 0.55 ms); calls
+    that do not split into steps evenly keep the median-call rule."""
+    from epmoe.launch.report import _stage_ms_per_step
+
+    step = [0.40, 0.05, 0.05, 0.05]  # ms per call, 4 layers
+    noisy = [0.40, 0.05, 0.05, 9.0]  # one stall: the median over steps ignores it
+    ranks = [dict(stages_ms={"router": step * 2 + noisy}),
+             dict(stages_ms={"router": [v + 0.01 for v in step] * 3})]
+    # per-step sums: rank 0 0.55, 0.55, 9.5; rank 1 0.59 x 3 -> median of the six 0.59
+    assert _stage_ms_per_step(["router"], ranks, 3)["router"] == pytest.approx(0.59)
+    assert _stage_ms_per_step(["router"], ranks[:1], 3)["router"] == pytest.approx(0.55)
+    uneven = [dict(stages_ms={"router": [0.4, 0.05, 0.05, 0.05, 0.05]})]  # 5 calls, 2 steps
+    assert _stage_ms_per_step(["router"], uneven, 2)["router"] == pytest.approx(0.05 * 5 / 2)

@@ -232,7 +232,8 @@ def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
     base keeps its other shapes, so calibrating gpt-oss's shapes over a DeepSeek-shaped
     profile adds curves (the lookups take the nearest shape) instead of dropping them. A
     kernel fit measured here replaces the base's of its name (and its `.overlapped` /
-    `.queued` twins when only the plain fit was measured). -> (gemm, kernels, comm, collectives, mlp)."""
+    `.queued` twins when only the plain fit was measured).
+    -> (gemm, kernels, comm, collectives, mlp)."""
     shapes = {(c.backend, c.recipe, c.layout, c.n, c.k) for c in gemm}
     mlp_shapes = {(c.backend, c.recipe, c.overlapped, c.width, c.hidden) for c in mlp}
     kern, comm, coll, kept_gemm, kept_mlp = {}, {}, {}, (), ()

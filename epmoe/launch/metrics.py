@@ -31,7 +31,7 @@ class MetricSpec:
 STEP = MetricSpec("epmoe_step_time_ms", "histogram",
                   "wall time of one step (all MoE layers) on a rank, ms", ("model", "rank"))
 STAGE = MetricSpec("epmoe_stage_time_ms", "gauge",
-                   "ms per step a rank spends in a stage (median per call x calls per step)",
+                   "ms per step a rank spends in a stage (median over steps)",
                    ("model", "rank", "stage"))
 ROUTED = MetricSpec("epmoe_routed_pairs", "gauge",
                     "(token, k) pairs routed to the rank's experts, summed over layers and steps",

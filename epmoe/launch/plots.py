@@ -52,7 +52,7 @@ def stage_times(s: dict, path: Path) -> Path:
         left = [a + b for a, b in zip(left, vals)]
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step (median per call x calls per step)")
+    ax.set_xlabel("ms per step (median over steps of a step's calls)")
     ax.set_title(f"where each rank's step goes\n{_title(s)}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.savefig(path)

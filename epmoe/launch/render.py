@@ -106,7 +106,7 @@ def stage_table(s: dict):
         r = t.get("step_ratio")
         rows.append(["step", f"{step:.3f}", "100%", f"{t['predicted_step_ms']:.3f}",
                      "-" if r is None else f"{r:.2f}", ""])
-    return table("stages: ms per step (median per call x calls per step, all ranks), share of "
+    return table("stages: ms per step (median over steps and ranks of a step's calls), share of "
                  "the step, and the cost model's prediction",
                  [("stage", "left"), ("ms/step", "right"), ("share", "right"),
                   ("predicted", "right"), ("pred/meas", "right"), ("", "left")], rows)

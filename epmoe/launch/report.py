@@ -169,11 +169,23 @@ STAGE_ORDER = ["router", "dispatch", "dispatch.quantize", "experts", "experts.pe
 
 
 def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dict[str, float]:
-    """Per stage: the median ms of one call times calls per step = ms per step in the stage."""
+    """Per stage, ms per step: the median over steps (and ranks) of a step's calls summed (a
+    rank's calls are in order, the same number each step), so layers that differ (a step's
+    first layer starts on an idle GPU, a hash layer's router) each count; where the calls do
+    not split evenly into steps, the median call times the calls per step."""
     out = {}
     for name in names:
-        vals = [v for r in reports for v in r["stages_ms"].get(name, [])]
-        if vals:
+        per_rank = [r["stages_ms"].get(name, []) for r in reports]
+        vals = [v for calls in per_rank for v in calls]
+        if not vals:
+            continue
+        if steps and all(len(c) % steps == 0 and c for c in per_rank):
+            sums = []
+            for calls in per_rank:
+                k = len(calls) // steps
+                sums += [sum(calls[i * k:(i + 1) * k]) for i in range(steps)]
+            out[name] = _median(sums)
+        else:
             out[name] = _median(vals) * len(vals) / (len(reports) * steps)
     return out
 
@@ -235,9 +247,9 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                         [max(r["host_ms"][s] for r in reports) for s in range(1, steps)]
                         if all(len(r.get("host_ms", ())) == steps for r in reports) else []),
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
-                         "stages_ms: ms per step in each stage (median per call x calls per "
-                         "step, over all ranks and steps 1..; stages_ms_per_rank: the same per "
-                         "rank)"),
+                         "stages_ms: ms per step in each stage (median over steps 1.. and "
+                         "ranks of the stage's calls in one step, summed); stages_ms_per_rank: "
+                         "the same per rank"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
                   tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
                   unit="(token, k) pairs routed, summed over layers and steps (per layer for "

@@ -119,7 +119,7 @@ class Plan:
 
     def stages_ms(self, tokens: int) -> dict[str, float]:
         """Predicted ms per step in each runtime stage, summed over layers: what the launch
-        report's `stages_ms` measures (per-call median x calls per step)."""
+        report's `stages_ms` measures (a step's calls summed, median over steps)."""
         out: dict[str, float] = {}
         for e in self.layers:
             for k, v in e.choice(tokens).stages_us.items():
