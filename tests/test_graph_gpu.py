@@ -124,8 +124,11 @@ def test_hash_layers_replay_with_each_steps_token_ids():
                                                               torch.equal(a[key], b[key])), (l, key)
     tok = graph._token_ids(3)[:96]
     assert torch.equal(graph.last[0]["tok"], tok)  # this step's ids, not the capture's
-    table = graph.layers[0].weights.tid2eid_VK.cpu()
-    assert torch.equal(graph.last[0]["ids"].long().sort(1).values,
-                       table[tok].long().sort(1).values)
+    for l in (0, 1):  # the hash layers: exactly their tables' experts for the step's ids
+        table = graph.layers[l].weights.tid2eid_VK.cpu()
+        assert torch.equal(graph.last[l]["ids"].long().sort(1).values,
+                           table[graph.last[l]["tok"]].long().sort(1).values), l
+    # the oracle, its router check included (layer 2's fused bf16 router may pick the other
+    # expert of a near tie: ROUTER_MIN_AGREEMENT)
     res = check_correctness(graph.run, [graph.report()])
-    assert res["passed"] and res["router"]["agreement"] == 1.0, res
+    assert res["passed"] and res["router"]["passed"], res

@@ -26,190 +26,25 @@ Profiles are JSON (`save` / `load`); the shipped ones live in `epmoe/plan/profil
 loaded by name (`load_profile("h200")`) or path.
 """
 
+
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Mapping
 
 from epmoe.docfile import read_doc
+from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, KERNELS, LOCAL_KERNELS, QUEUED,
+                                SCHEMA, SOURCES, AlphaBeta, Figure, GemmCurve, LinkFit,
+                                MlpCurve, Provenance, Source)
 
-Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
-SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
-SCHEMA = 1
-QUEUED = ".queued"  # a kernel fit's name suffix: timed behind earlier GPU work (as_queued)
-DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
-                  "peak_tflops_fp32", "launch_us", "sync_us")
-KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
-LOCAL_KERNELS = ("dispatch", "combine")  # kernels["local"]: the local comm backend's own work
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """source: one of SOURCES; note: machine+date+command, the data sheet, the derivation or
-    the assumption."""
-
-    source: Source
-    note: str
-
-    def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"provenance source ({self.source!r}) must be one of {SOURCES}")
-        if not self.note:
-            raise ValueError("provenance note is empty: say where the number comes from")
-
-    def inherit(self, frm: str) -> "Provenance":
-        return Provenance("inherited", f"from profile {frm}: {self.source}: {self.note}")
-
-
-@dataclass(frozen=True)
-class Figure:
-    value: float
-    prov: Provenance
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """t_us = max(floor_us, alpha_us + bytes / (beta_GBps * 1e3)). floor_us: the fastest a
-    calibration measured the kernel at any size (a small call costs its launch or one wave of
-    CTAs however few bytes it moves, which a straight line through all sizes under-predicts);
-    0 where nothing was measured."""
-
-    alpha_us: float
-    beta_GBps: float
-    prov: Provenance
-    floor_us: float = 0.0
-
-    def time_us(self, nbytes: float) -> float:
-        return max(self.floor_us, self.alpha_us + nbytes / (self.beta_GBps * 1e3))
-
-
-@dataclass(frozen=True)
-class LinkFit:
-    """One comm path on one link class (one direction of a backend, or a collective).
-
-    alpha_us     fixed cost per call (launch, signalling), excluding the count exchange
-    beta_GBps    asymptotic bandwidth measured on a link of `link_GBps` nominal per direction
-                 (it scales with the topology's link: beta * link / link_GBps)
-    per_sm_GBps  SM-driven copy rate per SM given to comm, on every row the SMs move, the
-                 rank's own rows included (None: not SM-limited)
-    sms          SMs the backend takes by default (None: not SM-driven, or all of them)
-    count_us     count/layout exchange per call when the layout is not cached (0: none)
-    """
-
-    alpha_us: float
-    beta_GBps: float
-    link_GBps: float
-    prov: Provenance
-    per_sm_GBps: float | None = None
-    sms: int | None = None
-    count_us: float = 0.0
-
-    def bandwidth_GBps(self, link_GBps: float) -> float:
-        """Usable bandwidth on a link of `link_GBps` nominal per direction."""
-        return self.beta_GBps * link_GBps / self.link_GBps
-
-    def sm_GBps(self, sms: int | None = None) -> float | None:
-        """What `sms` SMs (default: self.sms) copy per second, or None: not SM-driven."""
-        n = self.sms if sms is None else sms
-        return None if self.per_sm_GBps is None or n is None else n * self.per_sm_GBps
-
-
-@dataclass(frozen=True)
-class GemmCurve:
-    """Grouped-GEMM throughput of one backend/recipe/layout at one (N, K): points are
-    (rows per expert m, TFLOPS), m ascending. Between points: linear in log m; outside them
-    TFLOPS stays at the nearest point's value. Small m is weight-read bound: the caller
-    takes max(FLOPs / TFLOPS, bytes / HBM), so the HBM floor sets the time there."""
-
-    backend: str
-    recipe: str
-    layout: str
-    n: int
-    k: int
-    points: tuple[tuple[float, float], ...]
-    prov: Provenance
-    overlapped: bool = False  # timed beside the shared MLP on its side stream (a launch's way)
-
-    def __post_init__(self):
-        pts = tuple((float(m), float(t)) for m, t in self.points)
-        if not pts or any(m <= 0 or t <= 0 for m, t in pts):
-            raise ValueError(f"GEMM curve {self.key} needs points (m > 0, TFLOPS > 0), got "
-                             f"{self.points}")
-        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
-            raise ValueError(f"GEMM curve {self.key}: m must increase, got {pts}")
-        object.__setattr__(self, "points", pts)
-
-    @property
-    def key(self) -> str:
-        side = "+overlapped" if self.overlapped else ""
-        return f"{self.backend}/{self.recipe}/{self.layout}{side}/{self.n}x{self.k}"
-
-    def tflops(self, m: float) -> float:
-        pts = self.points
-        if m <= pts[0][0]:
-            return pts[0][1]
-        if m >= pts[-1][0]:
-            return pts[-1][1]
-        i = bisect.bisect_left([p[0] for p in pts], m)
-        (m0, t0), (m1, t1) = pts[i - 1], pts[i]
-        f = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
-        return t0 + f * (t1 - t0)
-
-
-@dataclass(frozen=True)
-class MlpCurve:
-    """The shared experts' MLP of one experts backend and recipe, timed as the layer's "shared"
-    stage: points are (tokens, us), tokens ascending, at width `width` (its intermediate) and
-    hidden `hidden`. overlapped: timed on the side stream while the routed path runs (the
-    CUDA default, layer.py), else alone. Between points: linear in log-log; below the first,
-    the first point's time (weight-read and launch bound); above the last, linear in tokens.
-    Another (width, hidden) scales the time by the FLOP ratio. queued: timed behind earlier
-    work on the GPU (a stack's later layers; `HardwareProfile.as_queued`)."""
-
-    backend: str
-    recipe: str
-    width: int
-    hidden: int
-    overlapped: bool
-    points: tuple[tuple[float, float], ...]
-    prov: Provenance
-    queued: bool = False
-
-    def __post_init__(self):
-        pts = tuple((float(n), float(t)) for n, t in self.points)
-        if not pts or any(n <= 0 or t <= 0 for n, t in pts):
-            raise ValueError(f"MLP curve {self.key} needs points (tokens > 0, us > 0), got "
-                             f"{self.points}")
-        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
-            raise ValueError(f"MLP curve {self.key}: tokens must increase, got {pts}")
-        object.__setattr__(self, "points", pts)
-
-    @property
-    def key(self) -> str:
-        side = "overlapped" if self.overlapped else "alone"
-        return f"{self.backend}/{self.recipe}/{side}{'/queued' * self.queued}/" \
-               f"{self.width}x{self.hidden}"
-
-    def time_us(self, tokens: float, width: int | None = None, hidden: int | None = None) -> float:
-        pts = self.points
-        if tokens <= 0:
-            return 0.0
-        if tokens <= pts[0][0]:
-            us = pts[0][1]
-        elif tokens >= pts[-1][0]:
-            us = pts[-1][1] * tokens / pts[-1][0]
-        else:
-            i = bisect.bisect_left([p[0] for p in pts], tokens)
-            (n0, t0), (n1, t1) = pts[i - 1], pts[i]
-            f = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
-            us = math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
-        return us * (width or self.width) * (hidden or self.hidden) / (self.width * self.hidden)
+__all__ = ["COLLECTIVES", "DEVICE_FIGURES", "KERNELS", "LOCAL_KERNELS", "QUEUED", "SCHEMA",
+           "SOURCES", "AlphaBeta", "Figure", "GemmCurve", "HardwareProfile", "LinkFit",
+           "MlpCurve", "Provenance", "Source", "from_dict", "load_profile",
+           "shipped_profiles", "to_dict"]
 
 
 @dataclass(frozen=True)
