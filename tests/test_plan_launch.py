@@ -322,7 +322,7 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     """Backlog: the step's first layer starts on an idle GPU; a later layer starts behind
     the layers before while their predicted time outruns the host's issue time (then its
     host-bound stages come from the queued figures); --timing device queues every layer."""
-    from epmoe.launch.plan_report import Backlog
+    from epmoe.plan.backlog import Backlog
     from epmoe.plan.profile import AlphaBeta, Provenance, load_profile
 
     m = Provenance("measured", "test")

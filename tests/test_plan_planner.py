@@ -178,3 +178,21 @@ def test_the_explanation_names_the_stage_where_the_pick_gains():
     best, runner = pred("deepgemm", 300.0, 100.0), pred("triton", 300.0, 100.0, tail_us=50.0)
     assert explain(best, runner).endswith(": tail 0 vs 50 us")
     assert explain(best, pred("triton", 300.5, 100.0)).endswith("a tie (stages within 0.5%)")
+
+
+def test_a_stacks_later_layers_are_planned_from_the_queued_figures():
+    """As the launch report predicts them (plan/backlog.py): layer 0 starts on an idle GPU
+    (the router's host-bound fit), layers 1.. behind it while the layers before outrun the
+    host's issue time (its queued fit); with an issue time longer than a layer, none."""
+    from epmoe.plan.profile import AlphaBeta, Provenance
+
+    m = Provenance("measured", "test")
+    cfg = CFG.replace(num_moe_layers=3)
+    base = synthetic_profile()
+    kern = {**base.kernels, "router": {cfg.router: AlphaBeta(500.0, 1e9, m),
+                                       f"{cfg.router}.queued": AlphaBeta(50.0, 1e9, m)}}
+    for issue_us, want in ((1.0, [500.0, 50.0, 50.0]), (1e7, [500.0] * 3)):
+        prof = base.replace(kernels={**kern, "layer": {"issue": AlphaBeta(issue_us, 1e9, m)}})
+        p = plan_stack(cfg, BF16, TOPO, prof, (256,), available=ANY)
+        got = [e.choice(256).stages_us["router"] for e in p.layers]
+        assert got == pytest.approx(want), issue_us

@@ -19,6 +19,7 @@ from __future__ import annotations
 from epmoe.plan import Candidate, Plan, SlotMap, Workload, predict_layer, routing_stats
 from epmoe.plan.comm_cost import CommCase
 from epmoe.plan.cost import STAGES
+from epmoe.plan.backlog import Backlog
 from epmoe.plan.planner import transition_us
 from epmoe.plan.routing import RoutingSpec
 
@@ -123,46 +124,6 @@ def predict_run(run, reports: list[dict], planning) -> dict:
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
     return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
                 predicted_step_ms=float(step_us) / 1e3, prediction=info)
-
-
-class Backlog:
-    """Which layers of a step start behind earlier work on the GPU. A step starts on an idle
-    GPU (after a synchronize); the host then issues layer l in the profile's `issue` time
-    (kernels["layer"]["issue"]) while the GPU runs the layers before, so the GPU's backlog
-    after layer l is max(0, backlog + its predicted time - its issue time). A layer that
-    starts with a backlog (or every layer, under --timing device) is predicted from the
-    profile's queued figures (`HardwareProfile.as_queued`: its host-bound stages' GPU time)."""
-
-    def __init__(self, prof, device_timing: bool, out_bytes: float):
-        self.plain, self.queued = prof, prof.as_queued()
-        self.out_bytes, self.issued = out_bytes, []
-        self.device_timing, self.us, self.layers = device_timing, 0.0, []
-
-    def profile(self, layer: int):
-        q = self.device_timing or self.us > 0.0
-        if q:
-            self.layers.append(layer)
-        return self.queued if q else self.plain
-
-    def ran(self, layer_us: float, experts: str) -> None:
-        """Layer l ran for layer_us (predicted) on `experts`, issued in the profile's time
-        of that experts backend (its host syncs: the torch backend's loop) or the pooled."""
-        fit = self.plain.most_specific("layer", f"issue.{experts}", "issue")
-        self.issued.append(fit.time_us(self.out_bytes) if fit is not None else 0.0)
-        self.us = max(0.0, self.us + layer_us - self.issued[-1])
-
-    def note(self) -> str | None:
-        if not self.layers or self.queued == self.plain:
-            return None
-        return (f"layers {_ranges(self.layers)} predicted as queued behind the layers "
-                f"before (host issue {max(self.issued) / 1e3:.3f} ms a layer at most): their "
-                f"host-bound stages and the shared MLP from the profile's queued figures")
-
-
-def _ranges(xs: list[int]) -> str:
-    if xs != list(range(xs[0], xs[-1] + 1)):
-        return ",".join(map(str, xs))
-    return str(xs[0]) if len(xs) == 1 else f"{xs[0]}-{xs[-1]}"
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:

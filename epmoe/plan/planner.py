@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.config import MoEConfig, QuantConfig
+from epmoe.plan.backlog import Backlog
 from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY,
                                   CommCase, collective_us)
 from epmoe.plan.forms import FORMS, LayerPlan
@@ -235,25 +236,31 @@ def plan_stack(cfg: MoEConfig, quant: QuantConfig, topo: Topology, prof: Hardwar
     num_slots = e + redundant_experts
     for tokens in buckets:
         per_layer = []
+        behind = Backlog(prof, False, tokens * cfg.hidden * 2.0)  # as the launch report
         for l in range(layers):
+            queued = behind.is_queued()  # behind the layers before: the queued figures
             spec = RoutingSpec.parse(routing) if loads_LE is None else \
                 RoutingSpec.from_load(loads_LE[l])
             slots = SlotMap.from_placement(placement, l) if placement is not None else \
                 SlotMap(tuple(s % e for s in range(num_slots))) if redundant_experts else None
             if slots is not None:
                 num_slots = slots.num_slots
-            key = (spec, slots)
+            key = (spec, slots, queued)
             if key not in cache:
                 work = Workload(cfg, quant, tokens, spec, slots)
-                if key not in stats_cache:
+                if (spec, slots) not in stats_cache:
                     try:
-                        stats_cache[key] = routing_stats(cfg, spec, topo.world,
-                                                         topo.gpus_per_node, slots)
+                        stats_cache[(spec, slots)] = routing_stats(cfg, spec, topo.world,
+                                                                   topo.gpus_per_node, slots)
                     except ValueError:  # slots do not split over the ranks: tp layers only
-                        stats_cache[key] = None
-                cache[key] = (work, rank_layer(work, topo, prof, cands, layers, scope,
-                                               available, budget, stats_cache[key]))
+                        stats_cache[(spec, slots)] = None
+                cache[key] = (work, rank_layer(work, topo, behind.profile(l), cands, layers,
+                                               scope, available, budget,
+                                               stats_cache[(spec, slots)]))
             per_layer.append(cache[key])
+            fastest = cache[key][1].preds[:1]  # the backlog after it: as if it ran the fastest
+            behind.ran(fastest[0].total_us if fastest else 0.0,
+                       fastest[0].candidate.experts if fastest else "")
         cache.clear()
         for l, choice in enumerate(_best_path(per_layer, topo, prof)):
             entries[l].append((tokens, choice))
