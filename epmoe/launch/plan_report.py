@@ -95,7 +95,9 @@ def predict_run(run, reports: list[dict], planning) -> dict:
         case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
         per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
         e = cfg.num_experts
-        behind = Backlog(prof, run.timing == "device", tokens * cfg.hidden * 2.0)
+        # device timing or a replayed graph: every layer's stages are GPU time (queued)
+        behind = Backlog(prof, run.timing == "device" or run.cuda_graph,
+                         tokens * cfg.hidden * 2.0)
         for l, c in enumerate(cands):
             spec, label = _routing(run, reports, l)
             how.add(label)

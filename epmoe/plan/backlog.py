@@ -13,18 +13,19 @@ class Backlog:
     GPU (after a synchronize); the host then issues layer l in the profile's `issue` time
     (kernels["layer"]["issue"]) while the GPU runs the layers before, so the GPU's backlog
     after layer l is max(0, backlog + its predicted time - its issue time). A layer that
-    starts with a backlog (or every layer, under --timing device) is predicted from the
-    profile's queued figures (`HardwareProfile.as_queued`: its host-bound stages' GPU time)."""
+    starts with a backlog (every layer under --timing device or a replayed CUDA graph:
+    `all_queued`) is predicted from the profile's queued figures
+    (`HardwareProfile.as_queued`: its host-bound stages' GPU time)."""
 
-    def __init__(self, prof, device_timing: bool, out_bytes: float):
+    def __init__(self, prof, all_queued: bool, out_bytes: float):
         self.plain, self.queued = prof, prof.as_queued()
         self.differs = self.queued != prof  # the profile has queued figures
         self.out_bytes, self.issued = out_bytes, []
-        self.device_timing, self.us, self.layers = device_timing, 0.0, []
+        self.all_queued, self.us, self.layers = all_queued, 0.0, []
 
     def is_queued(self) -> bool:
         """Whether the next layer starts behind earlier work (and the profile can tell)."""
-        return self.differs and (self.device_timing or self.us > 0.0)
+        return self.differs and (self.all_queued or self.us > 0.0)
 
     def profile(self, layer: int):
         """The profile to predict layer `layer` (the next one) with."""
