@@ -13,7 +13,8 @@
     cores_per_node = 0               # cpu rows: cores a node's ranks share (0: this machine's)
 
 Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike)
-and reports the pick; a step is the layer time x the preset's MoE layers. A node holds
+and reports the pick; a step is the layer time x the preset's MoE layers (with a measured
+profile's queued figures, the later layers as they run behind the first: `stack_us`). A node holds
 gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink domain of 72).
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from epmoe.config import PRESETS, QuantConfig, get_preset
 from epmoe.docfile import read_doc
+from epmoe.plan.backlog import Backlog
 from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.profile import load_profile
@@ -153,18 +155,37 @@ def run(sweep: Sweep) -> list[dict]:
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
                                      routing=spec.label(), redundant=rpr * ep,
                                      redundant_per_rank=rpr)
-                        if ranked.preds:
-                            rows.append(_row(point, "pick", ranked.preds[0], cfg))
-                        for c in sweep.candidates:
-                            p = predict_layer(_candidate(c), work, topo, prof, stats)
-                            rows.append(_row(point, "fixed", p, cfg))
+                        picks = [("pick", p) for p in ranked.preds[:1]] + [
+                            ("fixed", predict_layer(_candidate(c), work, topo, prof, stats))
+                            for c in sweep.candidates]
+                        for kind, p in picks:
+                            step = stack_us(p, work, topo, prof, stats, cfg.num_moe_layers)
+                            rows.append(_row(point, kind, p, step))
     return rows
 
 
-def _row(point: dict, kind: str, p, cfg) -> dict:
+def stack_us(p0, work: Workload, topo, prof, stats, layers: int) -> float:
+    """A step of `layers` alike layers as the launch report composes one (plan/backlog.py):
+    the first as on an idle GPU (p0), the later ones from the profile's queued figures while
+    the GPU runs behind the host (a profile without them: layers x p0)."""
+    behind = Backlog(prof, False, work.tokens * work.cfg.hidden * 2.0)
+    if not behind.differs:
+        return p0.total_us * layers
+    total, queued = 0.0, None
+    for _ in range(layers):
+        p = p0
+        if behind.is_queued():
+            queued = queued or predict_layer(p0.candidate, work, topo, behind.queued, stats)
+            p = queued
+        behind.ran(p.total_us, p0.candidate.experts)
+        total += p.total_us
+    return total
+
+
+def _row(point: dict, kind: str, p, step_us: float) -> dict:
     layer = p.total_us
     return {**point, "kind": kind, "choice": p.candidate.label, "layer_us": layer,
-            "step_ms": layer * cfg.num_moe_layers / 1e3, "comm_share": p.comm_us / layer,
+            "step_ms": step_us / 1e3, "comm_share": p.comm_us / layer,
             "nvlink_MB": p.link_bytes.get("nvlink", 0.0) / 1e6,
             "rdma_MB": p.link_bytes.get("rdma", 0.0) / 1e6,
             "stages_us": {k: v for k, v in p.stages_us.items() if v},
