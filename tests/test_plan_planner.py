@@ -86,6 +86,13 @@ def test_memory_budget_excludes_and_explains():
         plan(prof, memory_GiB=1e-6)
     p = plan(prof, buckets=(64,), memory_GiB=0.02, forms=("ep_dp",))
     assert p.layers[0].choice(64).backend != "deepep-ll"  # its buffers do not fit
+    # one rank: the tp / ep candidates all give one reason; the error names each distinct
+    # reason once, so the memory budget is not crowded out by them
+    one = Topology(1, 1, "h200", links={"nvlink": Link("nvlink", 100.0, 0.0)})
+    with pytest.raises(ValueError, match=r"one rank: every form is ep_dp/local; "
+                                         r"ep_dp/local/\w+: needs .* GiB") as exc:
+        plan_stack(CFG, BF16, one, prof, (256,), available=ANY, memory_GiB=1e-6)
+    assert str(exc.value).count("one rank: every form") == 1
 
 
 def test_feasibility_reuses_the_runtime_rules():

@@ -272,7 +272,10 @@ def _best_path(per_layer, topo, prof) -> list[Choice]:
     """Shortest path over layers: node cost = layer time, edge cost = layout transition."""
     for l, (work, ranked) in enumerate(per_layer):
         if not ranked.preds:
-            first = "; ".join(f"{c}: {w}" for c, w in ranked.rejected[:3])
+            seen = {}  # one candidate per distinct reason (the tp ones all say the same)
+            for c, w in ranked.rejected:
+                seen.setdefault(w, c)
+            first = "; ".join(f"{c}: {w}" for w, c in list(seen.items())[:4])
             raise ValueError(f"layer {l}: no candidate is feasible on {topo.describe()} "
                              f"({first}); change --topology, --quant or the memory budget")
     case = CommCase(per_layer[0][0].cfg, per_layer[0][0].quant, topo, prof, None,
