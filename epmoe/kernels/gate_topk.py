@@ -15,9 +15,9 @@ One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns i
   HASH    a hash layer (DeepSeek-V4): no selection, no bias; the experts are the table's row
           of each token id (tid2eid [vocab, K]), weighted as above. A token id outside the
           table gets expert 0 at weight NaN (loud downstream; no read outside the table)
-These are `epmoe.router.route`'s and `hash_route`'s rules. Ids match the torch path wherever no two candidates
-tie (within the scores' last-bit differences: exp/sigmoid here use the fast hardware
-exponent); weights agree to ~1e-6 relative.
+These are `epmoe.router.route`'s and `hash_route`'s rules. Ids match the torch path wherever
+no two candidates tie (within the scores' last-bit differences: exp/sigmoid here use the fast
+hardware exponent); weights agree to ~1e-6 relative.
 """
 
 from __future__ import annotations

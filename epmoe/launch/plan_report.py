@@ -17,9 +17,9 @@ and the plan file itself (`plan.plan`, usable as `--plan FILE`).
 from __future__ import annotations
 
 from epmoe.plan import Candidate, Plan, SlotMap, Workload, predict_layer, routing_stats
+from epmoe.plan.backlog import Backlog
 from epmoe.plan.comm_cost import CommCase
 from epmoe.plan.cost import STAGES
-from epmoe.plan.backlog import Backlog
 from epmoe.plan.planner import transition_us
 from epmoe.plan.routing import RoutingSpec
 
