@@ -22,7 +22,7 @@ from epmoe.layer import MoELayer
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds
-from epmoe.timing import DeviceSleep, StageTimer
+from epmoe.timing import DeviceSleep, StageTimer, host_op_us
 from epmoe.weights import layer_weights
 
 # device timing (RunConfig.timing): the GPU is held for HOLD_FACTOR x the fastest issue time
@@ -49,6 +49,7 @@ class Runtime:
         self.sleep = DeviceSleep(self.device) if self.device_timed else None
         self.host_ms: list[float] = []  # the host's time to issue each step
         self.held_ms: list[float] = []  # device timing: how long the GPU was held first
+        self.host_op_us: float | None = None  # this host's speed (measured at the report)
         from epmoe.comm import resolve_backend
 
         # per layer: (backend, one-line reason) and the LayerPlan; `backend` overrides the run's
@@ -300,7 +301,10 @@ class Runtime:
     def report(self) -> dict:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
+        if self.host_op_us is None:  # once, after the steps (the GPU idle, no build running)
+            self.host_op_us = host_op_us(self.device)
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
+                    host_op_us=self.host_op_us,
                     stages_ms=stages, timing="device" if self.device_timed else "launched",
                     host_ms=self.host_ms, held_ms=self.held_ms, last=self.last,
                     load_LS=self.load_LS.cpu().clone(),

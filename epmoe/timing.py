@@ -160,3 +160,34 @@ class DeviceSleep:
     def hold(self, ms: float) -> None:
         torch.cuda._sleep(max(1, int(self._rate() * ms)))
 
+
+
+HOST_OPS, HOST_REPS = 200, 5  # the host-speed probe: tiny eager ops per rep, reps (median)
+
+
+def host_op_us(device: torch.device | str, n_ops: int = HOST_OPS, reps: int = HOST_REPS) -> float:
+    """The host's time to issue one tiny eager op (`x.add_(1)` on one element), median over
+    `reps` runs of `n_ops`: how fast this process's host launches work. On CUDA each run
+    issues behind a device hold, so the GPU never holds the host back; on the CPU the op
+    runs where it is issued. A profile records it (`host_op_us`) and a run measures it again:
+    the ratio scales the profile's host-bound figures to this host
+    (`HardwareProfile.at_host_speed`)."""
+    import statistics
+
+    dev = torch.device(device)
+    one = torch.zeros(1, device=dev)
+    cuda = dev.type == "cuda"
+    sleep = DeviceSleep(dev) if cuda else None
+    out = []
+    for r in range(reps + 1):  # the first run loads the kernel: not counted
+        if cuda:
+            torch.cuda.synchronize(dev)
+            sleep.hold(1.0 + 2e-3 * n_ops * (out[-1] if out else 20.0))  # > the issue time
+        t = time.perf_counter()
+        for _ in range(n_ops):
+            one.add_(1)
+        if r:
+            out.append((time.perf_counter() - t) * 1e6 / n_ops)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    return statistics.median(out)

@@ -2,6 +2,7 @@
 the planner loads (measured figures marked with machine, date and command)."""
 
 import pytest
+import torch
 
 from epmoe.bench.calibrate import fit_ab, main
 from epmoe.plan.profile import load_profile
@@ -22,6 +23,7 @@ def _check(path):
     prof = load_profile(str(path))
     assert prof.gpu == "cpu" and prof.fig("sm_arch") == 0
     assert prof.device["launch_us"].prov.source == "measured"
+    assert prof.host_op_us > 0 and "host_op_us" in prof.device["host_op_us"].prov.note
     assert "python -m epmoe.bench.calibrate" in prof.device["hbm_GBps"].prov.note
     curve = prof.curve("torch", "bf16", "contiguous", 256, 256)
     assert curve.prov.source == "measured" and len(curve.points) >= 2
@@ -168,3 +170,23 @@ def test_a_fit_timed_beside_the_shared_mlp_takes_no_floor():
     assert out["act_quant"].time_us(1e5) == pytest.approx(35.0)
     beside = out["act_quant.overlapped"]
     assert beside.floor_us == 0.0 and beside.time_us(2e7) == pytest.approx(165.0, rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quick_gpu_calibration_times_a_later_layers_stages_queued(tmp_path):
+    """Launched timing on CUDA: the host-bound stages and the routed kernels again behind a
+    device hold (".queued", what a stack's later layers see), the host's speed recorded;
+    as_queued takes each queued fit for its plain and overlapped twin."""
+    out = tmp_path / "g.json"
+    assert main(["--quick", "--ranks", "1", "--out", str(out), "--model", "deepseek-v3-tiny",
+                 "--recipes", "fp8_block", "--budget-s", "120"]) == 0
+    prof = load_profile(str(out))
+    assert prof.host_op_us > 0
+    for table, name in (("router", "sigmoid_grouped"), ("local", "dispatch"),
+                        ("triton", "permute"), ("triton", "gather"),
+                        ("triton", "act_quant.fp8_block")):
+        fit = prof.kernel(table, name + ".queued")
+        assert fit.prov.source == "measured" and fit.time_us(1e6) > 0, (table, name)
+        assert prof.as_queued().kernel(table, name) == fit
+    assert "permute.overlapped" not in prof.as_queued().kernels["triton"]

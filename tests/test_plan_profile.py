@@ -119,6 +119,14 @@ def test_as_queued_takes_the_figures_timed_behind_earlier_work(tmp_path):
     path = tmp_path / "q.json"
     prof.save(path)
     assert load_profile(str(path)) == prof
+    # a routed kernel's queued fit (timed in a forward with the shared MLP on its side
+    # stream, as a later layer runs) stands in for its plain and its overlapped fit
+    tri = {"permute": AlphaBeta(200.0, 1e3, m), "permute.overlapped": AlphaBeta(150.0, 1e3, m),
+           "permute.queued": AlphaBeta(20.0, 1e3, q), "gather": AlphaBeta(10.0, 1e3, m),
+           "gather.overlapped": AlphaBeta(12.0, 1e3, m)}
+    qp = prof.replace(kernels={**kern, "triton": tri}).as_queued()
+    assert qp.kernels["triton"] == {"permute": tri["permute.queued"], "gather": tri["gather"],
+                                    "gather.overlapped": tri["gather.overlapped"]}
 
 
 def test_load_errors(tmp_path):
@@ -187,3 +195,36 @@ def test_the_v4_flash_calibration_holds_measured_w4a8_curves_at_its_shapes():
             assert len(c.points) >= 3
     assert p.curve("triton", "w4a8_mxfp4", "contiguous", 4096, 4096).points != \
         p.curve("triton", "fp8_block", "contiguous", 4096, 4096).points
+
+
+def test_at_host_speed_scales_the_host_time_only():
+    """A host f times as slow per op: the layer's issue time and each stage fit that has a
+    queued twin (timed on an idle GPU: the host launching it) scale by f, never below the
+    twin's floor (its GPU time); the twins, fits without one, GEMMs and links stay."""
+    from epmoe.plan.profile import HOST_OP, AlphaBeta, Figure
+
+    base = load_profile("h200")
+    assert base.host_op_us is None  # spec-derived: no host measured
+    m = Provenance("measured", "t")
+    kern = {**base.kernels,
+            "router": {"softmax": AlphaBeta(200.0, 1e3, m, 150.0),
+                       "softmax.queued": AlphaBeta(40.0, 2e3, m, 90.0),
+                       "sigmoid": AlphaBeta(70.0, 1e3, m)},
+            "layer": {"issue": AlphaBeta(1000.0, 1e3, m),
+                      "issue.triton": AlphaBeta(900.0, 1e3, m),
+                      "tail": AlphaBeta(300.0, 1e3, m)}}
+    prof = base.replace(kernels=kern, device={**base.device, HOST_OP: Figure(8.0, m)})
+    assert prof.host_op_us == 8.0 and prof.at_host_speed(1.0) is prof
+    for f in (2.5, 0.4):
+        s = prof.at_host_speed(f)
+        for table, name in (("router", "softmax"), ("layer", "issue"), ("layer", "issue.triton")):
+            for nbytes in (1e3, 1e6, 1e8):
+                want = prof.kernel(table, name).time_us(nbytes) * f
+                if name == "softmax":  # never below the GPU time's floor
+                    want = max(want, 90.0)
+                assert s.kernel(table, name).time_us(nbytes) == pytest.approx(want), (f, name)
+        for table, name in (("router", "softmax.queued"), ("router", "sigmoid"),
+                            ("layer", "tail")):
+            assert s.kernel(table, name) == prof.kernel(table, name)
+        assert s.gemm == prof.gemm and s.comm == prof.comm and s.device == prof.device
+    assert prof.at_host_speed(0.4).kernel("router", "softmax").floor_us == 90.0

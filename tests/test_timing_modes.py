@@ -95,6 +95,19 @@ def test_device_hold_keeps_the_stream_busy_for_about_the_time_asked():
     assert 3.0 <= a.elapsed_time(b) <= 8.0, a.elapsed_time(b)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_host_speed_probe_times_the_host_not_the_device(device):
+    """host_op_us: the host's us per tiny eager op (on CUDA issued behind a device hold, the
+    queue drained when it returns); the launch report's host factor divides two of them."""
+    from epmoe.timing import host_op_us
+
+    us = host_op_us(device, n_ops=50, reps=3)
+    assert 0.0 < us < 1e4
+    if device == "cuda":  # the probe synchronized at its end: nothing left queued
+        assert torch.cuda.current_stream().query()
+
+
 def test_stages_skip_the_warm_up_step_too():
     """Step 0 compiles and makes the first arena calls: its stage times would pull the medians
     of a short run (two steps: the median of two calls is their mean) far up."""

@@ -34,8 +34,8 @@ import sys
 import time
 
 from epmoe.plan import traffic as tr
-from epmoe.plan.profile import (QUEUED, AlphaBeta, Figure, HardwareProfile, Provenance,
-                                load_profile)
+from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
+                                Provenance, load_profile)
 from epmoe.outputs import writable_file
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
@@ -159,6 +159,11 @@ def measure_device(dev, clock: Clock, base: HardwareProfile, timing: str = "laun
     figs["launch_us"] = Figure(launch, clock.prov(f"{n_ops} tiny eager ops ({timing} timing: "
                                                   f"{'GPU' if timing == 'device' else 'host'} "
                                                   f"time per op)"))
+    from epmoe.timing import HOST_OPS, HOST_REPS, host_op_us
+
+    figs[HOST_OP] = Figure(host_op_us(dev), clock.prov(
+        f"{HOST_OPS} tiny eager ops, median of {HOST_REPS} (epmoe.timing.host_op_us: the "
+        f"host's time per op{', issued behind a device hold' if cuda else ''})"))
     figs["sync_us"] = Figure(max(sync, 0.0), clock.prov("tiny kernel + synchronize" if cuda
                                                        else "no device to synchronize"))
     for name in ("peak_tflops_fp8", "peak_tflops_bf16", "peak_tflops_fp32"):
@@ -252,7 +257,7 @@ def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
     for b, t in kernels.items():
         kern.setdefault(b, {}).update(t)
         for name in t:  # a fit measured here outdates the base's fits of it measured beside
-            for sfx in (".overlapped", QUEUED):  # the shared MLP or behind a device hold
+            for sfx in (OVERLAPPED, QUEUED):  # the shared MLP or behind a device hold
                 if name + sfx not in t:
                     kern[b].pop(name + sfx, None)
     return tuple(gemm) + kept_gemm, kern, comm, coll, tuple(mlp) + kept_mlp

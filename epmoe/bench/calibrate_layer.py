@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import fully_beside
 from epmoe.plan.cost import layer_body_us
-from epmoe.plan.profile import QUEUED, AlphaBeta, GemmCurve, MlpCurve
+from epmoe.plan.profile import OVERLAPPED, QUEUED, AlphaBeta, GemmCurve, MlpCurve
 
 ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
                    ("cuda", True): (4, 128, 512),
@@ -184,7 +184,7 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     hold = DeviceSleep(dev) if timing == "device" and kind == "cuda" else None
     if built != experts:
         raise RuntimeError(f"asked for experts {experts!r}, the runtime built {built!r}")
-    e, k, d, inter = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.moe_intermediate
+    e, d, inter = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
     align = layer.experts.alignment
     recipe = "bf16" if experts == "torch" else quant.recipe
     what = (f"{experts} experts, {quant.recipe}, {cfg.name} at ep 1 (E={e}, D={d}, I={inter}), "
@@ -209,10 +209,7 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             break
         x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
         routing = balanced_routing(n, cfg, dev)
-        counts = torch.bincount(routing.topk_ids_TK.flatten().long().cpu(), minlength=e)
-        size = _Size(n, n * k, align, sum(-(-c // align) * align for c in counts.tolist()),
-                     n * k if experts == "torch" else sum(  # the rows act+quant computes
-                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts.tolist()))
+        size = _Size.of(routing.topk_ids_TK, e, align, experts)
         # the routed stages alone, then (CUDA, a shared MLP) beside the shared MLP on its side
         # stream, as a launch runs them by default: contention slows what overlaps it
         for side in modes:
@@ -228,6 +225,9 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             if modes[-1] and st.get("shared"):
                 shared[(True, q)].append((float(n), st["shared"]))
             _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
+            if q:  # the routed stages too, as a later layer runs them (the router's rows)
+                size_r = _Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
+                _kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
     for (g, side), pts in gemm.items():
         nn, kk = (2 * inter, d) if g == "gemm1" else (d, inter)
         pts = tuple(sorted((m, t) for m, (_, t) in pts.items()))
@@ -260,6 +260,17 @@ class _Size:
     rows: int
     aq_rows: int
 
+    @staticmethod
+    def of(ids, e: int, align: int, experts: str) -> "_Size":
+        """The size of a routing (ids [n, k]) over e experts."""
+        import torch
+
+        counts = torch.bincount(ids.flatten().long().cpu(), minlength=e).tolist()
+        real = ids.numel()
+        return _Size(ids.shape[0], real, align, sum(-(-c // align) * align for c in counts),
+                     real if experts == "torch" else sum(  # the rows act+quant computes
+                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts))
+
 
 def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quant,
                    experts: str, recipe: str, overlapped: bool) -> None:
@@ -278,14 +289,21 @@ def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quan
             if prev is None or size.real > prev[0]:
                 gemm[(g, overlapped)][m_key] = (size.real, tr.gemm_flops(size.rows, nn, kk) /
                                                 st[f"experts.{g}"] / 1e6)
-    side = ".overlapped" if overlapped else ""
-    n = size.tokens
-    fits.add_point(experts, f"permute{side}", tr.permute_bytes(n, size.real, d, quant),
+    _kernel_points(fits, st, size, cfg, quant, experts, recipe,
+                   OVERLAPPED if overlapped else "")
+
+
+def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: str,
+                   recipe: str, sfx: str) -> None:
+    """permute / gather / act_quant (pooled and per recipe) of one forward as "<name><sfx>"
+    (".overlapped": beside the shared MLP; ".queued": behind a device hold, a later layer's)."""
+    n, d, inter = size.tokens, cfg.hidden, cfg.moe_intermediate
+    fits.add_point(experts, f"permute{sfx}", tr.permute_bytes(n, size.real, d, quant),
                    st.get("experts.permute"))
-    fits.add_point(experts, f"gather{side}", tr.gather_bytes(n, size.real, d),
+    fits.add_point(experts, f"gather{sfx}", tr.gather_bytes(n, size.real, d),
                    st.get("experts.gather"))
     for name in ("act_quant", f"act_quant.{recipe}"):  # pooled, and per recipe
-        fits.add_point(experts, f"{name}{side}", tr.act_quant_bytes(size.aq_rows, inter, quant),
+        fits.add_point(experts, f"{name}{sfx}", tr.act_quant_bytes(size.aq_rows, inter, quant),
                        st.get("experts.act_quant"))
 
 
@@ -330,5 +348,5 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
         floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
-            floor if table != "layer" and not name.endswith(".overlapped") else 0.0)
+            floor if table != "layer" and not name.endswith(OVERLAPPED) else 0.0)
     return out

@@ -9,7 +9,11 @@ JSON (added to the summary's `timing`):
     noise_floor_ms      0.05: stages measured below it are listed in below_noise_floor (shown,
                         but their ratio says little)
     prediction          profile, topology, routing, tokens per rank, the layers' candidates,
-                        notes; `error` (and predicted_ms None) when the model cannot predict
+                        notes; `error` (and predicted_ms None) when the model cannot predict;
+                        `host`: the run's host speed against the profile's (run_op_us,
+                        profile_op_us, factor) and the prediction at the profile's own host
+                        (at_profile_host_step_ms, at_profile_host_ms), None where either
+                        host is unmeasured
 and, with --plan, `plan`: the mode, the bucket, per layer the choice and its one-line reason,
 and the plan file itself (`plan.plan`, usable as `--plan FILE`).
 """
@@ -72,8 +76,7 @@ def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
 
 def predict_run(run, reports: list[dict], planning) -> dict:
     """-> dict(predicted_ms, predicted_step_ms, prediction)."""
-    topo, prof, cfg, quant = planning.topology, planning.profile, run.cfg, run.quant
-    world = run.world
+    topo, prof, world = planning.topology, planning.profile, run.world
     own = run.own_tokens or world == 1
     tokens = run.tokens if own else max(run.tokens // world, 1)
     info = dict(profile=prof.name, topology=topo.describe(), tokens_per_rank=tokens,
@@ -89,43 +92,74 @@ def predict_run(run, reports: list[dict], planning) -> dict:
     if not own and run.tokens % world:
         info["notes"].append(f"{run.tokens} replicated tokens over {world} ranks modelled as "
                              f"{tokens} per rank")
+    here, info["host"] = at_run_host(prof, reports)
+    if info["host"]:
+        info["notes"].append(info["host"]["note"])
     try:
-        cands = layer_candidates(run, reports[0])
-        info["layers"] = [c.label for c in cands]
-        case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
-        per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
-        e = cfg.num_experts
-        # device timing or a replayed graph: every layer's stages are GPU time (queued)
-        behind = Backlog(prof, run.timing == "device" or run.cuda_graph,
-                         tokens * cfg.hidden * 2.0)
-        for l, c in enumerate(cands):
-            spec, label = _routing(run, reports, l)
-            how.add(label)
-            p2l = reports[0].get("phy2log")
-            slots = SlotMap.from_placement(p2l, l) if p2l and list(p2l[l]) != list(range(e)) \
-                else None
-            key = (spec, slots)
-            if key not in stats and c.form != "tp":
-                stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
-            pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo,
-                                 behind.profile(l), stats.get(key))
-            behind.ran(pred.total_us, c.experts)
-            relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
-            st = {**pred.stages_us, "relayout": relayout}
-            if run.routing != "router":  # routing given: the router stage only looks it up
-                st["router"] = 0.0
-            for k, v in st.items():
-                per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
-            step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
-            prev = c.form
-        info["routing"] = "; ".join(sorted(how))
-        if behind.note():
-            info["notes"].append(behind.note())
+        per_stage, step_us, notes = _walk(run, reports, here, topo, tokens, info)
+        info["notes"] += notes
+        if here is not prof:  # what the profile's own host would have taken
+            st, us, _ = _walk(run, reports, prof, topo, tokens, {})
+            info["host"].update(at_profile_host_step_ms=us / 1e3, at_profile_host_ms={
+                k: float(st[k]) for k in STAGES if k in st})
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
     return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
                 predicted_step_ms=float(step_us) / 1e3, prediction=info)
+
+
+def at_run_host(prof, reports: list[dict]):
+    """(the profile scaled to this run's host, what was scaled or None). A run measures its
+    host's time per tiny eager op after its steps (`host_op_us`, the slowest rank's); a
+    profile that recorded its own calibrating host's is scaled by the ratio
+    (`HardwareProfile.at_host_speed`: the host's issue time of a layer and the stages timed
+    on an idle GPU): hosts differ by 2x between leases of the same GPU machine."""
+    from epmoe.launch.report import run_host_op_us
+
+    run_us, cal_us = run_host_op_us(reports), prof.host_op_us
+    if not run_us or not cal_us:
+        return prof, None
+    f = run_us / cal_us
+    return prof.at_host_speed(f), dict(
+        run_op_us=run_us, profile_op_us=cal_us, factor=f,
+        note=f"this host issues a tiny op in {run_us:.2f} us, the profile's in {cal_us:.2f}: "
+             f"its host time (layer issue, stages on an idle GPU) x{f:.2f}")
+
+
+def _walk(run, reports, prof, topo, tokens: int, info: dict):
+    """Predict each layer of the run's stack with `prof` -> ({stage: ms per step}, step us,
+    notes); sets info's layers and routing."""
+    cfg, quant, world = run.cfg, run.quant, run.world
+    cands = layer_candidates(run, reports[0])
+    info["layers"] = [c.label for c in cands]
+    case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
+    per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
+    e = cfg.num_experts
+    # device timing or a replayed graph: every layer's stages are GPU time (queued)
+    behind = Backlog(prof, run.timing == "device" or run.cuda_graph, tokens * cfg.hidden * 2.0)
+    for l, c in enumerate(cands):
+        spec, label = _routing(run, reports, l)
+        how.add(label)
+        p2l = reports[0].get("phy2log")
+        slots = SlotMap.from_placement(p2l, l) if p2l and list(p2l[l]) != list(range(e)) \
+            else None
+        key = (spec, slots)
+        if key not in stats and c.form != "tp":
+            stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
+        pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo,
+                             behind.profile(l), stats.get(key))
+        behind.ran(pred.total_us, c.experts)
+        relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
+        st = {**pred.stages_us, "relayout": relayout}
+        if run.routing != "router":  # routing given: the router stage only looks it up
+            st["router"] = 0.0
+        for k, v in st.items():
+            per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
+        step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
+        prev = c.form
+    info["routing"] = "; ".join(sorted(how))
+    return per_stage, step_us, [behind.note()] if behind.note() else []
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:

@@ -118,8 +118,11 @@ def prediction_line(s: dict) -> str | None:
         return f"no prediction: {info['error']}"
     if not info:
         return None
-    return (f"predicted by epmoe.plan with profile {info['profile']} on {info['topology']}, "
-            f"routing {info.get('routing', '?')}; * = measured under the 50 us noise floor")
+    host = info.get("host")
+    at = f" (its host time x{host['factor']:.2f}: this host's speed)" if host else ""
+    return (f"predicted by epmoe.plan with profile {info['profile']}{at} on "
+            f"{info['topology']}, routing {info.get('routing', '?')}; * = measured under the "
+            f"50 us noise floor")
 
 
 def rank_table(s: dict):

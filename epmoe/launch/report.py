@@ -168,6 +168,13 @@ STAGE_ORDER = ["router", "dispatch", "dispatch.quantize", "experts", "experts.pe
                "shared", "all_reduce"]
 
 
+def run_host_op_us(reports: list[dict]) -> float | None:
+    """The slowest rank's host speed (`epmoe.timing.host_op_us`: us per tiny eager op), None
+    where no rank measured it."""
+    xs = [r["host_op_us"] for r in reports if r.get("host_op_us")]
+    return max(xs) if xs else None
+
+
 def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dict[str, float]:
     """Per stage, ms per step: the median over steps (and ranks) of a step's calls summed (a
     rank's calls are in order, the same number each step), so layers that differ (a step's
@@ -246,6 +253,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     host_issue_ms_median=_median(  # steps 1.., the slowest rank's each
                         [max(r["host_ms"][s] for r in reports) for s in range(1, steps)]
                         if all(len(r.get("host_ms", ())) == steps for r in reports) else []),
+                    host_op_us=run_host_op_us(reports),
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median over steps 1.. and "
                          "ranks of the stage's calls in one step, summed); stages_ms_per_rank: "

@@ -30,7 +30,7 @@ from epmoe.plan.beside import blend
 from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY, CommCase,
                                   collective_us, combine_cost, dispatch_cost, launch_us)
-from epmoe.plan.profile import HardwareProfile
+from epmoe.plan.profile import OVERLAPPED, HardwareProfile
 from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, routing_stats
 from epmoe.plan.topology import Topology
 
@@ -281,7 +281,7 @@ def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=No
 def _kernel_fit(prof, experts: str, names: tuple[str, ...], overlapped: bool):
     """The most specific fit of `names` (most specific first); beside the shared MLP the
     fits timed so (".overlapped") come first, when the profile has them."""
-    first = tuple(f"{n}.overlapped" for n in names) if overlapped else ()
+    first = tuple(n + OVERLAPPED for n in names) if overlapped else ()
     fit = prof.most_specific(experts, *first, *names)
     if fit is None:
         raise KeyError(f"profile {prof.name!r} has no {names[-1]!r} kernel fit for {experts!r}")

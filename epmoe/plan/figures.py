@@ -13,8 +13,10 @@ Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
 SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
 SCHEMA = 1
 QUEUED = ".queued"  # a kernel fit's name suffix: timed behind earlier GPU work (as_queued)
+OVERLAPPED = ".overlapped"  # a kernel fit's name suffix: timed beside the shared MLP
 DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
                   "peak_tflops_fp32", "launch_us", "sync_us")
+HOST_OP = "host_op_us"  # optional device figure: the host's time per tiny eager op (host speed)
 KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
 LOCAL_KERNELS = ("dispatch", "combine")  # kernels["local"]: the local comm backend's own work
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")

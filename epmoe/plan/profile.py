@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import Mapping
 
 from epmoe.docfile import read_doc
-from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, KERNELS, LOCAL_KERNELS, QUEUED,
-                                SCHEMA, SOURCES, AlphaBeta, Figure, GemmCurve, LinkFit,
-                                MlpCurve, Provenance, Source)
+from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, HOST_OP, KERNELS, LOCAL_KERNELS,
+                                OVERLAPPED, QUEUED, SCHEMA, SOURCES, AlphaBeta, Figure,
+                                GemmCurve, LinkFit, MlpCurve, Provenance, Source)
 
-__all__ = ["COLLECTIVES", "DEVICE_FIGURES", "KERNELS", "LOCAL_KERNELS", "QUEUED", "SCHEMA",
-           "SOURCES", "AlphaBeta", "Figure", "GemmCurve", "HardwareProfile", "LinkFit",
-           "MlpCurve", "Provenance", "Source", "from_dict", "load_profile",
+__all__ = ["COLLECTIVES", "DEVICE_FIGURES", "HOST_OP", "KERNELS", "LOCAL_KERNELS", "OVERLAPPED",
+           "QUEUED", "SCHEMA", "SOURCES", "AlphaBeta", "Figure", "GemmCurve", "HardwareProfile",
+           "LinkFit", "MlpCurve", "Provenance", "Source", "from_dict", "load_profile",
            "shipped_profiles", "to_dict"]
 
 
@@ -109,14 +109,49 @@ class HardwareProfile:
         """The profile as a layer sees it that starts behind earlier work on the GPU (a
         stack's later layers when the host issues ahead): each figure timed so (a kernel
         fit named "<name>.queued", an MLP curve with `queued`) stands in for its plain one;
-        the rest as they are. The calibration times the host-bound stages both ways."""
-        kern = {b: {**{k: v for k, v in t.items() if not k.endswith(QUEUED)},
-                    **{k[:-len(QUEUED)]: v for k, v in t.items() if k.endswith(QUEUED)}}
-                for b, t in self.kernels.items()}
+        the rest as they are. The calibration times the host-bound stages both ways, and the
+        routed kernels (permute, gather, act_quant) in a forward that runs the shared MLP on
+        its side stream as a later layer does: their queued fit also stands in for the one
+        timed beside the shared MLP on an idle GPU ("<name>.overlapped", then dropped)."""
+        kern = {}
+        for b, t in self.kernels.items():
+            twins = {k[:-len(QUEUED)] for k in t if k.endswith(QUEUED)}
+            kern[b] = {**{k: v for k, v in t.items() if not k.endswith(QUEUED) and not (
+                k.endswith(OVERLAPPED) and k[:-len(OVERLAPPED)] in twins)},
+                **{k[:-len(QUEUED)]: v for k, v in t.items() if k.endswith(QUEUED)}}
         over = {c.key.replace("/queued", ""): replace(c, queued=False)
                 for c in self.mlp if c.queued}
         plain = {c.key: c for c in self.mlp if not c.queued}
         return replace(self, kernels=kern, mlp=tuple({**plain, **over}.values()))
+
+    @property
+    def host_op_us(self) -> float | None:
+        """The calibrating host's time per tiny eager op (`epmoe.timing.host_op_us`), None
+        where the profile does not say (spec-derived ones)."""
+        f = self.device.get(HOST_OP)
+        return None if f is None else f.value
+
+    def at_host_speed(self, factor: float) -> "HardwareProfile":
+        """The profile on a host `factor` times as slow per op as the calibrating one (a run's
+        `host_op_us` over the profile's). Host time scales by it: the host's issue time of a
+        forward (kernels["layer"]["issue*"]) and each stage fit timed on an idle GPU that
+        has a queued twin (what it measured there was the host launching the stage; the twin
+        is its GPU time and stays its floor). GEMMs, copies, links: GPU time, unchanged."""
+        if factor == 1.0:
+            return self
+
+        def scaled(fit: AlphaBeta, twin: AlphaBeta | None) -> AlphaBeta:
+            floor = max(fit.floor_us * factor, twin.floor_us if twin else 0.0)
+            return AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor, fit.prov, floor)
+
+        kern = {}
+        for b, t in self.kernels.items():
+            kern[b] = dict(t)
+            for k, fit in t.items():
+                host = (b == "layer" and k.split(".")[0] == "issue") or k + QUEUED in t
+                if host and not k.endswith(QUEUED):
+                    kern[b][k] = scaled(fit, t.get(k + QUEUED))
+        return replace(self, kernels=kern)
 
     def has_kernel(self, table: str, name: str) -> bool:
         return name in self.kernels.get(table, {})
