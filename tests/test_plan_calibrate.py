@@ -23,7 +23,9 @@ def _check(path):
     prof = load_profile(str(path))
     assert prof.gpu == "cpu" and prof.fig("sm_arch") == 0
     assert prof.device["launch_us"].prov.source == "measured"
-    assert prof.host_op_us > 0 and "host_op_us" in prof.device["host_op_us"].prov.note
+    # the host's speed beside the issue times it scales: one probe after each size's forwards
+    assert prof.host_op_us > 0 and "after each size's forwards: the median of 3" in \
+        prof.device["host_op_us"].prov.note
     assert "python -m epmoe.bench.calibrate" in prof.device["hbm_GBps"].prov.note
     curve = prof.curve("torch", "bf16", "contiguous", 256, 256)
     assert curve.prov.source == "measured" and len(curve.points) >= 2

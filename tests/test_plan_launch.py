@@ -367,7 +367,8 @@ def test_a_launch_scales_the_profile_to_its_hosts_speed(tmp_path, capsys):
 
     cpu, m = load_profile("cpu"), Provenance("measured", "test")
     kern = {**cpu.kernels, "router": {"sigmoid_grouped": AlphaBeta(5000.0, 1e9, m),
-                                      "sigmoid_grouped.queued": AlphaBeta(1.0, 1e9, m)}}
+                                      "sigmoid_grouped.queued": AlphaBeta(1.0, 1e9, m)},
+            "layer": {"issue": AlphaBeta(3000.0, 1e9, m)}}
     path = tmp_path / "p.json"
     cpu.replace(kernels=kern, device={**cpu.device, HOST_OP: Figure(1e4, m)}).save(path)
     rc, s = run_cli(tmp_path, *TINY, "--tokens", "8", "--steps", "2", "--layers", "1",
@@ -383,5 +384,8 @@ def test_a_launch_scales_the_profile_to_its_hosts_speed(tmp_path, capsys):
     assert host["at_profile_host_ms"]["router"] == pytest.approx(5.0)
     assert host["at_profile_host_ms"]["experts"] == t["predicted_ms"]["experts"]
     assert f"x{host['factor']:.2f}" in capsys.readouterr().out
+    # the host's issue time of a step, predicted at this host's speed, next to the measured
+    assert t["predicted_issue_ms"] == pytest.approx(3.0 * host["factor"])
+    assert t["issue_ratio"] == pytest.approx(t["predicted_issue_ms"] / t["host_issue_ms_median"])
     rc, s = run_cli(tmp_path, *TINY, "--tokens", "8", "--steps", "2", "--layers", "1")
     assert s["timing"]["prediction"]["host"] is None  # the shipped cpu profile: no host

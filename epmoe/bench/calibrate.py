@@ -306,6 +306,12 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                 clock.skipped.append(f"{name}/{recipe}: {type(exc).__name__}: "
                                      f"{str(exc).splitlines()[0][:120]}")
     kernels = finish(fits, clock, fit_ab)
+    if fits.host_op_us:  # the host's speed while it issued the layer's forwards
+        from epmoe.timing import HOST_OPS, HOST_REPS
+
+        device[HOST_OP] = Figure(statistics.median(fits.host_op_us), clock.prov(
+            f"{HOST_OPS} tiny eager ops (epmoe.timing.host_op_us, median of {HOST_REPS}), "
+            f"measured after each size's forwards: the median of {len(fits.host_op_us)}"))
     if "quantize" not in kernels.get("comm", {}):  # no quantized recipe ran through the layer
         kernels.setdefault("comm", {})["quantize"] = measure_quantize(
             cfg, QuantConfig("fp8_block"), dev, clock)

@@ -72,6 +72,7 @@ class LayerFits:
     kernels: dict = field(default_factory=dict)
     mlp: list = field(default_factory=list)
     points: dict = field(default_factory=dict)  # (table, name) -> [(bytes, us)], pooled
+    host_op_us: list = field(default_factory=list)  # the host's speed beside each issue time
 
     def add_point(self, table: str, name: str, nbytes: float, us: float | None) -> None:
         if us and nbytes > 0:
@@ -176,7 +177,7 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     ".overlapped" fits); default on CUDA when the model has shared experts."""
     import torch
 
-    from epmoe.timing import DeviceSleep
+    from epmoe.timing import DeviceSleep, host_op_us
 
     kind = dev.type
     ns = token_counts(cfg, ROWS_PER_EXPERT[(kind, quick)])
@@ -228,6 +229,9 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
             if q:  # the routed stages too, as a later layer runs them (the router's rows)
                 size_r = _Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
                 _kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
+        # the host's speed as it issued these forwards (hosts drift within a machine's lease;
+        # the issue time's fit and the profile's host_op_us must come from the same host)
+        fits.host_op_us.append(host_op_us(dev))
     for (g, side), pts in gemm.items():
         nn, kk = (2 * inter, d) if g == "gemm1" else (d, inter)
         pts = tuple(sorted((m, t) for m, (_, t) in pts.items()))

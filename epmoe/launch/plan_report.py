@@ -6,6 +6,8 @@ JSON (added to the summary's `timing`):
     predicted_ms        {stage: ms per step}, summed over layers like `stages_ms`
     ratio               {stage: predicted / measured} (None where nothing was measured)
     predicted_step_ms   the layers' predicted times (+ relayouts); step_ratio = that / measured
+    predicted_issue_ms  the host's time to issue a step (the profile's issue time per layer, at
+                        this host's speed); issue_ratio = that / host_issue_ms_median
     noise_floor_ms      0.05: stages measured below it are listed in below_noise_floor (shown,
                         but their ratio says little)
     prediction          profile, topology, routing, tokens per rank, the layers' candidates,
@@ -96,17 +98,18 @@ def predict_run(run, reports: list[dict], planning) -> dict:
     if info["host"]:
         info["notes"].append(info["host"]["note"])
     try:
-        per_stage, step_us, notes = _walk(run, reports, here, topo, tokens, info)
+        per_stage, step_us, notes, issue_us = _walk(run, reports, here, topo, tokens, info)
         info["notes"] += notes
         if here is not prof:  # what the profile's own host would have taken
-            st, us, _ = _walk(run, reports, prof, topo, tokens, {})
+            st, us, _, _ = _walk(run, reports, prof, topo, tokens, {})
             info["host"].update(at_profile_host_step_ms=us / 1e3, at_profile_host_ms={
                 k: float(st[k]) for k in STAGES if k in st})
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
     return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
-                predicted_step_ms=float(step_us) / 1e3, prediction=info)
+                predicted_step_ms=float(step_us) / 1e3, prediction=info,
+                predicted_issue_ms=issue_us / 1e3 if issue_us else None)
 
 
 def at_run_host(prof, reports: list[dict]):
@@ -129,7 +132,7 @@ def at_run_host(prof, reports: list[dict]):
 
 def _walk(run, reports, prof, topo, tokens: int, info: dict):
     """Predict each layer of the run's stack with `prof` -> ({stage: ms per step}, step us,
-    notes); sets info's layers and routing."""
+    notes, the host's issue time of the step in us); sets info's layers and routing."""
     cfg, quant, world = run.cfg, run.quant, run.world
     cands = layer_candidates(run, reports[0])
     info["layers"] = [c.label for c in cands]
@@ -159,7 +162,7 @@ def _walk(run, reports, prof, topo, tokens: int, info: dict):
         step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
         prev = c.form
     info["routing"] = "; ".join(sorted(how))
-    return per_stage, step_us, [behind.note()] if behind.note() else []
+    return per_stage, step_us, [behind.note()] if behind.note() else [], sum(behind.issued)
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:
@@ -179,9 +182,11 @@ def attach(summary: dict, run, reports: list[dict], planning) -> None:
     t = summary["timing"]
     pred = predict_run(run, reports, planning)
     ratio, low = compare(t["stages_ms"], pred["predicted_ms"])
-    step = pred["predicted_step_ms"]
+    step, issue = pred["predicted_step_ms"], pred.get("predicted_issue_ms")
     t.update(pred, ratio=ratio if pred["predicted_ms"] is not None else None,
              step_ratio=step / t["step_ms_median"] if step and t["step_ms_median"] else None,
+             issue_ratio=issue / t["host_issue_ms_median"]
+             if issue and t.get("host_issue_ms_median") else None,
              noise_floor_ms=NOISE_FLOOR_MS, below_noise_floor=low)
     if planning.plan is not None:
         summary["plan"] = plan_summary(planning)
