@@ -177,17 +177,19 @@ def test_a_fit_timed_beside_the_shared_mlp_takes_no_floor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quick_gpu_calibration_times_a_later_layers_stages_queued(tmp_path):
-    """Launched timing on CUDA: the host-bound stages and the routed kernels again behind a
-    device hold (".queued", what a stack's later layers see), the host's speed recorded;
+    """Launched timing on CUDA: the host-bound stages, the routed kernels and the layer's
+    tail again behind a device hold (".queued", what a stack's later layers see), the
+    host's speed recorded beside the issue times;
     as_queued takes each queued fit for its plain and overlapped twin."""
     out = tmp_path / "g.json"
     assert main(["--quick", "--ranks", "1", "--out", str(out), "--model", "deepseek-v3-tiny",
                  "--recipes", "fp8_block", "--budget-s", "120"]) == 0
     prof = load_profile(str(out))
-    assert prof.host_op_us > 0
+    assert prof.host_op_us > 0 and "the median of" in prof.device["host_op_us"].prov.note
+    assert "layer" in prof.kernels and "issue.queued" not in prof.kernels["layer"]
     for table, name in (("router", "sigmoid_grouped"), ("local", "dispatch"),
                         ("triton", "permute"), ("triton", "gather"),
-                        ("triton", "act_quant.fp8_block")):
+                        ("triton", "act_quant.fp8_block"), ("layer", "tail.triton")):
         fit = prof.kernel(table, name + ".queued")
         assert fit.prov.source == "measured" and fit.time_us(1e6) > 0, (table, name)
         assert prof.as_queued().kernel(table, name) == fit

@@ -21,9 +21,10 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |
 |                                        | composed as the cost model does     |                |
 | kernels["layer"]["issue(.backend)"]    | the host's time to issue a forward  | output bytes   |
-| the quantize / local / router rows as  | the same stages, each forward       | as above       |
-| "<name>.queued", the overlapped mlp    | behind a device hold (launched      |                |
-| curve with queued set                  | timing, CUDA)                       |                |
+| the quantize / local / router / tail   | the same stages, each forward       | as above       |
+| rows, permute / gather / act_quant as  | behind a device hold (launched      |                |
+| "<name>.queued", the overlapped mlp    | timing, CUDA), with the layer's     |                |
+| curve with queued set                  | router                              |                |
 
 The first rows come from forwards on balanced synthetic routing (every expert m rows: the
 GEMM curves' x is exact). The host-bound rows come from forwards that run the layer's own
@@ -315,7 +316,8 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
                        overlapped: bool, queued: bool = False) -> None:
     """Router, dispatch.quantize (pooled and per experts backend), the local backend's
     dispatch / combine, and the layer's tail and the host's issue time, from one forward
-    with the layer's router (queued: behind a device hold -> the ".queued" fits; no tail)."""
+    with the layer's router (queued: behind a device hold -> the ".queued" fits, the tail
+    among them; no issue time)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
     sfx = QUEUED if queued else ""
     q = st.get("dispatch.quantize", 0.0)
@@ -326,13 +328,12 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
                        max(st["dispatch"] - q, 1e-3))
     fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
-    if queued:
-        return
-    for name in ("issue", f"issue.{experts}"):  # pooled, and per backend (torch: host syncs)
-        fits.add_point("layer", name, n * d * 2.0, st.get("issue"))
-    tail = st["forward"] - layer_body_us(st, overlapped)
+    if not queued:
+        for name in ("issue", f"issue.{experts}"):  # pooled, per backend (torch: host syncs)
+            fits.add_point("layer", name, n * d * 2.0, st.get("issue"))
+    tail = st["forward"] - layer_body_us(st, overlapped)  # queued: without the host's gaps
     for name in ("tail", f"tail.{experts}"):  # pooled, and per backend (the torch
-        fits.add_point("layer", name, n * d * 2.0, max(tail, 1e-3))  # backend syncs the host)
+        fits.add_point("layer", name + sfx, n * d * 2.0, max(tail, 1e-3))  # backend syncs)
 
 
 def finish(fits: LayerFits, clock, fit_ab) -> dict:
