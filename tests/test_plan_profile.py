@@ -226,5 +226,9 @@ def test_at_host_speed_scales_the_host_time_only():
         for table, name in (("router", "softmax.queued"), ("router", "sigmoid"),
                             ("layer", "tail")):
             assert s.kernel(table, name) == prof.kernel(table, name)
-        assert s.gemm == prof.gemm and s.comm == prof.comm and s.device == prof.device
+        assert s.gemm == prof.gemm and s.comm == prof.comm
+        assert s.host_op_us == pytest.approx(8.0 * f)  # it now describes that host
+        if f > 1:  # back again (not from below: the twin's floor held the time up there)
+            assert s.at_host_speed(1 / f).kernel("router", "softmax") == \
+                prof.kernel("router", "softmax")
     assert prof.at_host_speed(0.4).kernel("router", "softmax").floor_us == 90.0

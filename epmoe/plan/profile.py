@@ -151,7 +151,12 @@ class HardwareProfile:
                 host = (b == "layer" and k.split(".")[0] == "issue") or k + QUEUED in t
                 if host and not k.endswith(QUEUED):
                     kern[b][k] = scaled(fit, t.get(k + QUEUED))
-        return replace(self, kernels=kern)
+        dev = dict(self.device)
+        if HOST_OP in dev:  # the profile now describes that host
+            f = dev[HOST_OP]
+            dev[HOST_OP] = Figure(f.value * factor, Provenance("derived", (
+                f"{f.value:.2f} us x{factor:.3f} (at_host_speed), from: {f.prov.note}")))
+        return replace(self, kernels=kern, device=dev)
 
     def has_kernel(self, table: str, name: str) -> bool:
         return name in self.kernels.get(table, {})
