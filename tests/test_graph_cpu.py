@@ -122,3 +122,18 @@ def test_the_load_recorder_counts_into_one_live_buffer():
         assert rec.num_steps == min(step + 1, 2)
     # the window: the last two steps (the finished one as a copy, the live one)
     assert rec.window_load(reduce=False).tolist() == [[0, 2, 1, 1]]
+
+
+def test_plan_accuracy_judges_the_host_issue_time_apart_from_the_stages():
+    """A launch that measured and predicted its host's issue time gets a "host issue" row;
+    one that did not (device-less, or a profile without an issue fit) gets none."""
+    from epmoe.bench.plan_accuracy import HOST_ISSUE, stage_rows
+
+    row = dict(candidate="ep/local/triton", status="ok", stages_ms={"router": 0.2},
+               predicted_stages_ms={"router": 0.3}, ratio=1.1, measured_ms=2.0,
+               predicted_ms=2.2, host_issue_ms=4.0, predicted_issue_ms=4.6)
+    rows = stage_rows(dict(rows=[row, dict(row, candidate="b", predicted_issue_ms=None)]))
+    issue = [r for r in rows if r["stage"] == HOST_ISSUE]
+    assert [(r["candidate"], r["within_20"]) for r in issue] == [("ep/local/triton", True)]
+    assert issue[0]["error"] == pytest.approx(0.15)
+    assert [r["within_20"] for r in rows if r["stage"] == "router"] == [False, False]

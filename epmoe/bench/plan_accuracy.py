@@ -31,7 +31,8 @@ The report (stdout and JSON "profile") names the profile used and its provenance
 launched judges the stages as a synchronized step shows them (a small stage measures the host's
 launch time, BENCHMARKS.md 6e); device judges the GPU's time per stage (the host issuing the
 step ahead of the GPU), which is what the cost model predicts; the host's issue time per step
-is reported next to it (JSON "host_issue_ms" per launch). --cuda-graph (CUDA) replays every
+is reported next to it (JSON "host_issue_ms" per launch) with the model's ("predicted_issue_ms",
+a "host issue" row, judged apart from the stages). --cuda-graph (CUDA) replays every
 launch's steps 1.. from a CUDA graph (launch --cuda-graph): the host issues no launches, so the
 stages are GPU time under either timing; judge them with a device-timed profile.
 """
@@ -51,6 +52,7 @@ from epmoe.outputs import writable_file
 
 WITHIN = 0.20
 FLOOR_MS = 0.05
+HOST_ISSUE = "host issue"  # a row per launch: the host's issue time of a step, predicted
 
 
 def groups(cuda: bool, quick: bool, layers: int, steps: int,
@@ -91,6 +93,11 @@ def stage_rows(sweep: dict) -> list[dict]:
         out.append(dict(candidate=r["candidate"], stage="step", measured_ms=r["measured_ms"],
                         predicted_ms=r["predicted_ms"], error=err,
                         within_20=None if err is None else bool(abs(err) <= WITHIN)))
+        m, p = r.get("host_issue_ms"), r.get("predicted_issue_ms")
+        if m and p:  # the host's time to issue a step (the profile's, at this host's speed)
+            out.append(dict(candidate=r["candidate"], stage=HOST_ISSUE, measured_ms=m,
+                            predicted_ms=p, error=p / m - 1,
+                            within_20=bool(abs(p / m - 1) <= WITHIN)))
     return out
 
 
@@ -183,7 +190,8 @@ def main(argv=None) -> int:
         print(render_group(s, rows) + "\n", flush=True)
         results.append(dict(flags=g["flags"], sweep=s, stages=rows))
     judged = [r for g in results for r in g["stages"]
-              if r["within_20"] is not None and r["stage"] != "step"]
+              if r["within_20"] is not None and r["stage"] not in ("step", HOST_ISSUE)]
+    issue = [r["within_20"] for g in results for r in g["stages"] if r["stage"] == HOST_ISSUE]
     picks = [g["sweep"]["auto"]["within_5pct"] for g in results]
     summary = dict(stages_judged=len(judged), stages_within_20=sum(r["within_20"]
                                                                     for r in judged),
@@ -192,11 +200,13 @@ def main(argv=None) -> int:
                    launches=sum(1 for g in results for r in g["sweep"]["rows"]
                                 if r["status"] == "ok"),
                    groups=len(results), picks_within_5=sum(bool(p) for p in picks),
+                   issue_judged=len(issue), issue_within_20=sum(issue),
                    seconds=time.monotonic() - t0)
     print(f"stages > 50 us within 20%: {summary['stages_within_20']}/{summary['stages_judged']};"
           f" steps within 20%: {summary['steps_within_20']}/{summary['launches']}; planner's "
           f"pick within 5% of the best: {summary['picks_within_5']}/{summary['groups']}; "
-          f"{summary['seconds']:.0f} s")
+          f"{summary['seconds']:.0f} s" + (f"; host issue within 20%: {sum(issue)}/{len(issue)}"
+                                             if issue else ""))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

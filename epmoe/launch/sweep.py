@@ -66,7 +66,8 @@ def _row(label: str, s: dict | None, error: str | None = None) -> dict:
                 measured_ms=t["step_ms_median"], ratio=t["step_ratio"],
                 passed=c["passed"] if c.get("checked") else None,
                 stages_ms=t["stages_ms"], predicted_stages_ms=t["predicted_ms"],
-                timing=t.get("mode", "launched"), host_issue_ms=t.get("host_issue_ms_median"))
+                timing=t.get("mode", "launched"), host_issue_ms=t.get("host_issue_ms_median"),
+                predicted_issue_ms=t.get("predicted_issue_ms"))
 
 
 def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
