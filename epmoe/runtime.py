@@ -302,7 +302,10 @@ class Runtime:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
         if self.host_op_us is None:  # once, after the steps (the GPU idle, no build running)
-            self.host_op_us = host_op_us(self.device)
+            try:
+                self.host_op_us = host_op_us(self.device)
+            except RuntimeError:  # a device that failed: report what ran, no host speed
+                self.host_op_us = float("nan")
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
                     host_op_us=self.host_op_us,
                     stages_ms=stages, timing="device" if self.device_timed else "launched",

@@ -43,6 +43,23 @@ def test_a_cpu_run_reports_launched_timing_and_its_host_issue_time(cpu_run):
     assert t["mode"] == "launched"  # no GPU to hold: the step is the host's wall time
     assert t["host_issue_ms_median"] > 0
     assert t["host_issue_ms_median"] <= max(t["step_ms"][1:]) * 1.001
+    assert t["host_op_us"] > 0  # the host's speed, probed after the steps
+
+
+def test_a_run_whose_host_probe_fails_reports_no_host_speed(tmp_path, monkeypatch):
+    """The host-speed probe runs after the steps; on a device that failed it must not hide
+    what ran: the report goes on without a host speed (and the prediction unscaled)."""
+    import epmoe.runtime
+
+    def broken(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(epmoe.runtime, "host_op_us", broken)
+    out = tmp_path / "s.json"
+    assert main(["--steps", "2", "--tokens", "4", "--layers", "1", "--device", "cpu",
+                 "--quiet", "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["timing"]
+    assert t["host_op_us"] is None and t["prediction"]["host"] is None
 
 
 def _rendered(s: dict) -> str:

@@ -171,7 +171,7 @@ STAGE_ORDER = ["router", "dispatch", "dispatch.quantize", "experts", "experts.pe
 def run_host_op_us(reports: list[dict]) -> float | None:
     """The slowest rank's host speed (`epmoe.timing.host_op_us`: us per tiny eager op), None
     where no rank measured it."""
-    xs = [r["host_op_us"] for r in reports if r.get("host_op_us")]
+    xs = [r["host_op_us"] for r in reports if r.get("host_op_us") and r["host_op_us"] > 0]
     return max(xs) if xs else None
 
 
