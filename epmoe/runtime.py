@@ -8,6 +8,7 @@ this rank's tokens; layer l+1 takes x + out of layer l (a residual stack without
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -49,7 +50,8 @@ class Runtime:
         self.sleep = DeviceSleep(self.device) if self.device_timed else None
         self.host_ms: list[float] = []  # the host's time to issue each step
         self.held_ms: list[float] = []  # device timing: how long the GPU was held first
-        self.host_op_us: float | None = None  # this host's speed (measured at the report)
+        self.host_probes: list[float] = []  # this host's speed: after steps 0 and mid, report
+        self._probed_at_report = False
         from epmoe.comm import resolve_backend
 
         # per layer: (backend, one-line reason) and the LayerPlan; `backend` overrides the run's
@@ -257,6 +259,8 @@ class Runtime:
         for layer in self.layers:  # after the sync the step already has: device-side timeouts
             layer.comm.check_errors()
         self.step_ms.append(ms)
+        if step in (0, self.run.steps // 2):  # hosts drift within a run: probe more than once
+            self._probe_host()
         if step == 0 and self.run.steps > 1:  # warm-up (compiles, first arena calls): its
             self.timer.reset()                # stages would skew the per-stage medians
         self._last = keep
@@ -298,16 +302,23 @@ class Runtime:
                                for rec in self._last]
         return self._last_host
 
+    def _probe_host(self) -> None:
+        """The host's speed now (`epmoe.timing.host_op_us`, between steps: the GPU idle); a
+        device that failed gives NaN (the report goes on without it)."""
+        try:
+            self.host_probes.append(host_op_us(self.device))
+        except RuntimeError:
+            self.host_probes.append(float("nan"))
+
     def report(self) -> dict:
         """This rank's timings, loads and (if check) last-step tensors."""
         stages = self.timer.collect()
-        if self.host_op_us is None:  # once, after the steps (the GPU idle, no build running)
-            try:
-                self.host_op_us = host_op_us(self.device)
-            except RuntimeError:  # a device that failed: report what ran, no host speed
-                self.host_op_us = float("nan")
+        if not self._probed_at_report:  # once more, after the steps
+            self._probe_host()
+            self._probed_at_report = True
+        ok = [v for v in self.host_probes if v == v]
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
-                    host_op_us=self.host_op_us,
+                    host_op_us=statistics.median(ok) if ok else None,
                     stages_ms=stages, timing="device" if self.device_timed else "launched",
                     host_ms=self.host_ms, held_ms=self.held_ms, last=self.last,
                     load_LS=self.load_LS.cpu().clone(),

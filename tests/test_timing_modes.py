@@ -62,6 +62,21 @@ def test_a_run_whose_host_probe_fails_reports_no_host_speed(tmp_path, monkeypatc
     assert t["host_op_us"] is None and t["prediction"]["host"] is None
 
 
+def test_the_host_is_probed_after_step_0_mid_run_and_at_the_report(monkeypatch):
+    """Hosts drift within a run: the runtime probes after step 0, after the middle step and
+    at its report (once), and reports the median."""
+    import epmoe.runtime
+    from epmoe.runtime import Runtime
+
+    speeds = iter([5.0, 9.0, 6.0, 100.0])
+    monkeypatch.setattr(epmoe.runtime, "host_op_us", lambda device: next(speeds))
+    rt = Runtime(RunConfig(model="deepseek-v3-tiny", tokens=4, layers=1, steps=5))
+    for step in range(5):
+        rt.step(step)
+    assert rt.host_probes == [5.0, 9.0]  # steps 0 and 2
+    assert rt.report()["host_op_us"] == 6.0 and rt.report()["host_op_us"] == 6.0
+
+
 def _rendered(s: dict) -> str:
     from rich.console import Console
 
