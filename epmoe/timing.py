@@ -161,7 +161,6 @@ class DeviceSleep:
         torch.cuda._sleep(max(1, int(self._rate() * ms)))
 
 
-
 HOST_OPS, HOST_REPS = 200, 5  # the host-speed probe: tiny eager ops per rep, reps (median)
 
 

@@ -115,10 +115,10 @@ def predict_run(run, reports: list[dict], planning) -> dict:
 def at_run_host(prof, reports: list[dict]):
     """(the profile scaled to this run's host, what was scaled or None). A run measures its
     host's time per tiny eager op between its steps (`host_op_us`: the median of probes
-    after step 0, the middle step and the last; the slowest rank's); a
-    profile that recorded its own calibrating host's is scaled by the ratio
-    (`HardwareProfile.at_host_speed`: the host's issue time of a layer and the stages timed
-    on an idle GPU): hosts differ by 2x between leases of the same GPU machine."""
+    after step 0, the middle step and the last; the slowest rank's); a profile that recorded
+    its own calibrating host's is scaled by the ratio (`HardwareProfile.at_host_speed`: the
+    host's issue time of a layer and the stages timed on an idle GPU): hosts differ by 2x
+    between leases of the same GPU machine."""
     from epmoe.launch.report import run_host_op_us
 
     run_us, cal_us = run_host_op_us(reports), prof.host_op_us
