@@ -29,7 +29,9 @@ def _check(path):
     assert "python -m epmoe.bench.calibrate" in prof.device["hbm_GBps"].prov.note
     curve = prof.curve("torch", "bf16", "contiguous", 256, 256)
     assert curve.prov.source == "measured" and len(curve.points) >= 2
-    assert prof.kernel("torch", "permute").prov.source == "measured"
+    for name in ("permute", "gather", "act_quant"):  # pooled, and per recipe
+        assert prof.kernel("torch", name).prov.source == "measured"
+        assert prof.kernel("torch", f"{name}.bf16").prov.source == "measured"
     # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
     for table, name in (("local", "dispatch"), ("local", "combine"),
                         ("router", "sigmoid_grouped"), ("layer", "tail"), ("layer", "issue")):
@@ -189,6 +191,7 @@ def test_quick_gpu_calibration_times_a_later_layers_stages_queued(tmp_path):
     assert "layer" in prof.kernels and "issue.queued" not in prof.kernels["layer"]
     for table, name in (("router", "sigmoid_grouped"), ("local", "dispatch"),
                         ("triton", "permute"), ("triton", "gather"),
+                        ("triton", "permute.fp8_block"), ("triton", "gather.fp8_block"),
                         ("triton", "act_quant.fp8_block"), ("layer", "tail.triton")):
         fit = prof.kernel(table, name + ".queued")
         assert fit.prov.source == "measured" and fit.time_us(1e6) > 0, (table, name)

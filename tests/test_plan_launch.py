@@ -64,7 +64,12 @@ def test_every_launch_reports_predicted_vs_measured(tmp_path, capsys):
     assert rc == 0 and s["correctness"]["passed"] is True
     assert "plan" not in s  # no --plan: the flags decided, the model still predicts
     assert_predictions(s)
-    assert s["timing"]["prediction"]["profile"] == "cpu"
+    t = s["timing"]
+    for name, per_layer in t["predicted_ms_per_layer"].items():  # one layer: the same
+        assert per_layer == pytest.approx([t["predicted_ms"][name]])
+    for name, per_layer in t["stages_ms_per_layer"].items():  # one step timed: its calls
+        assert per_layer == pytest.approx([t["stages_ms"][name]])
+    assert t["prediction"]["profile"] == "cpu"
     assert s["timing"]["prediction"]["topology"].startswith("1x1 cpu")
     out = capsys.readouterr().out
     assert "pred/meas" in out and "predicted" in out

@@ -142,3 +142,28 @@ def test_dispatch_quantize_reads_the_experts_backends_own_fit():
     tri = predict_layer(LOCAL, work, ONE, prof)
     assert dg.stages_us["dispatch.quantize"] == pytest.approx(300.0, rel=1e-3)
     assert tri.stages_us["dispatch.quantize"] == pytest.approx(100.0, rel=1e-3)
+
+
+def test_routed_kernels_read_the_recipes_own_fit():
+    """permute / gather "<name>.<recipe>" (beside the shared MLP its kernels differ by recipe)
+    win over the pooled fit, overlapped ones first beside the shared MLP; a recipe without its
+    own fit uses the pooled one."""
+    prof = synthetic_profile()
+    tri = {**prof.kernels["triton"], "permute": AlphaBeta(100.0, 1e9, M),
+           "permute.fp8_block": AlphaBeta(200.0, 1e9, M),
+           "gather.fp8_block": AlphaBeta(50.0, 1e9, M),
+           "permute.fp8_block.overlapped": AlphaBeta(400.0, 1e9, M)}
+    prof = prof.replace(kernels={**prof.kernels, "triton": tri})
+    fp8 = predict_layer(LOCAL, Workload(CFG, FP8, 512), ONE, prof).stages_us
+    bf16 = predict_layer(LOCAL, Workload(CFG, BF16, 512), ONE, prof).stages_us
+    assert fp8["experts.permute"] == pytest.approx(200.0, rel=1e-2)
+    assert fp8["experts.gather"] == pytest.approx(50.0, rel=1e-2)
+    assert bf16["experts.permute"] == pytest.approx(100.0, rel=1e-2)
+    assert bf16["experts.gather"] == pytest.approx(
+        tri["gather"].time_us(tr.gather_bytes(512, 512 * CFG.top_k, CFG.hidden)), rel=1e-2)
+    from epmoe.plan.cost import _experts_stages
+
+    slot_rows = [512 * CFG.top_k / CFG.num_experts] * CFG.num_experts
+    beside = _experts_stages("triton", "tokens", CFG, FP8, prof, 512, 512 * CFG.top_k,
+                             slot_rows, CFG.moe_intermediate, overlapped=True)
+    assert beside["experts.permute"] == pytest.approx(400.0, rel=1e-2)

@@ -187,3 +187,21 @@ def test_a_stage_per_step_counts_each_layers_own_time():
     assert _stage_ms_per_step(["router"], ranks[:1], 3)["router"] == pytest.approx(0.55)
     uneven = [dict(stages_ms={"router": [0.4, 0.05, 0.05, 0.05, 0.05]})]  # 5 calls, 2 steps
     assert _stage_ms_per_step(["router"], uneven, 2)["router"] == pytest.approx(0.05 * 5 / 2)
+
+
+def test_a_stage_per_layer_keeps_each_layers_own_time():
+    """Per layer: the median over steps and ranks of that layer's calls (two per layer when
+    micro-batched, summed); a stage that some layers skip is left out."""
+    from epmoe.launch.report import _stage_ms_per_layer
+
+    step = [0.40, 0.05, 0.06, 0.07]  # 4 layers, the first on an idle GPU
+    ranks = [dict(stages_ms={"router": step + step + [0.40, 0.05, 9.0, 0.07]}),
+             dict(stages_ms={"router": [v + 0.01 for v in step] * 3})]
+    got = _stage_ms_per_layer(["router"], ranks, 3, 4)["router"]
+    # six values a layer; the stall (9.0) is one of layer 2's six: a median, not 1.5 ms
+    assert got == pytest.approx([0.405, 0.055, 0.07, 0.075])
+    halves = [dict(stages_ms={"dispatch": [0.1, 0.2, 0.01, 0.02] * 2})]  # 2 calls a layer
+    assert _stage_ms_per_layer(["dispatch"], halves, 2, 2)["dispatch"] == pytest.approx(
+        [0.3, 0.03])
+    some = [dict(stages_ms={"all_reduce": [0.1, 0.1, 0.1]})]  # 3 calls: 3 steps x 2 layers?
+    assert _stage_ms_per_layer(["all_reduce"], some, 3, 2) == {}

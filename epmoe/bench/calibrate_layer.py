@@ -303,13 +303,14 @@ def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: 
     """permute / gather / act_quant (pooled and per recipe) of one forward as "<name><sfx>"
     (".overlapped": beside the shared MLP; ".queued": behind a device hold, a later layer's)."""
     n, d, inter = size.tokens, cfg.hidden, cfg.moe_intermediate
-    fits.add_point(experts, f"permute{sfx}", tr.permute_bytes(n, size.real, d, quant),
-                   st.get("experts.permute"))
-    fits.add_point(experts, f"gather{sfx}", tr.gather_bytes(n, size.real, d),
-                   st.get("experts.gather"))
-    for name in ("act_quant", f"act_quant.{recipe}"):  # pooled, and per recipe
-        fits.add_point(experts, f"{name}{sfx}", tr.act_quant_bytes(size.aq_rows, inter, quant),
-                       st.get("experts.act_quant"))
+    for r in ("", f".{recipe}"):  # pooled, and per recipe (its rows, and beside the shared
+        # MLP its kernels: a W4A8 GEMM slows what runs beside it more than an fp8 one)
+        fits.add_point(experts, f"permute{r}{sfx}", tr.permute_bytes(n, size.real, d, quant),
+                       st.get("experts.permute"))
+        fits.add_point(experts, f"gather{r}{sfx}", tr.gather_bytes(n, size.real, d),
+                       st.get("experts.gather"))
+        fits.add_point(experts, f"act_quant{r}{sfx}",
+                       tr.act_quant_bytes(size.aq_rows, inter, quant), st.get("experts.act_quant"))
 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,

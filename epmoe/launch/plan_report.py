@@ -4,6 +4,7 @@ final replica placement, on the launch's topology and profile), per runtime stag
 
 JSON (added to the summary's `timing`):
     predicted_ms        {stage: ms per step}, summed over layers like `stages_ms`
+    predicted_ms_per_layer  {stage: [ms per step of each layer]}, like `stages_ms_per_layer`
     ratio               {stage: predicted / measured} (None where nothing was measured)
     predicted_step_ms   the layers' predicted times (+ relayouts); step_ratio = that / measured
     predicted_issue_ms  the host's time to issue a step (the profile's issue time per layer, at
@@ -21,6 +22,8 @@ and the plan file itself (`plan.plan`, usable as `--plan FILE`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from epmoe.plan import Candidate, Plan, SlotMap, Workload, predict_layer, routing_stats
 from epmoe.plan.backlog import Backlog
@@ -98,18 +101,20 @@ def predict_run(run, reports: list[dict], planning) -> dict:
     if info["host"]:
         info["notes"].append(info["host"]["note"])
     try:
-        per_stage, step_us, notes, issue_us = _walk(run, reports, here, topo, tokens, info)
-        info["notes"] += notes
+        w = _walk(run, reports, here, topo, tokens, info)
+        info["notes"] += w.notes
         if here is not prof:  # what the profile's own host would have taken
-            st, us, _, _ = _walk(run, reports, prof, topo, tokens, {})
-            info["host"].update(at_profile_host_step_ms=us / 1e3, at_profile_host_ms={
-                k: float(st[k]) for k in STAGES if k in st})
+            at = _walk(run, reports, prof, topo, tokens, {})
+            info["host"].update(at_profile_host_step_ms=at.step_us / 1e3, at_profile_host_ms={
+                k: float(at.per_stage[k]) for k in STAGES if k in at.per_stage})
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
-    return dict(predicted_ms={k: float(per_stage[k]) for k in STAGES if k in per_stage},
-                predicted_step_ms=float(step_us) / 1e3, prediction=info,
-                predicted_issue_ms=issue_us / 1e3 if issue_us else None)
+    return dict(predicted_ms={k: float(w.per_stage[k]) for k in STAGES if k in w.per_stage},
+                predicted_ms_per_layer={k: [float(st.get(k, 0.0)) for st in w.per_layer]
+                                        for k in STAGES if k in w.per_stage},
+                predicted_step_ms=float(w.step_us) / 1e3, prediction=info,
+                predicted_issue_ms=w.issue_us / 1e3 if w.issue_us else None)
 
 
 def at_run_host(prof, reports: list[dict]):
@@ -131,14 +136,25 @@ def at_run_host(prof, reports: list[dict]):
              f"its host time (layer issue, stages on an idle GPU) x{f:.2f}")
 
 
-def _walk(run, reports, prof, topo, tokens: int, info: dict):
-    """Predict each layer of the run's stack with `prof` -> ({stage: ms per step}, step us,
-    notes, the host's issue time of the step in us); sets info's layers and routing."""
+@dataclass
+class _Walk:
+    """A stack predicted layer by layer: ms per step per stage (summed over layers), the
+    same per layer, the step (us), notes, the host's issue time of the step (us)."""
+
+    per_stage: dict
+    per_layer: list
+    step_us: float
+    notes: list
+    issue_us: float
+
+
+def _walk(run, reports, prof, topo, tokens: int, info: dict) -> _Walk:
+    """Predict each layer of the run's stack with `prof`; sets info's layers and routing."""
     cfg, quant, world = run.cfg, run.quant, run.world
     cands = layer_candidates(run, reports[0])
     info["layers"] = [c.label for c in cands]
     case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
-    per_stage, step_us, prev, stats, how = {}, 0.0, None, {}, set()
+    per_stage, per_layer, step_us, prev, stats, how = {}, [], 0.0, None, {}, set()
     e = cfg.num_experts
     # device timing or a replayed graph: every layer's stages are GPU time (queued)
     behind = Backlog(prof, run.timing == "device" or run.cuda_graph, tokens * cfg.hidden * 2.0)
@@ -158,12 +174,14 @@ def _walk(run, reports, prof, topo, tokens: int, info: dict):
         st = {**pred.stages_us, "relayout": relayout}
         if run.routing != "router":  # routing given: the router stage only looks it up
             st["router"] = 0.0
+        per_layer.append({k: v / 1e3 for k, v in st.items()})
         for k, v in st.items():
             per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
         step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
         prev = c.form
     info["routing"] = "; ".join(sorted(how))
-    return per_stage, step_us, [behind.note()] if behind.note() else [], sum(behind.issued)
+    return _Walk(per_stage, per_layer, step_us, [behind.note()] if behind.note() else [],
+                 sum(behind.issued))
 
 
 def compare(measured: dict, predicted: dict | None) -> tuple[dict, list[str]]:

@@ -197,6 +197,27 @@ def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dic
     return out
 
 
+def _stage_ms_per_layer(names: list[str], reports: list[dict], steps: int,
+                        layers: int) -> dict[str, list[float]]:
+    """Per stage that every layer calls equally often in a step: ms per step of each layer
+    (the median over steps and ranks of that layer's calls summed; a rank's calls run layer
+    by layer, in order). A stage some layers skip is left out (its calls do not split)."""
+    out = {}
+    for name in names:
+        per_rank = [r["stages_ms"].get(name, []) for r in reports]
+        if not steps or not all(c and len(c) % (steps * layers) == 0 for c in per_rank):
+            continue
+        sums = [[] for _ in range(layers)]
+        for calls in per_rank:
+            k = len(calls) // steps
+            c = k // layers
+            for i in range(steps):
+                for l in range(layers):
+                    sums[l].append(sum(calls[i * k + l * c:i * k + (l + 1) * c]))
+        out[name] = [_median(v) for v in sums]
+    return out
+
+
 def summarize(run: RunConfig, reports: list[dict], where: list[dict],
               extra: dict | None = None) -> dict:
     world = run.world
@@ -207,6 +228,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
     stages = _stage_ms_per_step(names, reports, len(timed))  # ranks time steps 1.. only
     stages_per_rank = [_stage_ms_per_step(names, [r], len(timed)) for r in reports]
+    per_layer = _stage_ms_per_layer(names, reports, len(timed), run.num_layers)
     tokens_step = run.global_tokens
     cfg = run.cfg
     per_rank = [0] * world
@@ -243,7 +265,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                                device=w["device"]) for w in where]),
         correctness=check_correctness(run, reports),
         timing=dict(step_ms_median=_median(timed), step_ms=step_ms, stages_ms=stages,
-                    stages_ms_per_rank=stages_per_rank,
+                    stages_ms_per_rank=stages_per_rank, stages_ms_per_layer=per_layer,
                     step_ms_median_per_rank=[_median(r["step_ms"][1:] or r["step_ms"])
                                              for r in reports],
                     tokens_per_s=tokens_step / (_median(timed) / 1e3) if timed else None,
@@ -257,7 +279,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median over steps 1.. and "
                          "ranks of the stage's calls in one step, summed); stages_ms_per_rank: "
-                         "the same per rank"),
+                         "the same per rank; stages_ms_per_layer: per stage that every "
+                         "layer calls, the same per layer"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
                   tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
                   unit="(token, k) pairs routed, summed over layers and steps (per layer for "

@@ -311,11 +311,12 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
     aq = _kernel_fit(prof, experts, (f"act_quant.{recipe}", "act_quant"), overlapped)
     s["experts.act_quant"] = aq.time_us(tr.act_quant_bytes(aq_rows, inter, quant))
-    if kind == "tokens":
-        s["experts.permute"] = _kernel_fit(prof, experts, ("permute",), overlapped).time_us(
+    if kind == "tokens":  # per recipe where calibrated so, else pooled over recipes
+        s["experts.permute"] = _kernel_fit(prof, experts, (f"permute.{recipe}", "permute"),
+                                           overlapped).time_us(
             tr.permute_bytes(n_in, pairs, d, quant))
-        s["experts.gather"] = _kernel_fit(prof, experts, ("gather",), overlapped).time_us(
-            tr.gather_bytes(n_in, pairs, d))
+        s["experts.gather"] = _kernel_fit(prof, experts, (f"gather.{recipe}", "gather"),
+                                          overlapped).time_us(tr.gather_bytes(n_in, pairs, d))
     extra = 0.0
     if experts == "torch":  # Python loop over non-empty experts, two host syncs, dequantize
         busy = sum(1 - math.exp(-m) for m in slot_rows)
