@@ -120,10 +120,11 @@ def test_the_calibration_keeps_only_stages_that_ran_entirely_beside_the_shared_m
     fits, gemm = LayerFits(), {(g, side): {} for g in ("gemm1", "gemm2") for side in (0, 1)}
     _routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", True)
     names = {n for _, n in fits.points}
-    assert names == {"permute.overlapped"}
+    assert names == {"permute.overlapped", "permute.bf16.overlapped"}  # pooled, per recipe
     assert gemm[("gemm1", True)] and not gemm[("gemm2", True)]
     _routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", False)  # alone: all of them
-    assert {"permute", "gather", "act_quant", "act_quant.bf16"} <= {n for _, n in fits.points}
+    assert {"permute", "gather", "act_quant", "permute.bf16", "gather.bf16",
+            "act_quant.bf16"} <= {n for _, n in fits.points}
     assert gemm[("gemm2", False)]
 
 
