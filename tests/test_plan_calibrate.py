@@ -192,6 +192,7 @@ def test_quick_gpu_calibration_times_a_later_layers_stages_queued(tmp_path):
     for table, name in (("router", "sigmoid_grouped"), ("local", "dispatch"),
                         ("triton", "permute"), ("triton", "gather"),
                         ("triton", "permute.fp8_block"), ("triton", "gather.fp8_block"),
+                        ("comm", "quantize.triton"), ("comm", "quantize.triton.fp8_block"),
                         ("triton", "act_quant.fp8_block"), ("layer", "tail.triton")):
         fit = prof.kernel(table, name + ".queued")
         assert fit.prov.source == "measured" and fit.time_us(1e6) > 0, (table, name)

@@ -54,6 +54,12 @@ def test_beside_the_shared_mlp_the_overlapped_fits_are_read():
         assert alone[s] == pytest.approx(10.0, rel=1e-3)
     for g in ("experts.gemm1", "experts.gemm2"):
         assert beside[g] == pytest.approx(4 * alone[g], rel=1e-6)
+    # an overlapped fit below the alone one (extrapolated from larger sizes): never faster
+    k = {t: dict(v) for t, v in prof.kernels.items()}
+    k["triton"]["permute.overlapped"] = AlphaBeta(2.0, 1e9, SYN)
+    low = _stages(dataclasses.replace(prof, kernels=k))
+    assert low["experts.permute"] == pytest.approx(10.0, rel=1e-3)
+    assert low["experts.gather"] == pytest.approx(50.0, rel=1e-3)
     # no shared experts: nothing runs beside the routed path, whatever overlap_shared says
     plain = _stages(prof, CFG.replace(num_shared_experts=0))
     assert plain["experts.permute"] == pytest.approx(10.0, rel=1e-3)

@@ -142,6 +142,13 @@ def test_dispatch_quantize_reads_the_experts_backends_own_fit():
     tri = predict_layer(LOCAL, work, ONE, prof)
     assert dg.stages_us["dispatch.quantize"] == pytest.approx(300.0, rel=1e-3)
     assert tri.stages_us["dispatch.quantize"] == pytest.approx(100.0, rel=1e-3)
+    # per backend and recipe where calibrated so (W4A8's quantizer beside its own shared MLP)
+    comm["quantize.triton.fp8_block"] = AlphaBeta(40.0, 1e9, M)
+    prof = prof.replace(kernels={**prof.kernels, "comm": comm})
+    tri = predict_layer(LOCAL, work, ONE, prof)
+    w4 = predict_layer(LOCAL, Workload(CFG, QuantConfig("w4a8_mxfp4"), 512), ONE, prof)
+    assert tri.stages_us["dispatch.quantize"] == pytest.approx(40.0, rel=1e-3)
+    assert w4.stages_us["dispatch.quantize"] == pytest.approx(100.0, rel=1e-3)
 
 
 def test_routed_kernels_read_the_recipes_own_fit():

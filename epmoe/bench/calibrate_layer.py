@@ -14,7 +14,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
 | - host-bound stages, from forwards that run the layer's own router (below) -               |
-| kernels["comm"]["quantize(.backend)"]  | dispatch.quantize (quantized recipes)| quantize_bytes |
+| kernels["comm"]["quantize(.b(.r))"]   | dispatch.quantize (quantized recipes)| quantize_bytes |
 | kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
 | kernels["local"]["combine"]            | combine                             | the cast       |
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
@@ -315,14 +315,16 @@ def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
                        overlapped: bool, queued: bool = False) -> None:
-    """Router, dispatch.quantize (pooled and per experts backend), the local backend's
+    """Router, dispatch.quantize (pooled, per experts backend and per backend and recipe),
+    the local backend's
     dispatch / combine, and the layer's tail and the host's issue time, from one forward
     with the layer's router (queued: behind a device hold -> the ".queued" fits, the tail
     among them; no issue time)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
     sfx = QUEUED if queued else ""
     q = st.get("dispatch.quantize", 0.0)
-    for name in ("quantize", f"quantize.{experts}"):  # pooled, and per backend
+    for name in ("quantize", f"quantize.{experts}", f"quantize.{experts}.{quant.recipe}"):
+        # pooled, per backend, per backend and recipe
         fits.add_point("comm", name + sfx, tr.quantize_bytes(n, d, quant), q or None)
     if st.get("dispatch"):
         fits.add_point("local", "dispatch" + sfx, tr.local_dispatch_bytes(n, k),

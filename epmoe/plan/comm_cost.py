@@ -92,11 +92,14 @@ def launch_us(prof: HardwareProfile, ops: int) -> float:
 
 
 def quantize_us(c: CommCase, n_tokens: float) -> float:
-    """dispatch.quantize: the recipe's activation quantization of n tokens (0 for bf16)."""
+    """dispatch.quantize: the recipe's activation quantization of n tokens (0 for bf16): the
+    experts backend's own fit for the recipe (its kernel and scale layout; on an idle GPU
+    the shared MLP's kernels beside it), else the backend's, else the pooled one."""
     nbytes = quantize_bytes(n_tokens, c.cfg.hidden, c.quant)
     if nbytes == 0:
         return 0.0
-    fit = c.prof.most_specific("comm", f"quantize.{c.experts}", "quantize")
+    fit = c.prof.most_specific("comm", f"quantize.{c.experts}.{c.quant.recipe}",
+                               f"quantize.{c.experts}", "quantize")
     if fit is None:
         raise KeyError(f"profile {c.prof.name!r} has no 'quantize' kernel fit for 'comm'")
     return fit.time_us(nbytes)

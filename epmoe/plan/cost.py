@@ -278,14 +278,19 @@ def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=No
     return max(flops_us, mem_us)
 
 
-def _kernel_fit(prof, experts: str, names: tuple[str, ...], overlapped: bool):
-    """The most specific fit of `names` (most specific first); beside the shared MLP the
-    fits timed so (".overlapped") come first, when the profile has them."""
-    first = tuple(n + OVERLAPPED for n in names) if overlapped else ()
-    fit = prof.most_specific(experts, *first, *names)
-    if fit is None:
+def _kernel_us(prof, experts: str, names: tuple[str, ...], overlapped: bool,
+               nbytes: float) -> float:
+    """The stage's time from the most specific fit of `names` (most specific first).
+    Beside the shared MLP the fits timed so (".overlapped") are read, but never below the
+    fit timed alone: contention only slows a stage, and an overlapped fit comes from the
+    sizes that ran entirely beside the shared MLP (often the largest), extrapolated below."""
+    alone = prof.most_specific(experts, *names)
+    if alone is None:
         raise KeyError(f"profile {prof.name!r} has no {names[-1]!r} kernel fit for {experts!r}")
-    return fit
+    us = alone.time_us(nbytes)
+    beside = prof.most_specific(experts, *(n + OVERLAPPED for n in names)) if overlapped \
+        else None
+    return max(us, beside.time_us(nbytes)) if beside is not None else us
 
 
 def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
@@ -309,14 +314,13 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     aq_rows = rows if experts == "torch" else sum(_aligned(m, tr.ACT_BLOCK_ROWS)
                                                    for m in slot_rows)
     recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
-    aq = _kernel_fit(prof, experts, (f"act_quant.{recipe}", "act_quant"), overlapped)
-    s["experts.act_quant"] = aq.time_us(tr.act_quant_bytes(aq_rows, inter, quant))
+    s["experts.act_quant"] = _kernel_us(prof, experts, (f"act_quant.{recipe}", "act_quant"),
+                                        overlapped, tr.act_quant_bytes(aq_rows, inter, quant))
     if kind == "tokens":  # per recipe where calibrated so, else pooled over recipes
-        s["experts.permute"] = _kernel_fit(prof, experts, (f"permute.{recipe}", "permute"),
-                                           overlapped).time_us(
-            tr.permute_bytes(n_in, pairs, d, quant))
-        s["experts.gather"] = _kernel_fit(prof, experts, (f"gather.{recipe}", "gather"),
-                                          overlapped).time_us(tr.gather_bytes(n_in, pairs, d))
+        s["experts.permute"] = _kernel_us(prof, experts, (f"permute.{recipe}", "permute"),
+                                          overlapped, tr.permute_bytes(n_in, pairs, d, quant))
+        s["experts.gather"] = _kernel_us(prof, experts, (f"gather.{recipe}", "gather"),
+                                         overlapped, tr.gather_bytes(n_in, pairs, d))
     extra = 0.0
     if experts == "torch":  # Python loop over non-empty experts, two host syncs, dequantize
         busy = sum(1 - math.exp(-m) for m in slot_rows)
