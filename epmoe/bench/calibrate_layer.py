@@ -315,11 +315,10 @@ def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
                        overlapped: bool, queued: bool = False) -> None:
-    """Router, dispatch.quantize (pooled, per experts backend and per backend and recipe),
-    the local backend's
-    dispatch / combine, and the layer's tail and the host's issue time, from one forward
-    with the layer's router (queued: behind a device hold -> the ".queued" fits, the tail
-    among them; no issue time)."""
+    """Router, dispatch.quantize (pooled, per experts backend, per backend and recipe), the
+    local backend's dispatch / combine, and the layer's tail and the host's issue time, from
+    one forward with the layer's router (queued: behind a device hold -> the ".queued" fits,
+    the tail among them; no issue time)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
     sfx = QUEUED if queued else ""
     q = st.get("dispatch.quantize", 0.0)
