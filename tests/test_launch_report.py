@@ -201,7 +201,8 @@ def test_plots_are_valid_pngs_with_content(eplb_run):
 
     _, plots = eplb_run
     names = sorted(p.name for p in plots.iterdir())
-    assert names == ["eplb_balancedness.png", "load_heatmap.png", "stage_times.png"]
+    assert names == ["eplb_balancedness.png", "layer_stages.png", "load_heatmap.png",
+                     "stage_times.png"]
     for name in names:
         w, h = png_size(plots / name)
         assert w >= 300 and h >= 200, (name, w, h)
@@ -216,9 +217,14 @@ def test_plots_without_eplb_and_for_many_ranks(eplb_run, tmp_path):
     s["timing"]["stages_ms_per_rank"] = [dict(s["timing"]["stages_ms"]) for _ in range(8)]
     del s["eplb"]
     paths = write_plots(s, str(tmp_path / "p"))
-    assert [p.name for p in paths] == ["load_heatmap.png", "stage_times.png"]
+    assert [p.name for p in paths] == ["load_heatmap.png", "stage_times.png",
+                                       "layer_stages.png"]
     for p in paths:
         png_size(p)
+    # a summary without per-layer times (older JSON): no per-layer plot, the others drawn
+    del s["timing"]["stages_ms_per_layer"], s["timing"]["predicted_ms_per_layer"]
+    paths = write_plots(s, str(tmp_path / "q"))
+    assert [p.name for p in paths] == ["load_heatmap.png", "stage_times.png"]
 
 
 def test_metric_names_are_registered_and_recorded(eplb_run):

@@ -4,6 +4,7 @@ display, no pyplot global state):
 | file                   | shows                                                              |
 | load_heatmap.png       | (token, k) pairs routed per layer x logical expert, whole run      |
 | stage_times.png        | ms per step in each top-level stage, one stacked bar per rank      |
+| layer_stages.png       | per MoE layer, its stages measured (solid) and predicted (hatched) |
 | eplb_balancedness.png  | balancedness before / predicted / after each rebalance (--eplb)    |
 """
 
@@ -59,6 +60,41 @@ def stage_times(s: dict, path: Path) -> Path:
     return path
 
 
+def layer_stages(s: dict, path: Path) -> Path | None:
+    """Per layer two stacked bars of its top-level stages: measured (`stages_ms_per_layer`)
+    and the cost model's (`predicted_ms_per_layer`, hatched, same colours); None when the
+    run has neither per-layer view."""
+    t = s["timing"]
+    meas, pred = t.get("stages_ms_per_layer") or {}, t.get("predicted_ms_per_layer") or {}
+    top = [n for n in list(meas) + [k for k in pred if k not in meas]
+           if "." not in n and n in meas]  # the stages every layer called, as measured
+    if not top:
+        return None
+    layers = len(meas[top[0]])
+    fig = _figure(7.0, max(2.5, 0.45 * layers + 1.6))
+    ax = fig.add_subplot()
+    colours = {}
+    for row, (src, hatch, off) in enumerate(((meas, None, -0.2), (pred, "//", 0.2))):
+        left = [0.0] * layers
+        for name in top:
+            vals = src.get(name)
+            if not vals:
+                continue
+            bars = ax.barh([l + off for l in range(layers)], vals, height=0.38, left=left,
+                           label=name if row == 0 else None, hatch=hatch,
+                           color=colours.get(name), edgecolor="white" if hatch else None)
+            colours.setdefault(name, bars.patches[0].get_facecolor())
+            left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(layers), [f"layer {l}" for l in range(layers)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step: measured (upper bar), predicted (lower, hatched)\n(on CUDA "
+                  "the shared MLP overlaps the routed path)", fontsize=8)
+    ax.set_title(f"each layer's stages, measured and predicted\n{_title(s)}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path)
+    return path
+
+
 def eplb_balancedness(s: dict, path: Path) -> Path:
     events = s["eplb"]["events"]
     x = [e["step"] for e in events]
@@ -87,6 +123,9 @@ def write_plots(summary: dict, out_dir: str) -> list[Path]:
     d.mkdir(parents=True, exist_ok=True)
     paths = [load_heatmap(summary, d / "load_heatmap.png"),
              stage_times(summary, d / "stage_times.png")]
+    per_layer = layer_stages(summary, d / "layer_stages.png")
+    if per_layer is not None:
+        paths.append(per_layer)
     if summary.get("eplb", {}).get("events"):
         paths.append(eplb_balancedness(summary, d / "eplb_balancedness.png"))
     return paths
