@@ -217,6 +217,7 @@ class Runtime:
         steps after the first are replayed from one captured graph (epmoe/graph.py)."""
         x = self.tokens_for(step)
         routes = [self.routing_for(step, l) for l in range(len(self.layers))]
+        self.timer.step = step  # tags each stage call (step, layer): the report's per-layer
         self.rebalancer.begin_step(self.layers)  # (may switch to a staged EPLB placement)
         graphed = self.run.cuda_graph and step > 0
         placement = tuple(map(tuple, self.rebalancer.phy2log)) if graphed else None
@@ -274,6 +275,7 @@ class Runtime:
         gathered = not run.own_tokens  # x holds every rank's rows (replicated forms)
         keep = []
         for l, layer in enumerate(self.layers):
+            self.timer.layer = l  # (a relayout counts to the layer it feeds)
             want = not run.holds_own_rows(l)
             if self.world > 1 and want != gathered:
                 x, gathered = self._relayout(x, want), want
@@ -291,6 +293,7 @@ class Runtime:
                                  tok=r.token_ids_T if by_id else None,
                                  phys=layer.last_physical_ids))
             x = (x.float() + out.float()).to(torch.bfloat16)
+        self.timer.layer = None
         return keep
 
     # ---------------------------------------------------------------- reporting
@@ -319,7 +322,8 @@ class Runtime:
         ok = [v for v in self.host_probes if v == v]
         return dict(rank=self.rank, device=str(self.device), step_ms=self.step_ms,
                     host_op_us=statistics.median(ok) if ok else None,
-                    stages_ms=stages, timing="device" if self.device_timed else "launched",
+                    stages_ms=stages, stages_at=self.timer.collect_where(),
+                    timing="device" if self.device_timed else "launched",
                     host_ms=self.host_ms, held_ms=self.held_ms, last=self.last,
                     load_LS=self.load_LS.cpu().clone(),
                     load_LE=self.load_LE.cpu().clone(),

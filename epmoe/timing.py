@@ -38,15 +38,19 @@ class StageTimer:
     `host=True` also times each stage on the host's clock (`collect_host()`): on a GPU that is
     the time the host spends issuing the stage, next to the events' time on the stream.
     Inside `capturing()` (a CUDA graph capture) each stage records external events, nodes of
-    the graph that fire on every replay; `replayed()` reads them after each replay."""
+    the graph that fire on every replay; `replayed()` reads them after each replay.
+    `step` / `layer` (set by the runtime as it issues) tag each call: `collect_where()`."""
 
     def __init__(self, enabled: bool = True, device: torch.device | str = "cpu",
                  host: bool = False):
         self.enabled = enabled
         self.cuda = torch.device(device).type == "cuda"
         self.host = host
-        self._events: list[tuple[str, object, object]] = []
+        self._events: list[tuple[str, object, object, tuple]] = []
         self._ms: dict[str, list[float]] = defaultdict(list)
+        self._at: dict[str, list[tuple]] = defaultdict(list)  # (step, layer) of each call
+        self.step: int | None = None
+        self.layer: int | None = None
         self._host_ms: dict[str, list[float]] = defaultdict(list)
         self._open: list[str] = []
         self._entered = 0
@@ -54,7 +58,7 @@ class StageTimer:
         self.on_enter: Callable[[str], None] | None = None
         self.failed_in: str | None = None  # the innermost stage an exception left (if any)
         self._capture: list | None = None  # the events of a capture under way
-        self._graph_events: list[tuple[str, object, object]] = []
+        self._graph_events: list[tuple[str, object, object, int | None]] = []
 
     @contextmanager
     def stage(self, name: str, record: bool = True):
@@ -71,20 +75,21 @@ class StageTimer:
                 a.record()
                 yield
                 b.record()
-                self._capture.append((name, a, b))
+                self._capture.append((name, a, b, self.layer))
             elif self.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 a.record()
                 yield
                 b.record()
-                self._events.append((name, a, b))
+                self._events.append((name, a, b, (self.step, self.layer)))
                 if self.host:
                     self._host_ms[name].append((time.perf_counter() - t0) * 1e3)
             else:
                 t0 = time.perf_counter()
                 yield
                 self._ms[name].append((time.perf_counter() - t0) * 1e3)
+                self._at[name].append((self.step, self.layer))
                 if self.host:  # on the CPU the stage's time is the host's
                     self._host_ms[name].append(self._ms[name][-1])
         except BaseException:
@@ -107,8 +112,9 @@ class StageTimer:
     def replayed(self) -> None:
         """After a replay of the captured graph has finished (synchronized): its stage times.
         Each replay re-records the same events, so they are read now, before the next."""
-        for name, a, b in self._graph_events:
+        for name, a, b, layer in self._graph_events:
             self._ms[name].append(a.elapsed_time(b))
+            self._at[name].append((self.step, layer))
 
     def where(self) -> StagePosition:
         """The innermost open stage; safe to call from another thread while a step runs."""
@@ -119,10 +125,15 @@ class StageTimer:
     def collect(self) -> dict[str, list[float]]:
         if self._events:
             torch.cuda.synchronize()
-            for name, a, b in self._events:
+            for name, a, b, at in self._events:
                 self._ms[name].append(a.elapsed_time(b))
+                self._at[name].append(at)
             self._events.clear()
         return {k: list(v) for k, v in self._ms.items()}
+
+    def collect_where(self) -> dict[str, list[tuple]]:
+        """{stage: [(step, layer) of each call]}, in collect()'s order (call collect first)."""
+        return {k: list(v) for k, v in self._at.items()}
 
     def collect_host(self) -> dict[str, list[float]]:
         """{stage: [host ms per call]} (timers made with host=True; else empty)."""
@@ -131,6 +142,7 @@ class StageTimer:
     def reset(self) -> None:
         self._events.clear()
         self._ms.clear()
+        self._at.clear()
         self._host_ms.clear()
 
 

@@ -190,18 +190,82 @@ def test_a_stage_per_step_counts_each_layers_own_time():
 
 
 def test_a_stage_per_layer_keeps_each_layers_own_time():
-    """Per layer: the median over steps and ranks of that layer's calls (two per layer when
-    micro-batched, summed); a stage that some layers skip is left out."""
-    from epmoe.launch.report import _stage_ms_per_layer
+    """Per layer: the median over steps and ranks of that layer's calls in a step, grouped by
+    the runtime's (step, layer) tags: calls per layer may vary by step (the torch experts
+    call their GEMMs once per expert that got rows), a step without a call counts 0."""
+    from epmoe.launch.report import _stage_ms_per_layer, _stage_ms_per_step
 
-    step = [0.40, 0.05, 0.06, 0.07]  # 4 layers, the first on an idle GPU
-    ranks = [dict(stages_ms={"router": step + step + [0.40, 0.05, 9.0, 0.07]}),
-             dict(stages_ms={"router": [v + 0.01 for v in step] * 3})]
-    got = _stage_ms_per_layer(["router"], ranks, 3, 4)["router"]
-    # six values a layer; the stall (9.0) is one of layer 2's six: a median, not 1.5 ms
-    assert got == pytest.approx([0.405, 0.055, 0.07, 0.075])
-    halves = [dict(stages_ms={"dispatch": [0.1, 0.2, 0.01, 0.02] * 2})]  # 2 calls a layer
-    assert _stage_ms_per_layer(["dispatch"], halves, 2, 2)["dispatch"] == pytest.approx(
-        [0.3, 0.03])
-    some = [dict(stages_ms={"all_reduce": [0.1, 0.1, 0.1]})]  # 3 calls: 3 steps x 2 layers?
-    assert _stage_ms_per_layer(["all_reduce"], some, 3, 2) == {}
+    def rank(calls):  # [(step, layer, ms)]
+        return dict(stages_ms={"gemm1": [c[2] for c in calls]},
+                    stages_at={"gemm1": [(c[0], c[1]) for c in calls]})
+
+    a = rank([(1, 0, 0.1), (1, 0, 0.1), (1, 1, 0.3),  # step 1: layer 0 two experts
+              (2, 0, 0.1), (2, 1, 0.1), (2, 1, 0.1), (2, 1, 0.1),  # step 2: layer 1 three
+              (3, 1, 0.5)])  # step 3: layer 0 got no rows here
+    assert _stage_ms_per_layer(["gemm1"], [a], 2)["gemm1"] == pytest.approx([0.1, 0.3])
+    assert _stage_ms_per_step(["gemm1"], [a], 3)["gemm1"] == pytest.approx(0.5)
+    b = rank([(1, 0, 0.2), (1, 1, 0.2), (2, 0, 0.2), (2, 1, 0.2), (3, 0, 0.2), (3, 1, 0.2)])
+    # six values a layer over both ranks: layer 0 (0.2, 0.1, 0, 0.2 x 3), layer 1 (0.3, 0.3,
+    # 0.5, 0.2 x 3)
+    assert _stage_ms_per_layer(["gemm1"], [a, b], 2)["gemm1"] == pytest.approx([0.2, 0.25])
+    assert _stage_ms_per_layer(["gemm1"], [dict(stages_ms={"gemm1": [0.1]})], 1) == {}
+
+
+def test_a_run_tags_each_stage_call_with_its_step_and_layer():
+    """The runtime sets the timer's step and layer as it issues: a CPU run's report."""
+    from epmoe.plan.run import RunConfig
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(model="deepseek-v3-tiny", tokens=8, layers=3, steps=3, check=False)
+    rt = Runtime(run, device="cpu")
+    for s in range(run.steps):
+        rt.step(s)
+    rep = rt.report()
+    at = rep["stages_at"]
+    assert set(at) == set(rep["stages_ms"])
+    assert at["router"] == [(s, l) for s in (1, 2) for l in range(3)]  # step 0 reset
+    assert all(len(at[k]) == len(rep["stages_ms"][k]) for k in at)
+
+
+def test_the_cuda_timers_tags_through_events_and_graph_replays(monkeypatch):
+    """The CUDA paths' bookkeeping, with stand-in events (CPU CI): a stage's call keeps the
+    (step, layer) it was issued at until collect(); a captured stage keeps its layer and
+    takes the step of each replay."""
+    import torch
+
+    from epmoe.timing import StageTimer
+
+    class Ev:
+        def __init__(self, **_):
+            self.t = 0.0
+
+        def record(self):
+            Ev.clock += 1.0
+            self.t = Ev.clock
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    Ev.clock = 0.0
+    monkeypatch.setattr(torch.cuda, "Event", Ev)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    t = StageTimer(device="cpu")
+    t.cuda = True
+    t.step, t.layer = 4, 1
+    with t.stage("router"):
+        pass
+    t.layer = 2
+    with t.stage("router"):
+        pass
+    assert t.collect() == {"router": [1.0, 1.0]}
+    assert t.collect_where() == {"router": [(4, 1), (4, 2)]}
+    t.reset()
+    with t.capturing():
+        t.layer = 0
+        with t.stage("experts"):
+            pass
+    for step in (5, 6):
+        t.step = step
+        t.replayed()
+    assert t.collect() == {"experts": [1.0, 1.0]}
+    assert t.collect_where() == {"experts": [(5, 0), (6, 0)]}

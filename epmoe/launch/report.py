@@ -176,17 +176,24 @@ def run_host_op_us(reports: list[dict]) -> float | None:
 
 
 def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dict[str, float]:
-    """Per stage, ms per step: the median over steps (and ranks) of a step's calls summed (a
-    rank's calls are in order, the same number each step), so layers that differ (a step's
-    first layer starts on an idle GPU, a hash layer's router) each count; where the calls do
-    not split evenly into steps, the median call times the calls per step."""
+    """Per stage, ms per step: the median over steps (and ranks) of a step's calls summed, so
+    layers that differ (a step's first layer starts on an idle GPU, a hash layer's router)
+    each count; a step without a call counts 0. Calls are grouped by the (step, layer) tag
+    the runtime gave them (`stages_at`); a report without tags splits a rank's calls evenly
+    into steps, and where they do not split, takes the median call times calls per step."""
     out = {}
     for name in names:
         per_rank = [r["stages_ms"].get(name, []) for r in reports]
         vals = [v for calls in per_rank for v in calls]
         if not vals:
             continue
-        if steps and all(len(c) % steps == 0 and c for c in per_rank):
+        if all("stages_at" in r for r in reports):
+            sums = []
+            for r in reports:
+                by = _by_step_layer(r, name)
+                sums += [sum(v for (s, _), v in by.items() if s == st) for st in _steps(r)]
+            out[name] = _median(sums)
+        elif steps and all(len(c) % steps == 0 and c for c in per_rank):
             sums = []
             for calls in per_rank:
                 k = len(calls) // steps
@@ -197,24 +204,39 @@ def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dic
     return out
 
 
-def _stage_ms_per_layer(names: list[str], reports: list[dict], steps: int,
+def _steps(report: dict) -> list:
+    """The steps a rank's stage calls were tagged with (the timed ones: steps 1..)."""
+    return sorted({s for at in report["stages_at"].values() for s, _ in at if s is not None})
+
+
+def _by_step_layer(report: dict, name: str) -> dict[tuple, float]:
+    """{(step, layer): ms of the stage's calls there, summed} for one rank."""
+    by: dict[tuple, float] = {}
+    for v, at in zip(report["stages_ms"].get(name, []), report["stages_at"].get(name, [])):
+        key = tuple(at)
+        by[key] = by.get(key, 0.0) + v
+    return by
+
+
+def _stage_ms_per_layer(names: list[str], reports: list[dict],
                         layers: int) -> dict[str, list[float]]:
-    """Per stage that every layer calls equally often in a step: ms per step of each layer
-    (the median over steps and ranks of that layer's calls summed; a rank's calls run layer
-    by layer, in order). A stage some layers skip is left out (its calls do not split)."""
+    """Per stage, ms per step of each layer: the median over steps and ranks of that layer's
+    calls in a step summed (0 where it made none), by the runtime's (step, layer) tags;
+    empty for reports without them."""
+    if not all("stages_at" in r for r in reports):
+        return {}
     out = {}
     for name in names:
-        per_rank = [r["stages_ms"].get(name, []) for r in reports]
-        if not steps or not all(c and len(c) % (steps * layers) == 0 for c in per_rank):
+        if not any(r["stages_ms"].get(name) for r in reports):
             continue
-        sums = [[] for _ in range(layers)]
-        for calls in per_rank:
-            k = len(calls) // steps
-            c = k // layers
-            for i in range(steps):
+        per_layer = [[] for _ in range(layers)]
+        for r in reports:
+            by = _by_step_layer(r, name)
+            for st in _steps(r):
                 for l in range(layers):
-                    sums[l].append(sum(calls[i * k + l * c:i * k + (l + 1) * c]))
-        out[name] = [_median(v) for v in sums]
+                    per_layer[l].append(by.get((st, l), 0.0))
+        if all(per_layer):
+            out[name] = [_median(v) for v in per_layer]
     return out
 
 
@@ -228,7 +250,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
     stages = _stage_ms_per_step(names, reports, len(timed))  # ranks time steps 1.. only
     stages_per_rank = [_stage_ms_per_step(names, [r], len(timed)) for r in reports]
-    per_layer = _stage_ms_per_layer(names, reports, len(timed), run.num_layers)
+    per_layer = _stage_ms_per_layer(names, reports, run.num_layers)
     tokens_step = run.global_tokens
     cfg = run.cfg
     per_rank = [0] * world
@@ -279,8 +301,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                     note="step = all layers, max over ranks; median excludes step 0 (warm-up); "
                          "stages_ms: ms per step in each stage (median over steps 1.. and "
                          "ranks of the stage's calls in one step, summed); stages_ms_per_rank: "
-                         "the same per rank; stages_ms_per_layer: per stage that every "
-                         "layer calls, the same per layer"),
+                         "the same per rank; stages_ms_per_layer: the same per layer"),
         load=dict(tokens_per_expert=per_expert.tolist(), tokens_per_rank=per_rank,
                   tokens_per_layer_expert=[x.tolist() for x in load_LE], balancedness=bal,
                   unit="(token, k) pairs routed, summed over layers and steps (per layer for "
