@@ -209,6 +209,10 @@ def test_a_stage_per_layer_keeps_each_layers_own_time():
     # 0.5, 0.2 x 3)
     assert _stage_ms_per_layer(["gemm1"], [a, b], 2)["gemm1"] == pytest.approx([0.2, 0.25])
     assert _stage_ms_per_layer(["gemm1"], [dict(stages_ms={"gemm1": [0.1]})], 1) == {}
+    between = dict(stages_ms={"rebalance": [2.0, 2.0]},  # between the layers: per step only
+                   stages_at={"rebalance": [(1, None), (2, None)]})
+    assert _stage_ms_per_layer(["rebalance"], [between], 2) == {}
+    assert _stage_ms_per_step(["rebalance"], [between], 2)["rebalance"] == 2.0
 
 
 def test_a_run_tags_each_stage_call_with_its_step_and_layer():

@@ -182,6 +182,7 @@ def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dic
     the runtime gave them (`stages_at`); a report without tags splits a rank's calls evenly
     into steps, and where they do not split, takes the median call times calls per step."""
     out = {}
+    tagged = [_steps(r) if "stages_at" in r else [] for r in reports]
     for name in names:
         per_rank = [r["stages_ms"].get(name, []) for r in reports]
         vals = [v for calls in per_rank for v in calls]
@@ -189,9 +190,11 @@ def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dic
             continue
         if all("stages_at" in r for r in reports):
             sums = []
-            for r in reports:
-                by = _by_step_layer(r, name)
-                sums += [sum(v for (s, _), v in by.items() if s == st) for st in _steps(r)]
+            for r, steps_r in zip(reports, tagged):
+                per_step: dict = {}
+                for (st, _), v in _by_step_layer(r, name).items():
+                    per_step[st] = per_step.get(st, 0.0) + v
+                sums += [per_step.get(st, 0.0) for st in steps_r]
             out[name] = _median(sums)
         elif steps and all(len(c) % steps == 0 and c for c in per_rank):
             sums = []
@@ -226,15 +229,13 @@ def _stage_ms_per_layer(names: list[str], reports: list[dict],
     if not all("stages_at" in r for r in reports):
         return {}
     out = {}
+    tagged = [_steps(r) for r in reports]
     for name in names:
-        if not any(r["stages_ms"].get(name) for r in reports):
+        by = [_by_step_layer(r, name) for r in reports]
+        if not any(l is not None for b in by for _, l in b):  # called outside the layers
             continue
-        per_layer = [[] for _ in range(layers)]
-        for r in reports:
-            by = _by_step_layer(r, name)
-            for st in _steps(r):
-                for l in range(layers):
-                    per_layer[l].append(by.get((st, l), 0.0))
+        per_layer = [[b.get((st, l), 0.0) for b, steps_r in zip(by, tagged) for st in steps_r]
+                     for l in range(layers)]
         if all(per_layer):
             out[name] = [_median(v) for v in per_layer]
     return out
