@@ -277,3 +277,24 @@ def test_the_check_widens_fp8_tolerance_only_for_tensor_core_gemms(seed):
     wide = check_correctness(run, [dict(rep, last=last, fp8_mma=True)])
     assert wide["tolerance"] == pytest.approx(3e-2) and wide["fp8_mma"] is True
     assert wide["passed"], wide["max_rel_err"]
+
+
+def test_the_report_names_the_layer_the_model_misses_most():
+    """The stage and layer whose predicted / measured is furthest from 1 (either way), among
+    those measured at or above the noise floor; nothing for a one-layer stack."""
+    from epmoe.launch.render import layer_miss_line
+
+    t = dict(noise_floor_ms=0.05,
+             stages_ms_per_layer={"router": [0.30, 0.04], "experts": [2.0, 2.0],
+                                  "dispatch": [0.10, 0.10]},
+             predicted_ms_per_layer={"router": [0.28, 0.001], "experts": [2.2, 1.9],
+                                     "dispatch": [0.10, 0.04]})
+    line = layer_miss_line(dict(timing=t))  # router layer 1 is under the floor
+    assert line.startswith("largest per-layer miss: dispatch, layer 1: 0.100 ms measured, "
+                           "0.040 predicted (0.40x)")
+    t["predicted_ms_per_layer"]["experts"] = [2.0, 5.1]  # 2.55x beats 0.40x (1/2.5)
+    assert "experts, layer 1" in layer_miss_line(dict(timing=t))
+    one = dict(noise_floor_ms=0.05, stages_ms_per_layer={"experts": [2.0]},
+               predicted_ms_per_layer={"experts": [9.0]})
+    assert layer_miss_line(dict(timing=one)) is None
+    assert layer_miss_line(dict(timing={})) is None

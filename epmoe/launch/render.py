@@ -125,6 +125,28 @@ def prediction_line(s: dict) -> str | None:
             f"50 us noise floor")
 
 
+def layer_miss_line(s: dict) -> str | None:
+    """The layer and stage the model misses most (ratio furthest from 1, measured at or
+    above the noise floor), from the per-layer views; None for one layer or none to judge."""
+    import math
+
+    t = s["timing"]
+    meas, pred = t.get("stages_ms_per_layer") or {}, t.get("predicted_ms_per_layer") or {}
+    floor = t.get("noise_floor_ms", 0.05)
+    worst = None
+    for name, ms in meas.items():
+        for l, (m, p) in enumerate(zip(ms, pred.get(name, ()))):
+            if len(ms) > 1 and m >= floor and p > 0:
+                miss = abs(math.log(p / m))
+                if worst is None or miss > worst[0]:
+                    worst = (miss, name, l, m, p)
+    if worst is None:
+        return None
+    _, name, l, m, p = worst
+    return (f"largest per-layer miss: {name}, layer {l}: {m:.3f} ms measured, {p:.3f} "
+            f"predicted ({p / m:.2f}x); all in timing.stages_ms_per_layer")
+
+
 def rank_table(s: dict):
     w, ld, t = s["world"], s["load"], s["timing"]
     per_rank_ms = t.get("step_ms_median_per_rank") or []
@@ -157,9 +179,9 @@ def render(summary: dict, console=None) -> None:
 
         render_plan(summary["plan"], console)
     console.print(stage_table(summary))
-    line = prediction_line(summary)
-    if line:
-        console.print(line, markup=False, highlight=False)
+    for line in (prediction_line(summary), layer_miss_line(summary)):
+        if line:
+            console.print(line, markup=False, highlight=False)
     console.print(rank_table(summary))
     console.print(hot_experts_line(summary), markup=False, highlight=False)
     if "eplb" in summary:
