@@ -174,19 +174,18 @@ def test_a_negative_overlap_reads_as_time_outside_the_stages(cpu_run):
 def test_a_stage_per_step_counts_each_layers_own_time():
     """A step's first layer starts on an idle GPU (its router stage times the host's launch),
     the later ones queue behind it: per step the stage is its calls summed, the median over
-    steps and ranks (the median call x calls per step once read 4 x 0.05 for 0.55 ms); calls
-    that do not split into steps evenly keep the median-call rule."""
+    steps and ranks (the median call x calls per step once read 4 x 0.05 for 0.55 ms)."""
     from epmoe.launch.report import _stage_ms_per_step
 
     step = [0.40, 0.05, 0.05, 0.05]  # ms per call, 4 layers
     noisy = [0.40, 0.05, 0.05, 9.0]  # one stall: the median over steps ignores it
-    ranks = [dict(stages_ms={"router": step * 2 + noisy}),
-             dict(stages_ms={"router": [v + 0.01 for v in step] * 3})]
+    at = [(s, l) for s in (1, 2, 3) for l in range(4)]
+    ranks = [dict(stages_ms={"router": step * 2 + noisy}, stages_at={"router": at}),
+             dict(stages_ms={"router": [v + 0.01 for v in step] * 3},
+                  stages_at={"router": at})]
     # per-step sums: rank 0 0.55, 0.55, 9.5; rank 1 0.59 x 3 -> median of the six 0.59
-    assert _stage_ms_per_step(["router"], ranks, 3)["router"] == pytest.approx(0.59)
-    assert _stage_ms_per_step(["router"], ranks[:1], 3)["router"] == pytest.approx(0.55)
-    uneven = [dict(stages_ms={"router": [0.4, 0.05, 0.05, 0.05, 0.05]})]  # 5 calls, 2 steps
-    assert _stage_ms_per_step(["router"], uneven, 2)["router"] == pytest.approx(0.05 * 5 / 2)
+    assert _stage_ms_per_step(["router"], ranks)["router"] == pytest.approx(0.59)
+    assert _stage_ms_per_step(["router"], ranks[:1])["router"] == pytest.approx(0.55)
 
 
 def test_a_stage_per_layer_keeps_each_layers_own_time():
@@ -203,16 +202,15 @@ def test_a_stage_per_layer_keeps_each_layers_own_time():
               (2, 0, 0.1), (2, 1, 0.1), (2, 1, 0.1), (2, 1, 0.1),  # step 2: layer 1 three
               (3, 1, 0.5)])  # step 3: layer 0 got no rows here
     assert _stage_ms_per_layer(["gemm1"], [a], 2)["gemm1"] == pytest.approx([0.1, 0.3])
-    assert _stage_ms_per_step(["gemm1"], [a], 3)["gemm1"] == pytest.approx(0.5)
+    assert _stage_ms_per_step(["gemm1"], [a])["gemm1"] == pytest.approx(0.5)
     b = rank([(1, 0, 0.2), (1, 1, 0.2), (2, 0, 0.2), (2, 1, 0.2), (3, 0, 0.2), (3, 1, 0.2)])
     # six values a layer over both ranks: layer 0 (0.2, 0.1, 0, 0.2 x 3), layer 1 (0.3, 0.3,
     # 0.5, 0.2 x 3)
     assert _stage_ms_per_layer(["gemm1"], [a, b], 2)["gemm1"] == pytest.approx([0.2, 0.25])
-    assert _stage_ms_per_layer(["gemm1"], [dict(stages_ms={"gemm1": [0.1]})], 1) == {}
     between = dict(stages_ms={"rebalance": [2.0, 2.0]},  # between the layers: per step only
                    stages_at={"rebalance": [(1, None), (2, None)]})
     assert _stage_ms_per_layer(["rebalance"], [between], 2) == {}
-    assert _stage_ms_per_step(["rebalance"], [between], 2)["rebalance"] == 2.0
+    assert _stage_ms_per_step(["rebalance"], [between])["rebalance"] == 2.0
 
 
 def test_a_run_tags_each_stage_call_with_its_step_and_layer():

@@ -175,35 +175,24 @@ def run_host_op_us(reports: list[dict]) -> float | None:
     return max(xs) if xs else None
 
 
-def _stage_ms_per_step(names: list[str], reports: list[dict], steps: int) -> dict[str, float]:
+def _stage_ms_per_step(names: list[str], reports: list[dict]) -> dict[str, float]:
     """Per stage, ms per step: the median over steps (and ranks) of a step's calls summed, so
     layers that differ (a step's first layer starts on an idle GPU, a hash layer's router)
     each count; a step without a call counts 0. Calls are grouped by the (step, layer) tag
-    the runtime gave them (`stages_at`); a report without tags splits a rank's calls evenly
-    into steps, and where they do not split, takes the median call times calls per step."""
+    the runtime gave each (`stages_at`): their number may vary by step (the torch experts
+    time their GEMMs once per expert that got rows)."""
     out = {}
-    tagged = [_steps(r) if "stages_at" in r else [] for r in reports]
+    tagged = [_steps(r) for r in reports]
     for name in names:
-        per_rank = [r["stages_ms"].get(name, []) for r in reports]
-        vals = [v for calls in per_rank for v in calls]
-        if not vals:
+        if not any(r["stages_ms"].get(name) for r in reports):
             continue
-        if all("stages_at" in r for r in reports):
-            sums = []
-            for r, steps_r in zip(reports, tagged):
-                per_step: dict = {}
-                for (st, _), v in _by_step_layer(r, name).items():
-                    per_step[st] = per_step.get(st, 0.0) + v
-                sums += [per_step.get(st, 0.0) for st in steps_r]
-            out[name] = _median(sums)
-        elif steps and all(len(c) % steps == 0 and c for c in per_rank):
-            sums = []
-            for calls in per_rank:
-                k = len(calls) // steps
-                sums += [sum(calls[i * k:(i + 1) * k]) for i in range(steps)]
-            out[name] = _median(sums)
-        else:
-            out[name] = _median(vals) * len(vals) / (len(reports) * steps)
+        sums = []
+        for r, steps_r in zip(reports, tagged):
+            per_step: dict = {}
+            for (st, _), v in _by_step_layer(r, name).items():
+                per_step[st] = per_step.get(st, 0.0) + v
+            sums += [per_step.get(st, 0.0) for st in steps_r]
+        out[name] = _median(sums)
     return out
 
 
@@ -224,10 +213,7 @@ def _by_step_layer(report: dict, name: str) -> dict[tuple, float]:
 def _stage_ms_per_layer(names: list[str], reports: list[dict],
                         layers: int) -> dict[str, list[float]]:
     """Per stage, ms per step of each layer: the median over steps and ranks of that layer's
-    calls in a step summed (0 where it made none), by the runtime's (step, layer) tags;
-    empty for reports without them."""
-    if not all("stages_at" in r for r in reports):
-        return {}
+    calls in a step summed (0 where it made none), by the runtime's (step, layer) tags."""
     out = {}
     tagged = [_steps(r) for r in reports]
     for name in names:
@@ -249,8 +235,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
     timed = step_ms[1:] if steps > 1 else step_ms  # step 0 warms up
     names = {k for r in reports for k in r["stages_ms"]}
     names = [n for n in STAGE_ORDER if n in names] + sorted(names - set(STAGE_ORDER))
-    stages = _stage_ms_per_step(names, reports, len(timed))  # ranks time steps 1.. only
-    stages_per_rank = [_stage_ms_per_step(names, [r], len(timed)) for r in reports]
+    stages = _stage_ms_per_step(names, reports)  # ranks time steps 1.. only
+    stages_per_rank = [_stage_ms_per_step(names, [r]) for r in reports]
     per_layer = _stage_ms_per_layer(names, reports, run.num_layers)
     tokens_step = run.global_tokens
     cfg = run.cfg
