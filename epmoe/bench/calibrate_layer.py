@@ -14,7 +14,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | mlp (overlapped, CUDA)                 | shared on its side stream, as the   | tokens         |
 |                                        | runtime runs it by default          |                |
 | - host-bound stages, from forwards that run the layer's own router (below) -               |
-| kernels["comm"]["quantize(.b(.r))"]   | dispatch.quantize (quantized recipes)| quantize_bytes |
+| kernels["comm"]["quantize(.b(.r))"]    | dispatch.quantize (quantized recipes)| quantize_bytes |
 | kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
 | kernels["local"]["combine"]            | combine                             | the cast       |
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |

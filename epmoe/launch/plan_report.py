@@ -105,14 +105,16 @@ def predict_run(run, reports: list[dict], planning) -> dict:
         info["notes"] += w.notes
         if here is not prof:  # what the profile's own host would have taken
             at = _walk(run, reports, prof, topo, tokens, {})
+            there = at.per_stage
             info["host"].update(at_profile_host_step_ms=at.step_us / 1e3, at_profile_host_ms={
-                k: float(at.per_stage[k]) for k in STAGES if k in at.per_stage})
+                k: float(there[k]) for k in STAGES if k in there})
     except (KeyError, ValueError) as exc:
         info["error"] = str(exc).strip('"')
         return dict(predicted_ms=None, predicted_step_ms=None, prediction=info)
-    return dict(predicted_ms={k: float(w.per_stage[k]) for k in STAGES if k in w.per_stage},
+    total = w.per_stage
+    return dict(predicted_ms={k: float(total[k]) for k in STAGES if k in total},
                 predicted_ms_per_layer={k: [float(st.get(k, 0.0)) for st in w.per_layer]
-                                        for k in STAGES if k in w.per_stage},
+                                        for k in STAGES if k in total},
                 predicted_step_ms=float(w.step_us) / 1e3, prediction=info,
                 predicted_issue_ms=w.issue_us / 1e3 if w.issue_us else None)
 
@@ -138,14 +140,22 @@ def at_run_host(prof, reports: list[dict]):
 
 @dataclass
 class _Walk:
-    """A stack predicted layer by layer: ms per step per stage (summed over layers), the
-    same per layer, the step (us), notes, the host's issue time of the step (us)."""
+    """A stack predicted layer by layer: {stage: ms} of each layer, the step (us), notes,
+    the host's issue time of the step (us)."""
 
-    per_stage: dict
     per_layer: list
     step_us: float
     notes: list
     issue_us: float
+
+    @property
+    def per_stage(self) -> dict:
+        """{stage: ms per step}, summed over the layers."""
+        out: dict = {}
+        for st in self.per_layer:
+            for k, v in st.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
 
 def _walk(run, reports, prof, topo, tokens: int, info: dict) -> _Walk:
@@ -154,7 +164,7 @@ def _walk(run, reports, prof, topo, tokens: int, info: dict) -> _Walk:
     cands = layer_candidates(run, reports[0])
     info["layers"] = [c.label for c in cands]
     case = CommCase(cfg, quant, topo, prof, None, tokens, tokens)
-    per_stage, per_layer, step_us, prev, stats, how = {}, [], 0.0, None, {}, set()
+    per_layer, step_us, prev, stats, how = [], 0.0, None, {}, set()
     e = cfg.num_experts
     # device timing or a replayed graph: every layer's stages are GPU time (queued)
     behind = Backlog(prof, run.timing == "device" or run.cuda_graph, tokens * cfg.hidden * 2.0)
@@ -175,12 +185,10 @@ def _walk(run, reports, prof, topo, tokens: int, info: dict) -> _Walk:
         if run.routing != "router":  # routing given: the router stage only looks it up
             st["router"] = 0.0
         per_layer.append({k: v / 1e3 for k, v in st.items()})
-        for k, v in st.items():
-            per_stage[k] = per_stage.get(k, 0.0) + v / 1e3
         step_us += pred.total_us - pred.stages_us["router"] + st["router"] + relayout
         prev = c.form
     info["routing"] = "; ".join(sorted(how))
-    return _Walk(per_stage, per_layer, step_us, [behind.note()] if behind.note() else [],
+    return _Walk(per_layer, step_us, [behind.note()] if behind.note() else [],
                  sum(behind.issued))
 
 
