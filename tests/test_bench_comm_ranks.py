@@ -9,7 +9,10 @@ import torch
 
 from epmoe.bench.comm import main
 from epmoe.bench.comm_ranks import (RankJob, identity_experts, plan_jobs, rank_device, run_job,
-                                    sent_rows, with_ratios)
+                                    sent_rows, wire_reference, with_ratios)
+from epmoe.config import QuantConfig
+from epmoe.kernels.quantize import quantize_tokens
+from epmoe.quant import FP8_DTYPE, dequantize_act
 from epmoe.comm.base import LayoutBatch, TokenBatch
 from epmoe.quant import QTensor
 
@@ -29,6 +32,8 @@ def test_cpu_ranks_measure_and_check_every_case(tmp_path):
         assert r["dispatch_us"] > 0 and r["combine_us"] > 0
         assert 0 < r["dispatch_gbs_link"] < r["dispatch_gbs_all"]  # own rows stay home
         assert r["vs_deepep_dispatch"] is None  # no DeepEP on CPU: no ratio invented
+        assert 0 <= r["max_rel_err"] <= 2e-2  # the round trip's error is kept, not only a flag
+    assert json.loads(out.read_text())["timing"] == "device"
 
 
 def test_jobs_keep_nvshmem_owners_apart():
@@ -50,6 +55,32 @@ def test_ranks_sharing_one_gpu_run_symm_only_on_cuda0():
         RankJob("ht", ("symm-ht",), "bf16", (64,), **dict(KW, device="gpu"))
     assert [str(rank_device(d, 1)) for d in ("cuda", "cuda-shared", "cpu")] == [
         "cuda:1", "cuda:0", "cpu"]
+
+
+def test_timing_is_device_or_launched():
+    assert RankJob("ht", ("all2all",), "bf16", (8,), **KW).timing == "device"
+    assert RankJob("ht", ("all2all",), "bf16", (8,), **KW, timing="launched").timing == "launched"
+    with pytest.raises(ValueError, match=r"timing \('wall'\) must be one of"):
+        RankJob("ht", ("all2all",), "bf16", (8,), **KW, timing="wall")
+
+
+def test_wire_reference_follows_deepep_lls_own_fp8_arithmetic():
+    """deepep-ll: codes of x * (448 / amax), scale amax * fp32(1 / 448) (DeepEP's
+    calculate_fp8_scales); every other backend: epmoe.quant's codes, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 512, generator=gen) * torch.rand(64, 1, generator=gen) * 8).bfloat16()
+    fp8 = QuantConfig("fp8_block")
+    ours = dequantize_act(quantize_tokens(x, fp8)).float()
+    assert torch.equal(wire_reference(x, "symm-ll", fp8), ours)
+    assert torch.equal(wire_reference(x, "deepep-ll", QuantConfig("bf16")), x.float())
+    got = wire_reference(x, "deepep-ll", fp8)
+    xg = x.float().unflatten(-1, (-1, 128))
+    amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    step = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    want = (xg * (448.0 / amax)).to(FP8_DTYPE).float() * step
+    assert torch.equal(got, want.flatten(-2))
+    # the two conventions agree to within one fp8 code of the block's scale
+    assert ((got - ours).abs().unflatten(-1, (-1, 128)) <= 32 * step * 1.0001).all()
 
 
 def test_shared_device_needs_cuda_and_symm_backends(capsys, monkeypatch):
@@ -110,3 +141,5 @@ def test_auto_table_takes_real_link_rows_only():
                         row("symm-ht", "loopback: 2 ranks on one GPU", 100.0),
                         row("symm-ht", "shared: 2 ranks on one GPU (time-sliced)", 900.0)])
     assert table["entries"] == {"deepep-ht": {"bf16": [[4096, 600.0]]}}
+    assert "measured" not in table  # no provenance given: none invented
+    assert auto_table([], "bench.comm 2026-12-04")["measured"] == "bench.comm 2026-12-04"

@@ -18,7 +18,9 @@ pipelined dispatch) checked end to end on one GPU; its times are not link speeds
 conventions: "all" = every received row incl. the rank's own (DeepEP's tests; LL: every
 (token, k)), "link" = only rows that cross to another rank. SMs: the persistent grid of the
 symm kernels (DeepEP HT: its SM count). Times: median of CUDA-event timings (real ranks: the
-slowest rank's per iteration).
+slowest rank's per iteration; `--timing device`, the default, is the GPU's time with the host
+ahead and the ranks' GPUs lined up, DeepEP's convention; `launched` includes the host's launch
+time: epmoe.bench.comm_ranks).
 `--auto-table` writes the per-token-count table `--backend auto` reads (only figures that
 compare backends on real links belong in it: a loopback run writes none, and says so).
 """
@@ -26,6 +28,7 @@ compare backends on real links belong in it: a loopback run writes none, and say
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, _sweep, bench_loopback
-from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS
+from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS, TIMINGS
 from epmoe.config import QuantConfig
 from epmoe.outputs import writable_file
 
@@ -60,6 +63,7 @@ class Row:
     vs_deepep_dispatch: float | None = None
     vs_deepep_combine: float | None = None
     passed: bool | None = None  # real ranks: the round trip within the recipe's tolerance
+    max_rel_err: float | None = None  # real ranks: the round trip's error (module docstring)
 
 
 def make_row(r: dict, hidden: int = HIDDEN) -> Row:
@@ -71,20 +75,21 @@ def make_row(r: dict, hidden: int = HIDDEN) -> Row:
                r["combine_us"], g(r["rows"], disp_b, r["dispatch_us"]),
                g(r["link_rows"], disp_b, r["dispatch_us"]), g(r["rows"], d * 2, r["combine_us"]),
                g(r["link_rows"], d * 2, r["combine_us"]), r["sms"], r.get("vs_deepep_dispatch"),
-               r.get("vs_deepep_combine"), r.get("passed"))
+               r.get("vs_deepep_combine"), r.get("passed"), r.get("max_rel_err"))
 
 
-def auto_table(rows: list[Row]) -> dict:
+def auto_table(rows: list[Row], measured: str = "") -> dict:
     """The table `--backend auto` reads: per backend and recipe, (tokens, dispatch + combine
     us) measured on real links. Loopback rows are not comparable with other backends' link
-    times, so they are left out."""
+    times, so they are left out. `measured`: where, when and how (auto's reasons quote it)."""
     real = [r for r in rows if not r.where.startswith(("loopback", "shared"))]
     table: dict = {}
     for r in real:
         table.setdefault(r.backend, {}).setdefault(r.recipe, []).append(
             [r.tokens, round(r.dispatch_us + r.combine_us, 1)])
     return {"world": rows[0].world if rows else 0, "entries": table,
-            "note": "dispatch + combine us per rank, DeepSeek-V3 shapes"}
+            "note": "dispatch + combine us per rank, DeepSeek-V3 shapes",
+            **({"measured": measured} if measured else {})}
 
 
 def _fmt(rows: list[Row]) -> str:
@@ -138,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=HIDDEN, help="real ranks: hidden size")
     p.add_argument("--num-experts", type=int, default=NUM_EXPERTS,
                    help="real ranks: experts")
+    p.add_argument("--timing", choices=TIMINGS, default="device",
+                   help="real ranks: device = the GPU's time (host ahead, ranks' GPUs lined "
+                        "up; DeepEP's convention), launched = the host's launch time included")
     p.add_argument("--job-timeout", type=float, default=900.0,
                    help="seconds per spawned world before its ranks are killed")
     return p
@@ -181,7 +189,9 @@ def main(argv=None) -> int:
         rows += _loopback_all(a, ht, ll, sink)
     for n in notes:
         print("note:", n)
-    table = auto_table(rows)
+    when = datetime.date.today().isoformat()
+    table = auto_table(rows, f"bench.comm {when}, {gpus} x {torch.cuda.get_device_name()}, "
+                             f"{a.timing} timing" if cuda else "")
     if a.auto_table:
         if table["entries"]:
             with open(a.auto_table, "w") as f:
@@ -191,7 +201,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": gpus,
-                       "notes": notes, "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "timing": a.timing, "notes": notes, "rows": [asdict(r) for r in rows]},
+                      f, indent=1)
     return 1 if any(r.passed is False for r in rows) else 0
 
 
@@ -250,7 +261,7 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
     from epmoe.bench.comm_ranks import plan_jobs, run_job, with_ratios
 
     kw = dict(world=world, device=device, iters=a.iters, hidden=a.hidden,
-              num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms)
+              num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms, timing=a.timing)
     jobs = []
     for mode, tokens, names in (("ht", ht, HT_BACKENDS), ("ll", ll, LL_BACKENDS)):
         if a.only in (None, mode):
@@ -270,7 +281,7 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
                   f"{r['error']}")
             continue
         rows.append(make_row(dict(r, where=where), a.hidden))
-        sink(dict(asdict(rows[-1]), max_rel_err=r["max_rel_err"]))
+        sink(asdict(rows[-1]))
     print(_fmt(rows), flush=True)
     ratios = [r for r in rows if r.vs_deepep_dispatch is not None]
     if ratios:

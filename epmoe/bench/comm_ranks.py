@@ -11,8 +11,15 @@ row of a (recipe, tokens) measures the same problem.
 Per case: a warm-up dispatch + combine through identity experts (each expert returns its
 rows; TokenBatch experts weight them by their tokens' local top-k weights), checked against
 x (as the wire recipe quantizes it) x sum_k w_k within the recipe's tolerance, then `iters`
-timed dispatch / combine pairs after a barrier. A phase's time per iteration is its slowest
-rank's; the row reports the median. Traffic: rows a rank sends, averaged over ranks (each
+timed dispatch / combine pairs after a barrier. Timing "device" (the default): the GPU's time,
+as DeepEP's own tests report it: a ~1 ms device sleep lets the host enqueue the pair behind it
+and a one-element NCCL all-reduce right before the first event lines the ranks' GPUs up, so
+neither the host's launch time nor the ranks' host skew is counted; "launched": the pair
+issued on an idle GPU, the host's launch time included (what an eager step without CUDA graphs
+sees). A phase's time per iteration is its slowest rank's; the row reports the median.
+The round trip's reference quantizes x as the backend's wire does: ours (epmoe.quant) for
+every backend but deepep-ll, whose kernel quantizes fp8 with its own arithmetic (x * (448 /
+amax), scale amax * (1 / 448): a code can differ from ours where the two roundings part). Traffic: rows a rank sends, averaged over ranks (each
 token once per destination rank for HT, once per (token, k) for LL), all of them and only
 those that cross to another rank.
 """
@@ -28,6 +35,8 @@ LL_BACKENDS = ("all2all", "deepep-ll", "symm-ll")
 NVSHMEM_OWNERS = ("deepep-ll", "symm-ht", "symm-ll")  # who initializes NVSHMEM in a process
 WARMUP = 3
 DEEPEP_SMS = 24  # deepep-ht's SMs unless --num-sms says (DeepEP's README figures: 24)
+TIMINGS = ("device", "launched")
+SLEEP_CYCLES = 2_000_000  # ~1 ms at an H200's ~2 GHz: longer than the host takes to issue a pair
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class RankJob:
     top_k: int
     num_sms: int  # symm-*: SymmOptions.num_sms (0: theirs); deepep-ht: Buffer.set_num_sms
     # (0: DEEPEP_SMS)
+    timing: str = "device"  # device | launched (the module's docstring)
 
     def __post_init__(self):
         if self.mode not in ("ht", "ll"):
@@ -60,6 +70,8 @@ class RankJob:
         owners = [b for b in self.backends if b in NVSHMEM_OWNERS]
         if "deepep-ll" in owners and len(owners) > 1:
             raise ValueError(f"backends {owners} each start NVSHMEM: they need separate jobs")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing ({self.timing!r}) must be one of {TIMINGS}")
         if self.num_experts % self.world:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by the ranks "
                              f"({self.world})")
@@ -97,6 +109,24 @@ def identity_experts(batch):
         local = (batch.topk_ids_NK >= 0).float()
         return x * (batch.topk_weights_NK.float() * local).sum(1, keepdim=True)
     return x.to(torch.bfloat16)
+
+
+def wire_reference(x, backend: str, quant):
+    """x as `backend`'s wire carries it, dequantized to fp32 (DeepEP's low-latency fp8 kernel
+    with fp32 scales quantizes by its own arithmetic, csrc/kernels/utils.cuh
+    calculate_fp8_scales; everything else by epmoe.quant's)."""
+    import torch
+
+    from epmoe.kernels.quantize import quantize_tokens
+    from epmoe.quant import FP8_DTYPE, FP8_MAX, dequantize_act
+
+    if backend == "deepep-ll" and quant.recipe == "fp8_block" and quant.scale_fmt == "fp32":
+        xg = x.float().unflatten(-1, (-1, 128))
+        amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+        codes = (xg * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        inv = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
+        return (codes.float() * (amax * inv.to(x.device))).flatten(-2)
+    return dequantize_act(quantize_tokens(x, quant)).float()
 
 
 def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool) -> tuple[int, int]:
@@ -140,8 +170,6 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
     from epmoe.comm import backend_class
     from epmoe.comm.context import CommContext
     from epmoe.config import MoEConfig, QuantConfig
-    from epmoe.kernels.quantize import quantize_tokens
-    from epmoe.quant import dequantize_act
     from epmoe.reference import TOLERANCE, max_rel_err
 
     dev = rank_device(job.device, rank)
@@ -153,6 +181,7 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
     emap = torch.full((job.num_experts,), -1, dtype=torch.int32)
     emap[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
     ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=max(job.tokens))
+    align = torch.zeros(1, device=dev)  # device timing: the all-reduce that lines the GPUs up
     out = []
 
     def clock():
@@ -178,13 +207,17 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                 batch, h = comm.dispatch(x, ids, w)
                 y = identity_experts(batch)
                 res = comm.combine(y, h)
-                ref = dequantize_act(quantize_tokens(x, quant)) * w.float().sum(1, keepdim=True)
+                ref = wire_reference(x, name, quant) * w.float().sum(1, keepdim=True)
                 err = max_rel_err(res.float().cpu(), ref.cpu())
                 disp, comb = [], []
                 for it in range(WARMUP + job.iters):
                     dist.barrier(group=group)
                     if cuda:
                         torch.cuda.synchronize(dev)
+                        if job.timing == "device":  # the host gets ahead; the GPUs line up
+                            torch.cuda._sleep(SLEEP_CYCLES)
+                            if job.device == "cuda":  # (ranks sharing a GPU: gloo, no align)
+                                dist.all_reduce(align, group=group)
                     t0 = clock()
                     batch, h = comm.dispatch(x, ids, w)
                     t1 = clock()
