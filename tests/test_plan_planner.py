@@ -203,3 +203,30 @@ def test_a_stacks_later_layers_are_planned_from_the_queued_figures():
         p = plan_stack(cfg, BF16, TOPO, prof, (256,), available=ANY)
         got = [e.choice(256).stages_us["router"] for e in p.layers]
         assert got == pytest.approx(want), issue_us
+
+
+def test_low_latency_buffers_bound_the_bucket_they_can_take():
+    """DeepEP LL's buffer (num_experts x max tokens messages, sent and received, odd/even)
+    must stay under DeepEP's 32 GiB int4 count; symm-ll's masked region under its 1024
+    tokens: at DeepSeek-V3's 4096-token bucket on 2 ranks both are rejected (the sweep on two
+    H200 saw both fail to build there), at 128 they run."""
+    from epmoe.comm.deepep import LL_RDMA_LIMIT, ll_rdma_bytes
+    from epmoe.plan.cost import Workload
+    from epmoe.plan.planner import tokens_rule
+
+    dsv3, fp8 = get_preset("deepseek-v3"), QuantConfig("fp8_block")
+    # DeepEP's layout by hand: msgs 16 + 7168 * 2 (dispatch) and 56 * 4 + 7168 * 2 (combine)
+    per = 256 * 128 * (56 * 4 + 7168 * 2)
+    assert ll_rdma_bytes(128, 7168, 256) == 2 * (per + per + 1024)
+    assert ll_rdma_bytes(2048, 7168, 256) < LL_RDMA_LIMIT < ll_rdma_bytes(4096, 7168, 256)
+    big, small = Workload(dsv3, fp8, 4096), Workload(dsv3, fp8, 128)
+    why = tokens_rule(Candidate("ep_dp", "deepep-ll", "deepgemm"), big)
+    assert "past DeepEP's 32 GiB limit" in why and "4096 tokens per rank" in why
+    assert "at most 1024 tokens" in tokens_rule(Candidate("ep_dp", "symm-ll", "triton"), big)
+    for b in ("deepep-ll", "symm-ll", "symm-ht", "deepep-ht"):
+        assert tokens_rule(Candidate("ep_dp", b, "triton"), small) is None
+    assert tokens_rule(Candidate("ep_dp", "deepep-ht", "triton"), big) is None
+    two = Topology(1, 2, "h200", links={"nvlink": Link("nvlink", 450.0, 0.0)})
+    p = plan_stack(dsv3, fp8, two, load_profile("h200"), (128, 4096), num_layers=1,
+                   available=ANY, forms=("ep_dp",))
+    assert p.layers[0].choice(4096).backend not in ("deepep-ll", "symm-ll")

@@ -61,6 +61,33 @@ def ll_shape_unsupported(cfg: MoEConfig) -> str | None:
     return None
 
 
+def ll_rdma_bytes(max_tokens: int, hidden: int, num_experts: int) -> int:
+    """Bytes of DeepEP V1's low-latency buffer (csrc/config.hpp LowLatencyLayout): odd/even
+    send, receive and signalling buffers, the combine's send and every receive holding
+    num_experts x max_tokens messages."""
+    scales = hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
+    signal = -(-num_experts * 4 // 128) * 128
+    return 2 * (send + recv + signal)
+
+
+# DeepEP V1 counts its buffer in int4 units in an int (csrc/deep_ep.cpp: num_rdma_bytes /
+# sizeof(int4) < INT_MAX): a low-latency buffer must stay under 32 GiB
+LL_RDMA_LIMIT = (2**31 - 1) * 16
+
+
+def ll_tokens_unsupported(max_tokens: int, hidden: int, num_experts: int) -> str | None:
+    """Why DeepEP's low-latency buffers cannot hold max_tokens per rank, or None."""
+    need = ll_rdma_bytes(max_tokens, hidden, num_experts)
+    if need >= LL_RDMA_LIMIT:
+        return (f"deepep-ll's buffers for {max_tokens} tokens per rank would take "
+                f"{need / 2**30:.1f} GiB, past DeepEP's 32 GiB limit; use deepep-ht")
+    return None
+
+
 def _common_unsupported(cfg: MoEConfig, quant: QuantConfig, device, world: int) -> str | None:
     if not torch.cuda.is_available() or torch.device(device).type != "cuda":
         return f"device {device} is not CUDA"
@@ -227,6 +254,9 @@ class DeepEPLowLatencyComm(Comm):
         self.num_experts = self.expert_map_E.shape[0]
         self.owner_of_slots()  # checks slots % world
         self.max_tokens = ctx.max_tokens_per_rank
+        why = ll_tokens_unsupported(self.max_tokens, cfg.hidden, self.num_experts)
+        if why:  # before DeepEP's own assertion ends the process's NVSHMEM
+            raise ValueError(why)
         need = ep.Buffer.get_low_latency_rdma_size_hint(self.max_tokens, cfg.hidden, world,
                                                         self.num_experts)
         self.buffer = _buffer(ctx, "deepep-ll", "low-latency", need, lambda b: b.num_rdma_bytes,
@@ -271,5 +301,5 @@ class DeepEPLowLatencyComm(Comm):
         return out  # bf16: DeepEP already reduced in fp32 and cast once
 
 
-__all__ = ["DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
+__all__ = ["ll_rdma_bytes", "ll_tokens_unsupported", "DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
            "DeepEPLowLatencyHandle", "DeepEPBuffer"]

@@ -374,6 +374,10 @@ def _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> Memory
                                              "dispatch").sms or 20
         buffers = sms / 2 * min(world, topo.gpus_per_node) * 256 * 2.0 * d
         buffers *= 2 if topo.num_nodes > 1 else 1
+    elif cand.backend == "deepep-ll":  # DeepEP's own layout (send, receive, double-buffered)
+        from epmoe.comm.deepep import ll_rdma_bytes
+
+        buffers = float(ll_rdma_bytes(case.max_tokens, d, work.num_slots))
     elif cand.backend in LL:  # per slot x max tokens, dispatch + combine, double-buffered
         buffers = 2.0 * work.num_slots * case.max_tokens * (
             row + tr.LL_HEADER_BYTES + 2.0 * d + tr.LL_HEADER_BYTES)

@@ -93,6 +93,23 @@ def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: To
     return _experts_rule(cand.experts, cfg, quant, inter, sm_arch)
 
 
+def tokens_rule(cand: Candidate, work: Workload) -> str | None:
+    """The rules that depend on the bucket's batch: the low-latency backends' buffers hold a
+    fixed number of tokens per rank (the run's max tokens), sized when they are built."""
+    cap = work.max_tokens or work.tokens
+    if cand.backend == "symm-ll":
+        from epmoe.comm.symm.ll import MAX_TOKENS
+
+        if cap > MAX_TOKENS:
+            return (f"symm-ll holds at most {MAX_TOKENS} tokens per rank (its masked region "
+                    f"holds every rank's tokens per expert), not {cap}")
+    if cand.backend == "deepep-ll":
+        from epmoe.comm.deepep import ll_tokens_unsupported
+
+        return ll_tokens_unsupported(cap, work.cfg.hidden, work.num_slots)
+    return None
+
+
 def profile_gap(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: Topology,
                 prof: HardwareProfile) -> str | None:
     """Why the profile cannot predict `cand` (a GEMM curve or comm fit it lacks), or None."""
@@ -156,7 +173,8 @@ def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num
         MEMORY_FRACTION * prof.fig("hbm_GiB") * 2**30
     preds, rejected = [], []
     for c in cands:
-        why = feasible(c, work.cfg, work.quant, topo, prof, work.num_slots, scope, available)
+        why = feasible(c, work.cfg, work.quant, topo, prof, work.num_slots, scope, available) \
+            or tokens_rule(c, work)
         if why is None:
             if stats is None and c.form != "tp":
                 stats = routing_stats(work.cfg, work.routing, topo.world, topo.gpus_per_node,
