@@ -1,6 +1,8 @@
-"""`--backend auto`: LL below the token threshold, HT above, all2all with the reason when DeepEP
-cannot run. True with and without DeepEP installed: the DeepEP answer is either the machine's
-own (asked through the explicit-request path) or stubbed both ways."""
+"""`--backend auto` without a measured table for the run (the fixed rule): LL below the token
+threshold, HT above, all2all with the reason when DeepEP cannot run. True with and without
+DeepEP installed: the DeepEP answer is either the machine's own (asked through the explicit-
+request path) or stubbed both ways. The shipped table (two H200) and its picks: the last
+test."""
 
 import pytest
 import torch
@@ -8,6 +10,13 @@ import torch
 from epmoe.comm import backend_class, resolve_backend
 from epmoe.launch.cli import build_run, parser
 from epmoe.plan.run import RunConfig
+
+
+@pytest.fixture(autouse=True)
+def no_table(request, monkeypatch):
+    """The fixed rule's tests run as on a machine kind the shipped table does not describe."""
+    if "shipped_table" not in request.node.name:
+        monkeypatch.setattr("epmoe.comm.auto.load_table", lambda *a, **k: None)
 
 
 CASES = [(64, 256, "deepep-ll"), (256, 256, "deepep-ll"), (512, 256, "deepep-ht"),
@@ -71,3 +80,19 @@ def test_ll_threshold_flag_reaches_the_run_and_is_validated():
 def test_requested_backend_that_cannot_run_names_why():
     with pytest.raises(ValueError, match="backend 'deepep-ht' cannot run here"):
         resolve_backend("deepep-ht", RunConfig(world=2), torch.device("cpu"))
+
+
+def test_shipped_table_picks_the_measured_fastest_and_says_where_it_was_measured():
+    from epmoe.comm.auto import load_table, pick
+
+    table = load_table()
+    assert table["world"] == 2 and "2 x NVIDIA H200" in table["measured"]
+    every = ["all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll"]
+    for tokens, recipe in ((128, "bf16"), (4096, "fp8_block"), (8192, "bf16")):
+        name, why = pick(every, recipe, 2, tokens, table)
+        times = {n: [us for t, us in table["entries"][n][recipe] if t == tokens]
+                 for n in every if recipe in table["entries"].get(n, {})}
+        fastest = min((v[0], n) for n, v in times.items() if v)[1]
+        assert name == fastest and why.startswith(f"auto: {name} ({tokens} tokens/rank")
+        assert "device timing" in why
+    assert pick(every, "bf16", 8, 128, table) is None  # another world: the fixed rule

@@ -142,4 +142,8 @@ def test_auto_table_takes_real_link_rows_only():
                         row("symm-ht", "shared: 2 ranks on one GPU (time-sliced)", 900.0)])
     assert table["entries"] == {"deepep-ht": {"bf16": [[4096, 600.0]]}}
     assert "measured" not in table  # no provenance given: none invented
+    bad = make_row(dict(backend="deepep-ll", recipe="bf16", tokens=128, world=2, sms=None,
+                        where="2 ranks, one GPU each", dispatch_us=9.0, combine_us=9.0,
+                        rows=100, link_rows=50, passed=False))
+    assert auto_table([bad])["entries"] == {}  # a failed round trip recommends nothing
     assert auto_table([], "bench.comm 2026-12-04")["measured"] == "bench.comm 2026-12-04"

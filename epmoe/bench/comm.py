@@ -81,8 +81,10 @@ def make_row(r: dict, hidden: int = HIDDEN) -> Row:
 def auto_table(rows: list[Row], measured: str = "") -> dict:
     """The table `--backend auto` reads: per backend and recipe, (tokens, dispatch + combine
     us) measured on real links. Loopback rows are not comparable with other backends' link
-    times, so they are left out. `measured`: where, when and how (auto's reasons quote it)."""
-    real = [r for r in rows if not r.where.startswith(("loopback", "shared"))]
+    times, so they are left out, as are rows whose round trip failed. `measured`: where, when
+    and how (auto's reasons quote it)."""
+    real = [r for r in rows if not r.where.startswith(("loopback", "shared"))
+            and r.passed is not False]  # a backend whose round trip failed is no candidate
     table: dict = {}
     for r in real:
         table.setdefault(r.backend, {}).setdefault(r.recipe, []).append(

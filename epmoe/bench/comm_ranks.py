@@ -19,9 +19,9 @@ issued on an idle GPU, the host's launch time included (what an eager step witho
 sees). A phase's time per iteration is its slowest rank's; the row reports the median.
 The round trip's reference quantizes x as the backend's wire does: ours (epmoe.quant) for
 every backend but deepep-ll, whose kernel quantizes fp8 with its own arithmetic (x * (448 /
-amax), scale amax * (1 / 448): a code can differ from ours where the two roundings part). Traffic: rows a rank sends, averaged over ranks (each
-token once per destination rank for HT, once per (token, k) for LL), all of them and only
-those that cross to another rank.
+amax), scale amax * (1 / 448): a code can differ from ours where the two roundings part).
+Traffic: rows a rank sends, averaged over ranks (each token once per destination rank for HT,
+once per (token, k) for LL), all of them and only those that cross to another rank.
 """
 
 from __future__ import annotations

@@ -301,5 +301,6 @@ class DeepEPLowLatencyComm(Comm):
         return out  # bf16: DeepEP already reduced in fp32 and cast once
 
 
-__all__ = ["ll_rdma_bytes", "ll_tokens_unsupported", "DeepEPHighThroughputComm", "DeepEPLowLatencyComm", "DeepEPHandle",
+__all__ = ["ll_rdma_bytes", "ll_tokens_unsupported", "DeepEPHighThroughputComm",
+           "DeepEPLowLatencyComm", "DeepEPHandle",
            "DeepEPLowLatencyHandle", "DeepEPBuffer"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from epmoe.config import MoEConfig, QuantConfig
+from epmoe.plan.figures import HOST_PREFIX
 from epmoe.plan.profile import HardwareProfile
 from epmoe.plan.routing import RoutingStats, finite_max
 from epmoe.plan.topology import Topology
@@ -89,6 +90,16 @@ class CommCost:
 
 def launch_us(prof: HardwareProfile, ops: int) -> float:
     return ops * prof.fig("launch_us")
+
+
+def issue_us(prof: HardwareProfile, backend: str, direction: str) -> float:
+    """The host's time to issue one call of `backend`: measured where the profile has it
+    (kernels["comm"]["host.<backend>.<direction>"], epmoe.bench.symm_host: a Triton
+    kernel's Python launcher costs many eager torch ops), else the torch ops it launches."""
+    fit = prof.most_specific("comm", f"{HOST_PREFIX}{backend}.{direction}")
+    if fit is not None:
+        return fit.alpha_us
+    return launch_us(prof, (DISPATCH_OPS if direction == "dispatch" else COMBINE_OPS)[backend])
 
 
 def quantize_us(c: CommCase, n_tokens: float) -> float:
@@ -224,13 +235,13 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
             raise ValueError(f"tokens per rank ({c.tokens}) exceed the low-latency capacity "
                              f"({c.max_tokens})")
         us, lb, notes = _sm_transfer(c, backend, "dispatch")
-        return CommCost(us + _count_us(c, backend) + launch_us(c.prof, DISPATCH_OPS[backend]),
+        return CommCost(us + _count_us(c, backend) + issue_us(c.prof, backend, "dispatch"),
                         0.0, lb, notes, us)
     q = quantize_us(c, c.tokens)
     row = act_row_bytes(d, c.quant) + k * META_BYTES_PER_K
     if backend in HT_KERNELS:
         us, lb, notes = _sm_transfer(c, backend, "dispatch")
-        total = q + _count_us(c, backend) + us + launch_us(c.prof, DISPATCH_OPS[backend])
+        total = q + _count_us(c, backend) + us + issue_us(c.prof, backend, "dispatch")
         return CommCost(total, q, lb, notes, us)
     if backend == "all2all":
         rows = _classes(c, c.stats.hit_rank, two_hop=False)
@@ -261,7 +272,7 @@ def combine_cost(backend: str, c: CommCase) -> CommCost:
         return CommCost(max(nbytes / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
     if backend in LL or backend in HT_KERNELS:
         us, lb, notes = _sm_transfer(c, backend, "combine")
-        return CommCost(us + launch_us(c.prof, COMBINE_OPS[backend]), 0.0, lb, notes, us)
+        return CommCost(us + issue_us(c.prof, backend, "combine"), 0.0, lb, notes, us)
     if backend == "all2all":
         rows = _classes(c, c.stats.hit_rank, two_hop=False)
         us, lb, notes = _nccl_transfer(c, rows, 2.0 * d)

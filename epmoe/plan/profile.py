@@ -6,7 +6,8 @@ A `HardwareProfile` holds, for one GPU kind (or the CPU):
 - `gemm`: grouped-GEMM throughput curves, TFLOPS vs rows per expert, per experts backend,
   recipe, layout and (N, K) (`GemmCurve`);
 - `kernels`: the bandwidth kernels (permute, gather, act_quant) as alpha-beta fits per
-  experts backend, the comm side's activation quantizer under "comm", and the local comm
+  experts backend, the comm side's activation quantizer under "comm" (and there the host's
+  time to issue one call of a comm backend, "host.<backend>.<dispatch|combine>"), the local comm
   backend's own work under "local" (dispatch beyond its quantize: the id mapping and its
   launches; combine: the output cast) and the router per router kind under "router"
   (`AlphaBeta`: t = alpha + bytes / beta);
@@ -37,9 +38,9 @@ from pathlib import Path
 from typing import Mapping
 
 from epmoe.docfile import read_doc
-from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, HOST_OP, KERNELS, LOCAL_KERNELS,
-                                OVERLAPPED, QUEUED, SCHEMA, SOURCES, AlphaBeta, Figure,
-                                GemmCurve, LinkFit, MlpCurve, Provenance, Source)
+from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, HOST_OP, HOST_PREFIX, KERNELS,
+                                LOCAL_KERNELS, OVERLAPPED, QUEUED, SCHEMA, SOURCES, AlphaBeta,
+                                Figure, GemmCurve, LinkFit, MlpCurve, Provenance, Source)
 
 __all__ = ["COLLECTIVES", "DEVICE_FIGURES", "HOST_OP", "KERNELS", "LOCAL_KERNELS", "OVERLAPPED",
            "QUEUED", "SCHEMA", "SOURCES", "AlphaBeta", "Figure", "GemmCurve", "HardwareProfile",
@@ -136,7 +137,8 @@ class HardwareProfile:
         `host_op_us` over the profile's). Host time scales by it: the host's issue time of a
         forward (kernels["layer"]["issue*"]) and each stage fit timed on an idle GPU that
         has a queued twin (what it measured there was the host launching the stage; the twin
-        is its GPU time and stays its floor). GEMMs, copies, links: GPU time, unchanged."""
+        is its GPU time and stays its floor), and the host's issue time of a comm call
+        (kernels["comm"]["host.*"]). GEMMs, copies, links: GPU time, unchanged."""
         if factor == 1.0:
             return self
 
@@ -148,7 +150,8 @@ class HardwareProfile:
         for b, t in self.kernels.items():
             kern[b] = dict(t)
             for k, fit in t.items():
-                host = (b == "layer" and k.split(".")[0] == "issue") or k + QUEUED in t
+                host = (b == "layer" and k.split(".")[0] == "issue") or \
+                    k.startswith(HOST_PREFIX) or k + QUEUED in t
                 if host and not k.endswith(QUEUED):
                     kern[b][k] = scaled(fit, t.get(k + QUEUED))
         dev = dict(self.device)
