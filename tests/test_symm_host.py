@@ -75,3 +75,12 @@ def test_without_cuda_it_exits_2(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert main(["--profile", "h200"]) == 2  # --out missing
     assert "--profile and --out go together" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_measure_times_every_phase_on_a_gpu():
+    from epmoe.bench.symm_host import PHASES, measure
+
+    r = measure("symm-ll", 1, "fp8_block", iters=2, warmup=2)
+    assert all(r[p] > 0 for p in PHASES)
+    assert r["triton_launches"]["dispatch_send"] >= 1
