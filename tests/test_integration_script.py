@@ -77,3 +77,39 @@ def test_one_gpu_runs_the_shared_rank_steps_and_says_what_it_skipped(tmp_path, m
     assert steps[2]["ok"] is None and "DeepEP and NCCL need a GPU per rank" in steps[2]["skipped"]
     shared = dict(calls)["comm_shared"]
     assert shared[shared.index("--device") + 1] == "shared" and "--world" in shared
+
+
+def test_plan_step_calibrates_the_comm_part_then_sweeps_with_that_profile(tmp_path,
+                                                                          monkeypatch):
+    import epmoe.bench.integration as integration
+
+    calls = []
+
+    def fake_run(name, cmd, timeout, log_dir):
+        calls.append((name, cmd))
+        if "--plan" in cmd:  # what a sweep writes
+            sweep = dict(fastest="ep_dp/symm-ht/deepgemm", fastest_ms=7.0, profile="p",
+                         auto=dict(label="ep_dp/symm-ht/deepgemm", vs_best=0.0))
+            with open(cmd[cmd.index("--out") + 1], "w") as f:
+                json.dump({"sweep": sweep}, f)
+        return dict(step=name, cmd=" ".join(cmd), rc=0, ok=True, seconds=0.0, log="")
+
+    monkeypatch.setattr(integration, "_cuda_count", lambda: 2)
+    monkeypatch.setattr(integration, "_run", fake_run)
+    assert main(["--only", "plan", "--out", str(tmp_path)]) == 0
+    names = [n for n, _ in calls]
+    assert names == ["plan_calibrate", "plan_sweep_128", "plan_sweep_4096"]
+    cal = dict(calls)["plan_calibrate"]
+    assert cal[cal.index("--parts") + 1] == "comm" and cal[cal.index("--ranks") + 1] == "2"
+    prof = cal[cal.index("--out") + 1]
+    for name in names[1:]:
+        sweep = dict(calls)[name]
+        assert sweep[sweep.index("--profile") + 1] == prof and "--device" not in sweep
+    md = (tmp_path / "summary.md").read_text()
+    assert "fastest ep_dp/symm-ht/deepgemm 7.00 ms; planner ep_dp/symm-ht/deepgemm +0.0%" in md
+    # one GPU for two ranks: the sweep's DeepEP / NCCL candidates cannot run: said, not run
+    calls.clear()
+    monkeypatch.setattr(integration, "_cuda_count", lambda: 1)
+    assert main(["--only", "plan", "--ep", "2", "--out", str(tmp_path)]) == 0
+    (step,) = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert calls == [] and step["ok"] is None and "need a GPU per rank" in step["skipped"]

@@ -64,6 +64,29 @@ def test_quick_cpu_two_ranks_measures_gloo(tmp_path):
     assert prof.comm_fit("all2all", "tcp", "dispatch").prov.source == "measured"
 
 
+def test_parts_measure_only_what_they_name(tmp_path, capsys):
+    """--parts comm: the collectives and backends measured, the layer's figures inherited
+    from the base as they were; --parts layer: the other way round; a bad part exits 2."""
+    from epmoe.plan.profile import load_profile
+
+    out = tmp_path / "comm.json"
+    assert main(["--quick", "--parts", "comm", "--ranks", "2", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    assert "not measured: the layer (--parts comm)" in capsys.readouterr().out
+    prof, base = load_profile(str(out)), load_profile("cpu")
+    assert prof.collective("all_reduce", "tcp").prov.source == "measured"
+    assert prof.gemm and all(c.prov.source == "inherited" for c in prof.gemm)
+    assert [c.key for c in prof.gemm] == [c.key for c in base.gemm]
+    out = tmp_path / "layer.json"
+    assert main(["--quick", "--parts", "layer", "--ranks", "2", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    assert "not measured: comm (--parts layer)" in capsys.readouterr().out
+    assert load_profile(str(out)).collective("all_reduce", "tcp").prov.source == "inherited"
+    assert main(["--parts", "gemm", "--out", str(tmp_path / "x.json"), "--device", "cpu"]) == 2
+    assert "--parts ('gemm') takes a comma-separated subset" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("recipes,msg", [("fp9", "each must be one of"),
                                          ("fp8_block", "hidden (2880) must be a multiple")])
 def test_recipes_are_checked_before_anything_is_measured(tmp_path, capsys, recipes, msg):

@@ -263,6 +263,17 @@ def merge_onto(base: HardwareProfile | None, gemm, kernels: dict, mlp):
     return tuple(gemm) + kept_gemm, kern, comm, coll, tuple(mlp) + kept_mlp
 
 
+PARTS = ("layer", "comm")
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p for p in text.split(",") if p)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"--parts ({text!r}) takes a comma-separated subset of {PARTS}")
+    return parts
+
+
 def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     import torch
 
@@ -288,8 +299,12 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     if kind == "cuda":
         backends = ["deepgemm", "triton"] + (["torch"] if not args.quick else [])
     recipes = _recipes(args.recipes, kind, cfg)  # checked before anything is measured
+    parts = _parts(args.parts)
     device = measure_device(dev, clock, base, args.timing)
     fits = LayerFits()
+    if "layer" not in parts:
+        clock.skipped.append("the layer (--parts comm): its figures inherited")
+        recipes = []
     for recipe in recipes:
         for name in backends:
             if clock.left() < 0:
@@ -312,7 +327,8 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
         device[HOST_OP] = Figure(statistics.median(fits.host_op_us), clock.prov(
             f"{HOST_OPS} tiny eager ops (epmoe.timing.host_op_us, median of {HOST_REPS}), "
             f"measured after each size's forwards: the median of {len(fits.host_op_us)}"))
-    if "quantize" not in kernels.get("comm", {}):  # no quantized recipe ran through the layer
+    # no quantized recipe ran through the layer: the dispatch quantizer on its own
+    if "layer" in parts and "quantize" not in kernels.get("comm", {}):
         kernels.setdefault("comm", {})["quantize"] = measure_quantize(
             cfg, QuantConfig("fp8_block"), dev, clock)
     gemm, kern, comm, coll, mlp = merge_onto(base, fits.gemm, kernels, fits.mlp)
@@ -320,7 +336,9 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                            f"calibrated on {clock.note}", device, gemm, kern, comm, coll, mlp)
     world = args.ranks if args.ranks is not None else \
         (torch.cuda.device_count() if kind == "cuda" else 2)
-    if world >= 2:
+    if "comm" not in parts:
+        clock.skipped.append("comm (--parts layer): collectives and backends inherited")
+    elif world >= 2:
         from epmoe.bench.calibrate_comm import calibrate_comm
 
         prof = calibrate_comm(prof, world, kind, cfg, args.quick, clock)
@@ -351,6 +369,10 @@ def parser() -> argparse.ArgumentParser:
                    help="recipes whose layers to time, comma separated (default fp8_block,bf16 "
                         "on GPU, bf16 on CPU; e.g. mxfp8 for gpt-oss: a profile without a "
                         "recipe's curves prices it from fp8_block's, and the plan says so)")
+    p.add_argument("--parts", default="layer,comm",
+                   help="what to measure: layer (the one-rank layer's kernels), comm "
+                        "(collectives and comm backends on --ranks ranks), or both; the rest "
+                        "is inherited from --base")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="stop measuring new sizes after this many seconds (default 170)")
     return p

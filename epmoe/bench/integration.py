@@ -12,6 +12,10 @@ Steps (each a subprocess with its own deadline; a failing step is recorded, the 
                to DeepEP in the same run; one GPU: the loopback world)
   launch       python -m epmoe.launch --ep N with deepep-ht, symm-ht, deepep-ll, symm-ll,
                all2all (auto picks the experts backend), and --eplb on Zipf routing
+  plan         python -m epmoe.bench.calibrate --parts comm --ranks N (this node's links and
+               comm backends onto the shipped profile of its GPU), then launch --plan sweep
+               --ep N at each --sweep-tokens with that profile: every feasible form and
+               backend measured, predicted vs measured, the planner's pick vs the fastest
 With fewer GPUs than ranks (one lent GPU), the ranks share them: comm adds symm-* on real
 ranks sharing the GPU (`bench.comm --device shared`), and launch runs symm-ht / symm-ll with
 --ranks-per-gpu (checked against the oracle; their times are time slices); the cases that
@@ -32,7 +36,7 @@ import time
 
 from epmoe.outputs import writable_dir
 
-STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch")
+STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch", "plan")
 
 
 def _cuda_count() -> int:
@@ -94,6 +98,9 @@ def main(argv=None) -> int:
                    help="launch preset (the deepep-ll case switches to qwen3-30b-a3b, 1 layer, "
                         "when the preset's hidden is below DeepEP LL's 2048)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank for the launches")
+    p.add_argument("--sweep-tokens", default=None,
+                   help="plan: tokens per rank of each sweep, comma separated (default "
+                        "128,4096 on GPUs, --tokens on CPU)")
     p.add_argument("--step-timeout", type=float, default=1800.0)
     a = p.parse_args(argv)
     only = [s for s in a.only.split(",") if s]
@@ -149,6 +156,8 @@ def main(argv=None) -> int:
                         k: s["eplb"][k] for k in ("balancedness_before", "balancedness_after",
                                                   "rebalances", "slots_moved")})
             results.append(r)
+    if "plan" in only:
+        results += _plan_steps(a, ep, gpus, py)
     summary = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    gpus=gpus, ep=ep, model=a.model, steps=results,
                    passed=all(r.get("ok") is not False for r in results))
@@ -158,6 +167,37 @@ def main(argv=None) -> int:
         f.write(_markdown(summary))
     print(_markdown(summary))
     return 0 if summary["passed"] else 1
+
+
+def _plan_steps(a, ep: int, gpus: int, py: str) -> list[dict]:
+    """Calibrate the comm part here, then one --plan sweep per token count with that profile
+    (the shipped profile of this GPU when the calibration failed)."""
+    if 0 < gpus < ep:
+        return [dict(step="plan", ok=None, skipped=f"{gpus} GPU(s) for ep {ep}: the sweep's "
+                                                   f"DeepEP and NCCL candidates need a GPU "
+                                                   f"per rank")]
+    prof = os.path.join(a.out, "plan_profile.json")
+    dev = [] if gpus else ["--device", "cpu"]
+    cal = _run("plan_calibrate", [py, "-m", "epmoe.bench.calibrate", "--parts", "comm",
+                                  "--ranks", str(ep), "--out", prof, *dev],
+               a.step_timeout, a.out)
+    cal["json"] = prof
+    out = [cal]
+    tokens = a.sweep_tokens or ("128,4096" if gpus else str(a.tokens))
+    for t in (int(v) for v in tokens.split(",") if v):
+        js = os.path.join(a.out, f"sweep_{t}.json")
+        cmd = [py, "-m", "epmoe.launch", "--plan", "sweep", "--ep", str(ep), "--model", a.model,
+               "--tokens", str(t), "--quiet", "--out", js, *dev,
+               *(["--profile", prof] if cal["ok"] else [])]
+        r = _run(f"plan_sweep_{t}", cmd, a.step_timeout, a.out)
+        if os.path.exists(js):
+            with open(js) as f:
+                sw = json.load(f)["sweep"]
+            r["json"] = js
+            r["sweep"] = dict(fastest=sw.get("fastest"), fastest_ms=sw.get("fastest_ms"),
+                              auto=sw.get("auto"), profile=sw.get("profile"))
+        out.append(r)
+    return out
 
 
 def _markdown(s: dict) -> str:
@@ -178,6 +218,12 @@ def _markdown(s: dict) -> str:
                 e = m["eplb"]
                 det += (f"; EPLB {e['balancedness_before']:.3f} -> {e['balancedness_after']:.3f}"
                         f", {e['rebalances']} rebalances, {e['slots_moved']} slots moved")
+        if r.get("sweep"):
+            w, auto = r["sweep"], r["sweep"].get("auto") or {}
+            gap = auto.get("vs_best")
+            det = (f"fastest {w['fastest']} {w['fastest_ms'] or 0:.2f} ms; planner "
+                   f"{auto.get('label')}" + ("" if gap is None else f" {100 * gap:+.1f}%") +
+                   f"; profile {w['profile']}")
         secs = r.get("seconds")
         lines.append(f"| {r['step']} | {res} | {'' if secs is None else f'{secs:.0f}'} | {det} |")
     return "\n".join(lines) + "\n"
