@@ -328,6 +328,7 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     the layers before while their predicted time outruns the host's issue time (then its
     host-bound stages come from the queued figures); --timing device queues every layer."""
     from epmoe.plan.backlog import Backlog
+    from epmoe.plan.comm_cost import COMBINE_OPS, DISPATCH_OPS
     from epmoe.plan.profile import AlphaBeta, Provenance, load_profile
 
     m = Provenance("measured", "test")
@@ -361,6 +362,17 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     # after the GPU ran 1.5: nothing queues, and the idle-GPU router fit takes 2x as long
     assert layers(Backlog(prof, False, 1e6), [1500.0] * 3) == [200.0, 40.0, 40.0]
     assert layers(Backlog(prof.at_host_speed(2.0), False, 1e6), [1500.0] * 3) == [400.0] * 3
+    # a comm backend whose calls take the host longer than the local backend's (the layer's
+    # issue fit is timed at one rank): a symm-ht layer issues in 1000 + 900 - local's ops
+    fits = {**prof.kernels["comm"], "host.symm-ht.dispatch": AlphaBeta(700.0, 1e9, m),
+            "host.symm-ht.combine": AlphaBeta(200.0, 1e9, m)}
+    symm = prof.replace(kernels={**prof.kernels, "comm": fits})
+    local_ops = symm.fig("launch_us") * (DISPATCH_OPS["local"] + COMBINE_OPS["local"])
+    b = Backlog(symm, False, 1e6)
+    b.ran(1500.0, "triton", "symm-ht")
+    b.ran(1500.0, "triton", "local")
+    assert b.issued == pytest.approx([1900.0 - local_ops, 1000.0])
+    assert b.us == pytest.approx(max(0.0, 1500.0 - b.issued[0]) + 500.0)
 
 
 @pytest.mark.timeout(120)

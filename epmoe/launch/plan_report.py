@@ -179,7 +179,7 @@ def _walk(run, reports, prof, topo, tokens: int, info: dict) -> _Walk:
             stats[key] = routing_stats(cfg, spec, world, topo.gpus_per_node, slots)
         pred = predict_layer(c, Workload(cfg, quant, tokens, spec, slots), topo,
                              behind.profile(l), stats.get(key))
-        behind.ran(pred.total_us, c.experts)
+        behind.ran(pred.total_us, c.experts, c.backend)
         relayout = transition_us(prev, c.form, case) if world > 1 else 0.0
         st = {**pred.stages_us, "relayout": relayout}
         if run.routing != "router":  # routing given: the router stage only looks it up

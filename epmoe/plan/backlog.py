@@ -34,11 +34,20 @@ class Backlog:
             return self.queued
         return self.plain
 
-    def ran(self, layer_us: float, experts: str) -> None:
-        """Layer l ran for layer_us (predicted) on `experts`, issued in the profile's time
-        of that experts backend (its host syncs: the torch backend's loop) or the pooled."""
+    def ran(self, layer_us: float, experts: str, backend: str = "local") -> None:
+        """Layer l ran for layer_us (predicted) on `experts` and comm `backend`, issued in the
+        profile's time of that experts backend (its host syncs: the torch backend's loop) or
+        the pooled, calibrated at one rank (the local backend), plus what issuing `backend`'s
+        dispatch and combine costs beyond the local backend's (comm_cost.issue_us: a symm
+        call's Triton launches)."""
+        from epmoe.plan.comm_cost import issue_us
+
         fit = self.plain.most_specific("layer", f"issue.{experts}", "issue")
-        self.issued.append(fit.time_us(self.out_bytes) if fit is not None else 0.0)
+        us = fit.time_us(self.out_bytes) if fit is not None else 0.0
+        if fit is not None and backend != "local":
+            us += sum(issue_us(self.plain, backend, d) - issue_us(self.plain, "local", d)
+                      for d in ("dispatch", "combine"))
+        self.issued.append(max(us, 0.0))
         self.us = max(0.0, self.us + layer_us - self.issued[-1])
 
     def note(self) -> str | None:

@@ -278,7 +278,8 @@ def plan_stack(cfg: MoEConfig, quant: QuantConfig, topo: Topology, prof: Hardwar
             per_layer.append(cache[key])
             fastest = cache[key][1].preds[:1]  # the backlog after it: as if it ran the fastest
             behind.ran(fastest[0].total_us if fastest else 0.0,
-                       fastest[0].candidate.experts if fastest else "")
+                       fastest[0].candidate.experts if fastest else "",
+                       fastest[0].candidate.backend if fastest else "local")
         cache.clear()
         for l, choice in enumerate(_best_path(per_layer, topo, prof)):
             entries[l].append((tokens, choice))
