@@ -117,9 +117,7 @@ def write_profile(src: str, dst: str, fits: dict, note: str) -> None:
     comm = dict(prof.kernels.get("comm", {}))
     for k, us in fits.items():
         comm[k] = AlphaBeta(us, NO_BYTES_GBPS, Provenance("measured", note))
-    from dataclasses import replace
-
-    replace(prof, kernels={**prof.kernels, "comm": comm}).save(dst)
+    prof.replace(kernels={**prof.kernels, "comm": comm}).save(dst)
 
 
 def main(argv=None) -> int:
