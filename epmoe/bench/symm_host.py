@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from epmoe.plan.figures import HOST_PREFIX
+
 CASES = (("symm-ht", 128, "fp8_block"), ("symm-ht", 4096, "fp8_block"),
          ("symm-ht", 4096, "bf16"), ("symm-ll", 128, "fp8_block"), ("symm-ll", 1, "fp8_block"))
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
@@ -106,7 +108,7 @@ def host_fits(results: dict) -> dict:
         backend = key.split()[0]
         for direction in ("dispatch", "combine"):
             us = r[f"{direction}_send"] + r[f"{direction}_recv"]
-            out.setdefault(f"host.{backend}.{direction}", []).append(us)
+            out.setdefault(f"{HOST_PREFIX}{backend}.{direction}", []).append(us)
     return {k: round(statistics.median(v), 1) for k, v in out.items()}
 
 

@@ -7,6 +7,8 @@ planner walk a stack with it."""
 
 from __future__ import annotations
 
+from epmoe.plan.comm_cost import issue_us
+
 
 class Backlog:
     """Which layers of a step start behind earlier work on the GPU. A step starts on an idle
@@ -40,8 +42,6 @@ class Backlog:
         the pooled, calibrated at one rank (the local backend), plus what issuing `backend`'s
         dispatch and combine costs beyond the local backend's (comm_cost.issue_us: a symm
         call's Triton launches)."""
-        from epmoe.plan.comm_cost import issue_us
-
         fit = self.plain.most_specific("layer", f"issue.{experts}", "issue")
         us = fit.time_us(self.out_bytes) if fit is not None else 0.0
         if fit is not None and backend != "local":
