@@ -22,7 +22,7 @@ from epmoe.comm.symm.arena import HT_COMBINE, HT_DISPATCH, ArenaLayout, acquire_
 from epmoe.comm.symm.ht_dispatch import HTReceived
 from epmoe.comm.symm.ht_shape import HTShape, RowFormat
 from epmoe.comm.symm.options import SymmOptions, grid
-from epmoe.comm.symm.route import route
+from epmoe.comm.symm.route import SendRouter
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.kernels.act_quant import per_token_group_quant
@@ -103,6 +103,25 @@ class SymmHighThroughputComm(Comm):
         self.fmt = RowFormat.of(quant, cfg.hidden)
         self.shape = self.arena_shape(cfg, quant, self.world, self.ctx.max_tokens_per_rank)
         self.arena = acquire_arena(self.ctx, ARENA_KEY, self.shape.layout())
+        self._router = SendRouter(self.num_experts, self.world, self.shape.top_k)
+        self._bind()
+
+    def _bind(self) -> None:
+        """The kernels with their constants and grids bound (`epmoe.kernels.launcher`): at
+        construction, and again when `options` is replaced."""
+        view = self.arena.view
+        self._dispatch = ht_dispatch.HTDispatch(view, self.shape, self._options)
+        self._combine = ht_combine.HTCombine(view, self.shape, self._options)
+
+    @property
+    def options(self) -> SymmOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: SymmOptions) -> None:
+        self._options = options
+        if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
+            self._bind()
 
     @staticmethod
     def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,
@@ -144,25 +163,23 @@ class SymmHighThroughputComm(Comm):
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmHTPending:
         opts = self.options.for_call(self.arena.begin(HT_DISPATCH))
         xq = self._quantize(x_TD)
-        rt = route(topk_ids_TK, self.num_experts, self.world)
+        rt = self._router(topk_ids_TK)
         args = ht_dispatch.prepare(self.shape, xq, topk_ids_TK, topk_weights_TK, rt)
-        view, out = self.arena.view, None
+        out = None
         if self.pipelined:  # both roles now: the receive overlaps the link
-            out = ht_dispatch.allocate(view, self.shape, self.alignment)
-            ht_dispatch.launch(view, self.shape, self.alignment, args, out,
-                               ht_dispatch.PIPELINED, opts)
+            out = ht_dispatch.allocate(self.arena.view, self.shape, self.alignment)
+            self._dispatch.launch(self.alignment, args, out, ht_dispatch.PIPELINED, opts)
         else:
-            ht_dispatch.launch(view, self.shape, self.alignment, args, None,
-                               ht_dispatch.SPLIT_SEND, opts)
+            self._dispatch.launch(self.alignment, args, None, ht_dispatch.SPLIT_SEND, opts)
         return SymmHTPending(rt.msg_TW, args, out)
 
     def dispatch_recv(self, pending: SymmHTPending) -> tuple[LayoutBatch, SymmHTHandle]:
         opts = self.options.for_call(self.arena.end(HT_DISPATCH))
-        view, out = self.arena.view, pending.outputs
+        out = pending.outputs
         if out is None:
-            out = ht_dispatch.allocate(view, self.shape, self.alignment)
-            ht_dispatch.launch(view, self.shape, self.alignment, pending.args, out,
-                               ht_dispatch.SPLIT_RECV, opts)
+            out = ht_dispatch.allocate(self.arena.view, self.shape, self.alignment)
+            self._dispatch.launch(self.alignment, pending.args, out, ht_dispatch.SPLIT_RECV,
+                                  opts)
         x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out)
         if self.options.exact_rows:
             x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
@@ -180,7 +197,7 @@ class SymmHighThroughputComm(Comm):
         args = ht_combine.prepare(self.shape, expert_out.to(torch.bfloat16), handle.recv,
                                   handle.msg_TW)
         mode = ht_combine.PIPELINED if self.pipelined else ht_combine.SPLIT
-        ht_combine.combine_send(self.arena.view, self.shape, args, mode, opts)
+        self._combine.combine_send(args, mode, opts)
         return args
 
     def combine_recv(self, sent: ht_combine.HTCombineArgs) -> torch.Tensor:
@@ -188,7 +205,7 @@ class SymmHighThroughputComm(Comm):
         opts = self.options.for_call(self.arena.end(HT_COMBINE))
         if self.pipelined:
             return sent.out_TD
-        return ht_combine.combine_recv(self.arena.view, self.shape, sent, opts)
+        return self._combine.combine_recv(sent, opts)
 
     def combine(self, expert_out, handle: SymmHTHandle) -> torch.Tensor:
         return self.combine_recv(self.combine_send(expert_out, handle))

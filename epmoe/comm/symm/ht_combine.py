@@ -31,6 +31,7 @@ calls with other column chunks or block sizes may share the arena.
 from __future__ import annotations
 
 from epmoe.kernels._common import INTERPRET
+from epmoe.kernels.launcher import Launcher
 
 from dataclasses import dataclass  # noqa: E402
 
@@ -265,6 +266,7 @@ def prepare(shape: HTShape, y_MD: torch.Tensor, recv: HTReceived,
 
 
 def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
+    """The constexprs the combine kernel and the sum kernel share."""
     lay = arena.layout
     return dict(COMB=lay.offset("ht_comb"), CSUM=lay.offset("ht_csum"), SB=shape.sum_block,
                 NB=shape.sum_blocks, TMAX=max(1, shape.max_tokens), W=shape.world,
@@ -272,35 +274,49 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
                 USE_TIMER=USE_TIMER)
 
 
-def combine_send(arena: RankArena, shape: HTShape, a: HTCombineArgs, mode: int,
-                 opts: SymmOptions) -> None:
-    """Reduce + push (SPLIT), or reduce + push + sum in one grid (PIPELINED: `a.out_TD` holds
-    the result in stream order after it; `combine_recv` is then not launched)."""
-    d, tmax, dev = shape.hidden, max(1, shape.max_tokens), a.y_MD.device
-    part = torch.empty((shape.world * tmax, d), dtype=torch.bfloat16, device=dev)
-    g_push, g_red = grid(opts, dev), grid(opts, dev, recv=True)
-    g_sum = g_red if mode == PIPELINED else 0
-    sms = device_sms(dev)
-    if sms and opts.recv_sms == 0:  # the roles share the SMs
-        g_red = max(1, min(g_red, sms - g_push))
-    btr = opts.tile(16)
-    bt = min(btr, opts.tile(rows_per_step(row_cols(d), 2)))
-    r = a.recv
-    _combine_kernel[(g_red + g_push + g_sum,)](
-        arena.base, arena.peer_delta_W, a.y_MD, r.inv_NK, r.w_NK, r.src_tok_N, r.info_I, part,
-        a.out_TD, a.msg_TW, a.msg_TW.shape[0], arena.rank, opts.spin_limit, g_red, g_push,
-        g_sum, DONE=arena.layout.offset("ht_cdone"), K=shape.top_k, CH=row_cols(d), BTR=btr,
-        BT=bt, NWORDS=arena.layout.size("ht_cdone") // 4, BR=1024, MODE=mode,
-        num_warps=opts.warps(), enable_fp_fusion=False,  # mul then add, as the reference
-        **_consts(arena, shape, opts))
+class HTCombine:
+    """The combine kernel (one Launcher per MODE) and the split sum's kernel with their
+    constants, options and grids bound once (a backend builds it at construction;
+    `epmoe.kernels.launcher`)."""
 
+    def __init__(self, arena: RankArena, shape: HTShape, opts: SymmOptions):
+        dev, d, lay = arena.base.device, shape.hidden, arena.layout
+        self.arena, self.shape = arena, shape
+        g_push, g_red = grid(opts, dev), grid(opts, dev, recv=True)
+        g_sum = g_red  # pipelined; split: none
+        sms = device_sms(dev)
+        if sms and opts.recv_sms == 0:  # the roles share the SMs
+            g_red = max(1, min(g_red, sms - g_push))
+        # mode -> (grid, G_RED, G_PUSH, G_SUM)
+        self.grids = {SPLIT: ((g_red + g_push,), g_red, g_push, 0),
+                      PIPELINED: ((g_red + g_push + g_sum,), g_red, g_push, g_sum)}
+        consts, warps = _consts(arena, shape, opts), opts.warps()
+        btr = opts.tile(16)
+        bt = min(btr, opts.tile(rows_per_step(row_cols(d), 2)))
+        self.send = {mode: Launcher(_combine_kernel, dict(
+            consts, DONE=lay.offset("ht_cdone"), K=shape.top_k, CH=row_cols(d), BTR=btr,
+            BT=bt, NWORDS=lay.size("ht_cdone") // 4, BR=1024, MODE=mode), num_warps=warps,
+            enable_fp_fusion=False)  # mul then add, as the reference
+            for mode in (SPLIT, PIPELINED)}
+        self.sum = Launcher(_sum_kernel, consts, num_warps=warps, enable_fp_fusion=False)
+        self.sum_grid = (grid(opts, dev, recv=True),)
 
-def combine_recv(arena: RankArena, shape: HTShape, a: HTCombineArgs,
-                 opts: SymmOptions) -> torch.Tensor:
-    """The sum as its own launch (SPLIT) -> bf16 [T, D]: this rank's tokens, the partial sums
-    of the ranks they went to (msg_TW), in rank order."""
-    _sum_kernel[(grid(opts, a.out_TD.device, recv=True),)](
-        arena.base, arena.peer_delta_W, a.out_TD, a.msg_TW, a.msg_TW.shape[0], arena.rank,
-        opts.spin_limit, num_warps=opts.warps(), enable_fp_fusion=False,
-        **_consts(arena, shape, opts))
-    return a.out_TD
+    def combine_send(self, a: HTCombineArgs, mode: int, opts: SymmOptions) -> None:
+        """Reduce + push (SPLIT), or reduce + push + sum in one grid (PIPELINED: `a.out_TD`
+        holds the result in stream order after it; `combine_recv` is then not launched)."""
+        shape, arena = self.shape, self.arena
+        part = torch.empty((shape.world * max(1, shape.max_tokens), shape.hidden),
+                           dtype=torch.bfloat16, device=a.y_MD.device)
+        g, g_red, g_push, g_sum = self.grids[mode]
+        r = a.recv
+        self.send[mode](g, arena.base, arena.peer_delta_W, a.y_MD, r.inv_NK, r.w_NK,
+                        r.src_tok_N, r.info_I, part, a.out_TD, a.msg_TW, a.msg_TW.shape[0],
+                        arena.rank, opts.spin_limit, g_red, g_push, g_sum)
+
+    def combine_recv(self, a: HTCombineArgs, opts: SymmOptions) -> torch.Tensor:
+        """The sum as its own launch (SPLIT) -> bf16 [T, D]: this rank's tokens, the partial
+        sums of the ranks they went to (msg_TW), in rank order."""
+        arena = self.arena
+        self.sum(self.sum_grid, arena.base, arena.peer_delta_W, a.out_TD, a.msg_TW,
+                 a.msg_TW.shape[0], arena.rank, opts.spin_limit)
+        return a.out_TD

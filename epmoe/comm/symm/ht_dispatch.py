@@ -1,7 +1,7 @@
 """symm-ht dispatch: straight into the experts' contiguous layout (the combine is in
-`ht_combine.py`). Plain functions over a `RankArena` and tensors (the backend in `ht.py` and the
-tests call the same ones). Regions of the HT arena (`HTShape.layout`), per buffer b in {0, 1}
-(b = epoch % 2) and source rank s:
+`ht_combine.py`). `HTDispatch` launches the kernel (its constants bound once, by the backend in
+`ht.py`); plain functions prepare its inputs and outputs. Regions of the HT arena
+(`HTShape.layout`), per buffer b in {0, 1} (b = epoch % 2) and source rank s:
 
   ht_rows   [2][W][TMAX] rows of ROW_W int32 words: data words, then scale words
   ht_meta   [2][W][TMAX] MW words: source token t, local expert e_k (-1: not here), pos_k, w_k
@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels.launcher import Launcher
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -115,6 +116,7 @@ class HTReceived:
 
 
 def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
+    """The dispatch kernel's constexprs but MODE and M_MAX."""
     lay = arena.layout
     e_l = shape.num_local_experts
     dw, sw = shape.data_bytes // 4, shape.scale_bytes // 4
@@ -128,7 +130,7 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
                 ROW_W=shape.row_words, MW=shape.meta_words, CW=shape.count_words, CK=ck,
                 # the receive stores [BT, KP, CH] per step: at 4 rows it spills (ptxas, sm_90)
                 BT_S=min(tile, ck), BT_R=min(opts.tile(2), ck), BR=1024 if INTERPRET else 2048,
-                USE_TIMER=USE_TIMER, num_warps=opts.warps())
+                USE_TIMER=USE_TIMER)
 
 
 def _words(x: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,29 +198,53 @@ def allocate(arena: RankArena, shape: HTShape, alignment: int) -> HTOutputs:
                    torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)))
 
 
-def launch(arena: RankArena, shape: HTShape, alignment: int, a: HTDispatchArgs,
-           out: HTOutputs | None, mode: int, opts: SymmOptions) -> None:
-    """One launch of the dispatch kernel: mode SPLIT_SEND (send role on the send CTAs),
-    SPLIT_RECV (receive role; out given) or PIPELINED (both roles in one grid; out given)."""
-    dev = arena.base.device
-    g_send, g_recv = grid(opts, dev), grid(opts, dev, recv=True)
-    if g_send >= MAX_SEND_CTAS:
-        raise ValueError(f"symm-ht send CTAs ({g_send}) must be < {MAX_SEND_CTAS} (the arena's "
-                         f"progress words per source, one of them the whole send's)")
-    if mode == PIPELINED and not INTERPRET:  # the roles share the SMs
-        sms = device_sms(dev) or g_send + g_recv
-        g_recv = max(1, min(g_recv, sms - g_send)) if opts.recv_sms == 0 else g_recv
-    n = {SPLIT_SEND: g_send, SPLIT_RECV: g_recv, PIPELINED: g_send + g_recv}[mode]
-    if out is None:  # the send role writes none of these
-        out = HTOutputs(a.data, a.data, a.data, HTReceived(a.data, a.data, a.data, a.data))
-    r = out.recv
-    consts = _consts(arena, shape, opts)
-    consts["M_MAX"] = out.xo.shape[0] if mode != SPLIT_SEND else 1
-    _dispatch_kernel[(n,)](
-        arena.base, arena.peer_delta_W, a.data, a.scale, a.ids_TK, a.w_TK, a.route.pos_TK,
-        a.route.tok_WT, a.route.total_C, a.route.tok_WT.shape[1], out.xo, out.so,
-        out.row_expert, r.inv_NK, r.w_NK, r.src_tok_N, r.info_I, alignment, arena.rank,
-        opts.spin_limit, g_send, g_recv, MODE=mode, **consts)
+class HTDispatch:
+    """The dispatch kernel with its constants, options and grids bound once (a backend builds
+    it at construction: a call then pays the launch, not Triton's per-call binding;
+    `epmoe.kernels.launcher`), one Launcher per (MODE, M_MAX)."""
+
+    def __init__(self, arena: RankArena, shape: HTShape, opts: SymmOptions):
+        dev = arena.base.device
+        g_send, g_recv = grid(opts, dev), grid(opts, dev, recv=True)
+        if g_send >= MAX_SEND_CTAS:
+            raise ValueError(f"symm-ht send CTAs ({g_send}) must be < {MAX_SEND_CTAS} (the "
+                             f"arena's progress words per source, one of them the whole "
+                             f"send's)")
+        g_pipe = g_recv
+        if not INTERPRET:  # pipelined: the roles share the SMs
+            sms = device_sms(dev) or g_send + g_recv
+            g_pipe = max(1, min(g_recv, sms - g_send)) if opts.recv_sms == 0 else g_recv
+        # mode -> (grid, G_SEND, G_RECV)
+        self.grids = {SPLIT_SEND: ((g_send,), g_send, g_recv),
+                      SPLIT_RECV: ((g_recv,), g_send, g_recv),
+                      PIPELINED: ((g_send + g_pipe,), g_send, g_pipe)}
+        self.arena, self.warps = arena, opts.warps()
+        self.consts = _consts(arena, shape, opts)
+        self._kernels: dict[tuple[int, int], Launcher] = {}
+
+    def kernel(self, mode: int, m_max: int) -> Launcher:
+        """The Launcher of one MODE and M_MAX (the receive's output rows), built once."""
+        k = self._kernels.get((mode, m_max))
+        if k is None:
+            k = self._kernels[(mode, m_max)] = Launcher(
+                _dispatch_kernel, dict(self.consts, MODE=mode, M_MAX=m_max),
+                num_warps=self.warps)
+        return k
+
+    def launch(self, alignment: int, a: HTDispatchArgs, out: HTOutputs | None, mode: int,
+               opts: SymmOptions) -> None:
+        """One launch of the dispatch kernel: mode SPLIT_SEND (send role on the send CTAs),
+        SPLIT_RECV (receive role; out given) or PIPELINED (both roles in one grid; out
+        given)."""
+        g, g_send, g_recv = self.grids[mode]
+        if out is None:  # the send role writes none of these
+            out = HTOutputs(a.data, a.data, a.data, HTReceived(a.data, a.data, a.data, a.data))
+        r, rt, arena = out.recv, a.route, self.arena
+        self.kernel(mode, out.xo.shape[0] if mode != SPLIT_SEND else 1)(
+            g, arena.base, arena.peer_delta_W, a.data, a.scale, a.ids_TK, a.w_TK, rt.pos_TK,
+            rt.tok_WT, rt.total_C, rt.tok_WT.shape[1], out.xo, out.so, out.row_expert,
+            r.inv_NK, r.w_NK, r.src_tok_N, r.info_I, alignment, arena.rank, opts.spin_limit,
+            g_send, g_recv)
 
 
 def received(shape: HTShape, fmt: RowFormat, alignment: int,

@@ -65,6 +65,24 @@ class SymmLowLatencyComm(Comm):
         self.e_l = check_blocks(self.expert_map_E, self.world, self.rank)
         self.shape = self.arena_shape(cfg, quant, self.world, self.ctx.max_tokens_per_rank)
         self.arena = acquire_arena(self.ctx, ARENA_KEY, self.shape.layout())
+        self._bind()
+
+    def _bind(self) -> None:
+        """The kernels with their constants and grids bound (`epmoe.kernels.launcher`): at
+        construction, and again when `options` is replaced."""
+        view = self.arena.view
+        self._dispatch = ll_dispatch.LLDispatch(view, self.shape, self.quant, self._options)
+        self._combine = ll_combine.LLCombine(view, self.shape, self._options)
+
+    @property
+    def options(self) -> SymmOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: SymmOptions) -> None:
+        self._options = options
+        if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
+            self._bind()
 
     @staticmethod
     def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,
@@ -92,13 +110,12 @@ class SymmLowLatencyComm(Comm):
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
         """Quantize (fused into the send kernel) and send every (token, k) row."""
         opts = self.options.for_call(self.arena.begin(LL_DISPATCH))
-        return SymmLLPending(ll_dispatch.dispatch_send(self.arena.view, self.shape, self.quant,
-                                                       x_TD, topk_ids_TK, topk_weights_TK,
-                                                       opts))
+        return SymmLLPending(self._dispatch.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK,
+                                                          opts))
 
     def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
         opts = self.options.for_call(self.arena.end(LL_DISPATCH))
-        x, counts = ll_dispatch.dispatch_recv(self.arena.view, self.shape, self.quant, opts)
+        x, counts = self._dispatch.dispatch_recv(opts)
         return MaskedBatch(x, counts), SymmLLHandle(counts, pending.msg_TW)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
@@ -108,13 +125,12 @@ class SymmLowLatencyComm(Comm):
     def combine_send(self, expert_out: torch.Tensor, handle: SymmLLHandle) -> SymmLLHandle:
         """-> what combine_recv takes (the handle)."""
         opts = self.options.for_call(self.arena.begin(LL_COMBINE))
-        ll_combine.combine_send(self.arena.view, self.shape, expert_out.to(torch.bfloat16),
-                                opts)
+        self._combine.combine_send(expert_out.to(torch.bfloat16), opts)
         return handle
 
     def combine_recv(self, handle: SymmLLHandle) -> torch.Tensor:
         opts = self.options.for_call(self.arena.end(LL_COMBINE))
-        return ll_combine.combine_recv(self.arena.view, self.shape, handle.msg_TW, opts)
+        return self._combine.combine_recv(handle.msg_TW, opts)
 
     def combine(self, expert_out, handle: SymmLLHandle) -> torch.Tensor:
         return self.combine_recv(self.combine_send(expert_out, handle))

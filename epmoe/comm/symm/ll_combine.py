@@ -10,6 +10,7 @@ and messages to every peer (the ack the next dispatch waits for).
 from __future__ import annotations
 
 from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels.launcher import Launcher
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,7 +19,7 @@ import triton.language as tl  # noqa: E402
 from epmoe.comm.symm.arena import LL_COMBINE, LL_DISPATCH, RankArena  # noqa: E402
 from epmoe.comm.symm.ll_dispatch import LLShape  # noqa: E402
 from epmoe.comm.symm.options import LL_SMS, SymmOptions, grid  # noqa: E402
-from epmoe.comm.symm.sum_back import sum_back  # noqa: E402
+from epmoe.comm.symm.sum_back import SumBack  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
                                   arrive_last, ctrl_ptr, epoch, publish2, wait_acks)
 from epmoe.comm.symm.tiles import ksum  # noqa: E402
@@ -80,29 +81,39 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, me, limit, SLOTS: tl.const
                  C_READY + OP_C * W + me, e, W)
 
 
-def combine_send(arena: RankArena, shape: LLShape, y_ECD: torch.Tensor,
-                 opts: SymmOptions) -> None:
-    """y_ECD bf16 [E_L, C, D]: the experts' rows (unweighted) of the masked batch."""
-    want = (shape.num_local_experts, shape.capacity, shape.hidden)
-    if y_ECD.dtype != torch.bfloat16 or tuple(y_ECD.shape) != want:
-        raise ValueError(f"expert output must be bf16 {list(want)} (the masked batch's shape), "
-                         f"got {y_ECD.dtype} {list(y_ECD.shape)}")
-    lay = arena.layout
-    e_l = shape.num_local_experts
-    _combine_send_kernel[(grid(opts, y_ECD.device, send_default=LL_SMS),)](
-        arena.base, arena.peer_delta_W, y_ECD.contiguous(), arena.rank, opts.spin_limit,
-        SLOTS=lay.offset("ll_slots"), MSG=lay.offset("ll_msg"), MW=shape.msg_words,
-        NTOK=lay.offset("ll_ntok"), COMB=lay.offset("ll_comb"), TMAX=max(1, shape.max_tokens),
-        W=shape.world, WP=next_pow2(shape.world),
-        K=shape.top_k, E_L=e_l, EP=next_pow2(e_l), D=shape.hidden,
-        CK=opts.chunk(shape.hidden), BT=opts.tile(16), PRE_ROUND=INTERPRET,
-        USE_TIMER=USE_TIMER, num_warps=opts.warps(),
-        enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
+class LLCombine:
+    """The combine's send kernel and its sum (`sum_back`) with their constants bound once."""
+
+    def __init__(self, arena: RankArena, shape: LLShape, opts: SymmOptions):
+        lay, e_l = arena.layout, shape.num_local_experts
+        self.arena, self.shape = arena, shape
+        self.send = Launcher(_combine_send_kernel, dict(
+            SLOTS=lay.offset("ll_slots"), MSG=lay.offset("ll_msg"), MW=shape.msg_words,
+            NTOK=lay.offset("ll_ntok"), COMB=lay.offset("ll_comb"),
+            TMAX=max(1, shape.max_tokens), W=shape.world, WP=next_pow2(shape.world),
+            K=shape.top_k, E_L=e_l, EP=next_pow2(e_l), D=shape.hidden,
+            CK=opts.chunk(shape.hidden), BT=opts.tile(16), PRE_ROUND=INTERPRET,
+            USE_TIMER=USE_TIMER), num_warps=opts.warps(),
+            enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
+        self.send_grid = (grid(opts, arena.base.device, send_default=LL_SMS),)
+        self.sum = SumBack(arena, LL_COMBINE, "ll_comb", shape.hidden, shape.max_tokens,
+                           shape.world, opts)
+
+    def combine_send(self, y_ECD: torch.Tensor, opts: SymmOptions) -> None:
+        """y_ECD bf16 [E_L, C, D]: the experts' rows (unweighted) of the masked batch."""
+        shape = self.shape
+        want = (shape.num_local_experts, shape.capacity, shape.hidden)
+        if y_ECD.dtype != torch.bfloat16 or tuple(y_ECD.shape) != want:
+            raise ValueError(f"expert output must be bf16 {list(want)} (the masked batch's "
+                             f"shape), got {y_ECD.dtype} {list(y_ECD.shape)}")
+        a = self.arena
+        self.send(self.send_grid, a.base, a.peer_delta_W, y_ECD.contiguous(), a.rank,
+                  opts.spin_limit)
+
+    def combine_recv(self, msg_TW: torch.Tensor, opts: SymmOptions) -> torch.Tensor:
+        """-> bf16 [T, D]: this rank's tokens, the partial sums of the ranks they went to
+        (msg_TW, from dispatch_send) in rank order, in fp32, cast once."""
+        return self.sum(msg_TW, opts)
 
 
-def combine_recv(arena: RankArena, shape: LLShape, msg_TW: torch.Tensor,
-                 opts: SymmOptions) -> torch.Tensor:
-    """-> bf16 [T, D]: this rank's tokens, the partial sums of the ranks they went to (msg_TW,
-    from dispatch_send) in rank order, in fp32, cast once."""
-    return sum_back(arena, LL_COMBINE, "ll_comb", msg_TW, shape.hidden, shape.max_tokens,
-                    opts)
+__all__ = ["LLCombine"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.kernels._common import INTERPRET, next_pow2, round_bf16, round_e4m3
+from epmoe.kernels.launcher import Launcher
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -226,52 +227,64 @@ def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, W: 
 
 
 # --------------------------------------------------------------------------------------------
-def dispatch_send(arena: RankArena, shape: LLShape, quant: QuantConfig, x_TD: torch.Tensor,
-                  topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                  opts: SymmOptions) -> torch.Tensor:
-    """Quantize (fp8_block: per 128 columns) and write every (token, k) row into the masked
-    layout of the rank holding expert k, with each destination's message. -> msg_TW int32
-    [T, W]: >= 0 where the token went to that rank (combine_recv sums those partials)."""
-    t, d = x_TD.shape
-    if t > shape.max_tokens:
-        raise ValueError(f"tokens per rank ({t}) exceed the low-latency arena's "
-                         f"max_tokens_per_rank ({shape.max_tokens}); size the CommContext for "
-                         f"the run's worst case or use symm-ht")
-    lay = arena.layout
-    slot = torch.empty((t, shape.top_k), dtype=torch.int32, device=x_TD.device)
-    msg = torch.empty((t, shape.world), dtype=torch.int32, device=x_TD.device)
-    bt = opts.tile(1)  # one token per step: fewest steps per CTA at decode sizes (sweep)
-    _dispatch_send_kernel[(grid(opts, x_TD.device, send_default=LL_SMS),)](
-        arena.base, arena.peer_delta_W, x_TD.contiguous(), topk_ids_TK.contiguous(),
-        topk_weights_TK.float().contiguous(), slot, msg, t, arena.rank, opts.spin_limit,
-        SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"), SCALE=lay.offset("ll_scale"),
-        META=lay.offset("ll_meta"), MSG=lay.offset("ll_msg"), MW=shape.msg_words,
-        NTOK=lay.offset("ll_ntok"),
-        TMAX=max(1, shape.max_tokens), W=shape.world, WP=next_pow2(shape.world),
-        K=shape.top_k, KP=next_pow2(shape.top_k), E_L=shape.num_local_experts,
-        C=shape.capacity, D=d, CH=row_cols(d), NG=shape.num_groups,
-        NGP=next_pow2(max(1, row_cols(d) // GROUP)), FP8=shape.fp8,
-        POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET, BT=bt,
-        SA=next_pow2(16 * bt), USE_TIMER=USE_TIMER, num_warps=opts.warps())
-    return msg
+class LLDispatch:
+    """The dispatch's two kernels with their constants bound once, and the masked batch's
+    views of the arena (a backend builds it at construction: a call then pays the launches,
+    not Triton's per-call binding; `epmoe.kernels.launcher`)."""
+
+    def __init__(self, arena: RankArena, shape: LLShape, quant: QuantConfig, opts: SymmOptions):
+        lay, d, dev = arena.layout, shape.hidden, arena.base.device
+        self.arena, self.shape = arena, shape
+        bt = opts.tile(1)  # one token per step: fewest steps per CTA at decode sizes (sweep)
+        self.send = Launcher(_dispatch_send_kernel, dict(
+            SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
+            SCALE=lay.offset("ll_scale"), META=lay.offset("ll_meta"), MSG=lay.offset("ll_msg"),
+            MW=shape.msg_words, NTOK=lay.offset("ll_ntok"), TMAX=max(1, shape.max_tokens),
+            W=shape.world, WP=next_pow2(shape.world), K=shape.top_k,
+            KP=next_pow2(shape.top_k), E_L=shape.num_local_experts, C=shape.capacity, D=d,
+            CH=row_cols(d), NG=shape.num_groups, NGP=next_pow2(max(1, row_cols(d) // GROUP)),
+            FP8=shape.fp8, POW2=shape.fp8 and quant.scale_fmt != "fp32", PRE_ROUND=INTERPRET,
+            BT=bt, SA=next_pow2(16 * bt), USE_TIMER=USE_TIMER), num_warps=opts.warps())
+        self.send_grid = (grid(opts, dev, send_default=LL_SMS),)
+        e_l, c = shape.num_local_experts, shape.capacity
+        self.recv = Launcher(_dispatch_recv_kernel, dict(
+            SLOTS=lay.offset("ll_slots"), W=shape.world, E_L=e_l, EP=next_pow2(e_l), C=c,
+            USE_TIMER=USE_TIMER))
+        fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
+        if shape.fp8:
+            data = arena.words("ll_data", torch.uint8).view(FP8_DTYPE).view(e_l, c, d)
+            scale = arena.words("ll_scale", torch.float32).view(e_l, shape.num_groups, c)
+            self.x = QTensor(data, scale.transpose(1, 2), quant.recipe, GROUP, fmt)
+        else:
+            data = arena.words("ll_data", torch.bfloat16).view(e_l, c, d)
+            self.x = QTensor(data, None, "bf16", 0, fmt)
+
+    def dispatch_send(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                      topk_weights_TK: torch.Tensor, opts: SymmOptions) -> torch.Tensor:
+        """Quantize (fp8_block: per 128 columns) and write every (token, k) row into the
+        masked layout of the rank holding expert k, with each destination's message. ->
+        msg_TW int32 [T, W]: >= 0 where the token went to that rank (combine_recv sums those
+        partials)."""
+        shape, arena = self.shape, self.arena
+        t = x_TD.shape[0]
+        if t > shape.max_tokens:
+            raise ValueError(f"tokens per rank ({t}) exceed the low-latency arena's "
+                             f"max_tokens_per_rank ({shape.max_tokens}); size the CommContext "
+                             f"for the run's worst case or use symm-ht")
+        slot = torch.empty((t, shape.top_k), dtype=torch.int32, device=x_TD.device)
+        msg = torch.empty((t, shape.world), dtype=torch.int32, device=x_TD.device)
+        self.send(self.send_grid, arena.base, arena.peer_delta_W, x_TD.contiguous(),
+                  topk_ids_TK.contiguous(), topk_weights_TK.float().contiguous(), slot, msg, t,
+                  arena.rank, opts.spin_limit)
+        return msg
+
+    def dispatch_recv(self, opts: SymmOptions) -> tuple[QTensor, torch.Tensor]:
+        """Wait for every rank -> (x [E_L, C, D], a view of the arena valid until this rank's
+        next combine_send; counts_E int32 [E_L])."""
+        counts = torch.empty(self.shape.num_local_experts, dtype=torch.int32,
+                             device=self.arena.base.device)
+        self.recv((1,), self.arena.base, counts, opts.spin_limit)
+        return self.x, counts
 
 
-def dispatch_recv(arena: RankArena, shape: LLShape, quant: QuantConfig,
-                  opts: SymmOptions) -> tuple[QTensor, torch.Tensor]:
-    """Wait for every rank -> (x [E_L, C, D], a view of the arena valid until this rank's next
-    combine_send; counts_E int32 [E_L])."""
-    e_l, c, d = shape.num_local_experts, shape.capacity, shape.hidden
-    counts = torch.empty(e_l, dtype=torch.int32, device=arena.base.device)
-    _dispatch_recv_kernel[(1,)](arena.base, counts, opts.spin_limit,
-                                SLOTS=arena.layout.offset("ll_slots"), W=shape.world, E_L=e_l,
-                                EP=next_pow2(e_l), C=c, USE_TIMER=USE_TIMER)
-    fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
-    if not shape.fp8:
-        data = arena.words("ll_data", torch.bfloat16).view(e_l, c, d)
-        return QTensor(data, None, "bf16", 0, fmt), counts
-    data = arena.words("ll_data", torch.uint8).view(FP8_DTYPE).view(e_l, c, d)
-    scale = arena.words("ll_scale", torch.float32).view(e_l, shape.num_groups, c).transpose(1, 2)
-    return QTensor(data, scale, quant.recipe, GROUP, fmt), counts
-
-
-__all__ = ["LLShape", "dispatch_send", "dispatch_recv"]
+__all__ = ["LLShape", "LLDispatch"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epmoe.kernels._common import INTERPRET, next_pow2
+from epmoe.kernels.launcher import Launcher
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -114,30 +115,49 @@ class SendRoute:
     total_C: torch.Tensor
 
 
+class SendRouter:
+    """The three routing kernels with their constants bound once (a backend builds it at
+    construction; `epmoe.kernels.launcher`): call with topk_ids_TK [T, top_k]."""
+
+    def __init__(self, num_experts: int, world: int, top_k: int):
+        if num_experts % world:
+            raise ValueError(f"physical experts ({num_experts}) must be divisible by ep "
+                             f"({world})")
+        self.world, self.top_k = world, top_k
+        self.cols = cols = num_experts + world
+        colsp = next_pow2(cols)
+        self.bt = bt = 64 if INTERPRET else max(1, min(16, 8192 // colsp))
+        meta = dict(K=top_k, E=num_experts, E_L=num_experts // world, COLS=cols, BT=bt)
+        self.count = Launcher(_route_count_kernel, dict(COLSP=colsp, **meta))
+        self.scan = Launcher(_route_scan_kernel, dict(COLS=cols, BC=128,
+                                                      RB=2 if INTERPRET else 32))
+        self.scan_grid = (triton.cdiv(cols, 128),)
+        self.pos = Launcher(_route_pos_kernel, dict(W=world, KP=next_pow2(top_k), **meta))
+
+    def __call__(self, topk_ids_TK: torch.Tensor) -> SendRoute:
+        """Positions and dedup table for this rank's tokens (no host sync; CUDA-graph
+        safe)."""
+        t, k = topk_ids_TK.shape
+        if k != self.top_k:
+            raise ValueError(f"topk_ids_TK has {k} columns, the router was built for top_k "
+                             f"{self.top_k}")
+        dev, cols = topk_ids_TK.device, self.cols
+        ids = topk_ids_TK.contiguous()
+        chunks = max(1, triton.cdiv(t, self.bt))
+        cnt = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
+        self.count((chunks,), ids, cnt, t)
+        incl = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
+        self.scan(self.scan_grid, cnt, incl, chunks)
+        pos = torch.empty((t, k), dtype=torch.int32, device=dev)
+        msg = torch.empty((t, self.world), dtype=torch.int32, device=dev)
+        tok = torch.empty((self.world, max(t, 1)), dtype=torch.int32, device=dev)
+        self.pos((chunks,), ids, incl, cnt, pos, msg, tok, t)
+        return SendRoute(pos, msg, tok, incl[-1])
+
+
 def route(topk_ids_TK: torch.Tensor, num_experts: int, world: int) -> SendRoute:
-    """Positions and dedup table for this rank's tokens (no host sync; CUDA-graph safe)."""
-    t, k = topk_ids_TK.shape
-    if num_experts % world:
-        raise ValueError(f"physical experts ({num_experts}) must be divisible by ep ({world})")
-    e_l = num_experts // world
-    dev = topk_ids_TK.device
-    ids = topk_ids_TK.contiguous()
-    cols = num_experts + world
-    colsp = next_pow2(cols)
-    bt = 64 if INTERPRET else max(1, min(16, 8192 // colsp))
-    chunks = max(1, triton.cdiv(t, bt))
-    cnt = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
-    meta = dict(K=k, E=num_experts, E_L=e_l, COLS=cols, BT=bt)
-    _route_count_kernel[(chunks,)](ids, cnt, t, COLSP=colsp, **meta)
-    incl = torch.empty((chunks, cols), dtype=torch.int32, device=dev)
-    _route_scan_kernel[(triton.cdiv(cols, 128),)](cnt, incl, chunks, COLS=cols, BC=128,
-                                                  RB=2 if INTERPRET else 32)
-    pos = torch.empty((t, k), dtype=torch.int32, device=dev)
-    msg = torch.empty((t, world), dtype=torch.int32, device=dev)
-    tok = torch.empty((world, max(t, 1)), dtype=torch.int32, device=dev)
-    _route_pos_kernel[(chunks,)](ids, incl, cnt, pos, msg, tok, t, W=world, KP=next_pow2(k),
-                                 **meta)
-    return SendRoute(pos, msg, tok, incl[-1])
+    """`SendRouter` built for one call (tests; a backend keeps its router)."""
+    return SendRouter(num_experts, world, topk_ids_TK.shape[1])(topk_ids_TK)
 
 
-__all__ = ["route", "SendRoute"]
+__all__ = ["route", "SendRoute", "SendRouter"]

@@ -8,6 +8,7 @@ Rows sit in the arena's combine region, slot-major: [2][W][TMAX] rows, buffer ep
 from __future__ import annotations
 
 from epmoe.kernels._common import INTERPRET
+from epmoe.kernels.launcher import Launcher
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -46,18 +47,27 @@ def _sum_back_kernel(arena_ptr, delta_ptr, out_ptr, msg_ptr, T, me, limit, OP: t
     finish_recv(arena_ptr, delta_ptr, OP, e, me, W)
 
 
-def sum_back(arena: RankArena, op: int, region: str, msg_TW: torch.Tensor, hidden: int,
-             max_tokens: int, opts: SymmOptions) -> torch.Tensor:
-    """-> bf16 [T, hidden]: this rank's tokens, reduced in fp32 and cast once."""
-    t, w = msg_TW.shape
-    out = torch.empty((t, hidden), dtype=torch.bfloat16, device=msg_TW.device)
-    _sum_back_kernel[(grid(opts, out.device, recv=True),)](
-        arena.base, arena.peer_delta_W, out, msg_TW.contiguous(), t, arena.rank,
-        opts.spin_limit, OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens),
-        W=w, D=hidden, CK=opts.chunk(hidden), BT=opts.tile(max(2, 32 // w)),
-        PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER, num_warps=opts.warps(),
-        enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
-    return out
+class SumBack:
+    """The sum's kernel with its constants bound once (op, region, sizes, options)."""
+
+    def __init__(self, arena: RankArena, op: int, region: str, hidden: int, max_tokens: int,
+                 world: int, opts: SymmOptions):
+        self.arena, self.hidden = arena, hidden
+        self.kernel = Launcher(_sum_back_kernel, dict(
+            OP=op, COMB=arena.layout.offset(region), TMAX=max(1, max_tokens), W=world,
+            D=hidden, CK=opts.chunk(hidden), BT=opts.tile(max(2, 32 // world)),
+            PRE_ROUND=INTERPRET, USE_TIMER=USE_TIMER), num_warps=opts.warps(),
+            enable_fp_fusion=False)  # mul then add, as the reference (no FMA)
+        self.grid = (grid(opts, arena.base.device, recv=True),)
+
+    def __call__(self, msg_TW: torch.Tensor, opts: SymmOptions) -> torch.Tensor:
+        """-> bf16 [T, hidden]: this rank's tokens, reduced in fp32 and cast once."""
+        t = msg_TW.shape[0]
+        a = self.arena
+        out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=msg_TW.device)
+        self.kernel(self.grid, a.base, a.peer_delta_W, out, msg_TW.contiguous(), t, a.rank,
+                    opts.spin_limit)
+        return out
 
 
-__all__ = ["sum_back"]
+__all__ = ["SumBack"]
