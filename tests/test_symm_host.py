@@ -84,3 +84,16 @@ def test_measure_times_every_phase_on_a_gpu():
     r = measure("symm-ll", 1, "fp8_block", iters=2, warmup=2)
     assert all(r[p] > 0 for p in PHASES)
     assert r["triton_launches"]["dispatch_send"] >= 1
+
+
+def test_write_profile_scales_the_fits_to_the_profiles_host(tmp_path):
+    """Measured on a host twice as slow per op as the profile's: written at half."""
+    src = tmp_path / "src.json"
+    prof = load_profile("h200")
+    replace(prof, device={**prof.device, HOST_OP: Figure(5.0, P)}).save(str(src))
+    out = tmp_path / "p.json"
+    write_profile(str(src), str(out), {"host.symm-ll.dispatch": 300.0}, "a test",
+                  host_op_us=10.0)
+    fit = load_profile(str(out)).kernels["comm"]["host.symm-ll.dispatch"]
+    assert fit.alpha_us == 150.0
+    assert "x0.500" in fit.prov.note

@@ -112,13 +112,23 @@ def host_fits(results: dict) -> dict:
     return {k: round(statistics.median(v), 1) for k, v in out.items()}
 
 
-def write_profile(src: str, dst: str, fits: dict, note: str) -> None:
+def write_profile(src: str, dst: str, fits: dict, note: str,
+                  host_op_us: float | None = None) -> None:
+    """Profile `src` with `fits` as its host issue times, saved as `dst`. host_op_us: the
+    measuring host's time per tiny op; where the profile records its own host's, the fits are
+    scaled to that host (the cost model scales them back to a run's host)."""
+    from epmoe.plan.figures import HOST_OP
     from epmoe.plan.profile import AlphaBeta, Provenance, load_profile
 
     prof = load_profile(src)
+    scale = 1.0
+    if host_op_us and HOST_OP in prof.device:
+        scale = prof.fig(HOST_OP) / host_op_us
+        note += (f"; measured on a host at {host_op_us:.2f} us per op, scaled x{scale:.3f} "
+                 f"to this profile's {prof.fig(HOST_OP):.2f}")
     comm = dict(prof.kernels.get("comm", {}))
     for k, us in fits.items():
-        comm[k] = AlphaBeta(us, NO_BYTES_GBPS, Provenance("measured", note))
+        comm[k] = AlphaBeta(round(us * scale, 1), NO_BYTES_GBPS, Provenance("measured", note))
     prof.replace(kernels={**prof.kernels, "comm": comm}).save(dst)
 
 
@@ -138,7 +148,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (the symm kernels and their launcher)", file=sys.stderr)
         return 2
+    from epmoe.timing import host_op_us
+
     results = {}
+    host = host_op_us("cuda")
+    print(f"host: {host:.2f} us per tiny eager op", flush=True)
     for backend, tokens, recipe in CASES:
         r = measure(backend, tokens, recipe, a.iters)
         results[f"{backend} {recipe} {tokens}"] = r
@@ -149,11 +163,11 @@ def main(argv=None) -> int:
     fits = host_fits(results)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"results": results, "fits": fits}, f, indent=1)
+            json.dump({"results": results, "fits": fits, "host_op_us": host}, f, indent=1)
     if a.profile:
         when = datetime.date.today().isoformat()
         write_profile(a.profile, a.out, fits, f"{torch.cuda.get_device_name()}, {when}, "
-                                              f"python -m epmoe.bench.symm_host")
+                                              f"python -m epmoe.bench.symm_host", host)
         print(f"wrote {a.out}: " + ", ".join(f"{k} {v:.0f} us" for k, v in fits.items()))
     return 0
 
