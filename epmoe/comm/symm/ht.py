@@ -21,7 +21,7 @@ from epmoe.comm.symm import ht_combine, ht_dispatch
 from epmoe.comm.symm.arena import HT_COMBINE, HT_DISPATCH, ArenaLayout, acquire_arena
 from epmoe.comm.symm.ht_dispatch import HTReceived
 from epmoe.comm.symm.ht_shape import HTShape, RowFormat
-from epmoe.comm.symm.options import SymmOptions, grid
+from epmoe.comm.symm.options import BoundOptions, SymmOptions, grid
 from epmoe.comm.symm.route import SendRouter
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
@@ -83,7 +83,7 @@ class SymmHTHandle:
     num_tokens: int
 
 
-class SymmHighThroughputComm(Comm):
+class SymmHighThroughputComm(BoundOptions, Comm):
     """Dedup per destination rank, device-side counts, rows written straight into the experts'
     contiguous layout (groups padded to `alignment`), combine pre-reduced per (token, rank).
     `alignment`: the experts' GEMM M block (the runtime may set it from the experts)."""
@@ -112,16 +112,6 @@ class SymmHighThroughputComm(Comm):
         view = self.arena.view
         self._dispatch = ht_dispatch.HTDispatch(view, self.shape, self._options)
         self._combine = ht_combine.HTCombine(view, self.shape, self._options)
-
-    @property
-    def options(self) -> SymmOptions:
-        return self._options
-
-    @options.setter
-    def options(self, options: SymmOptions) -> None:
-        self._options = options
-        if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
-            self._bind()
 
     @staticmethod
     def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,

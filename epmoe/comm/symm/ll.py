@@ -22,7 +22,7 @@ from epmoe.comm.symm import ll_combine, ll_dispatch
 from epmoe.comm.symm.arena import LL_COMBINE, LL_DISPATCH, ArenaLayout, acquire_arena
 from epmoe.comm.symm.ht import check_blocks, cuda_unsupported
 from epmoe.comm.symm.ll_dispatch import LLShape
-from epmoe.comm.symm.options import LL_SMS, SymmOptions, grid
+from epmoe.comm.symm.options import LL_SMS, BoundOptions, SymmOptions, grid
 from epmoe.config import MoEConfig, QuantConfig
 
 ARENA_KEY = "symm-arena-ll"
@@ -48,7 +48,7 @@ class SymmLLHandle:
     msg_TW: torch.Tensor
 
 
-class SymmLowLatencyComm(Comm):
+class SymmLowLatencyComm(BoundOptions, Comm):
     """Masked layout [E_local, W x max_tokens, D], fp8 quantization fused into the send,
     CUDA-graph capturable."""
 
@@ -73,16 +73,6 @@ class SymmLowLatencyComm(Comm):
         view = self.arena.view
         self._dispatch = ll_dispatch.LLDispatch(view, self.shape, self.quant, self._options)
         self._combine = ll_combine.LLCombine(view, self.shape, self._options)
-
-    @property
-    def options(self) -> SymmOptions:
-        return self._options
-
-    @options.setter
-    def options(self, options: SymmOptions) -> None:
-        self._options = options
-        if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
-            self._bind()
 
     @staticmethod
     def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,

@@ -105,6 +105,26 @@ class SymmOptions:
         return self.num_warps if self.num_warps and not INTERPRET else warps()
 
 
+class BoundOptions:
+    """A symm backend's `options`: replacing them binds its kernels again (`_bind`: launchers,
+    grids and constants are built from the options once, `epmoe.kernels.launcher`)."""
+
+    _options: SymmOptions
+
+    def _bind(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def options(self) -> SymmOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: SymmOptions) -> None:
+        self._options = options
+        if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
+            self._bind()
+
+
 HT_SMS = 24  # symm-ht's default CTAs for the halves that write to peers
 LL_SMS = 0  # symm-ll's: every SM
 CPU_PROGRAMS = 24  # "every SM" under the interpreter (programs run one after another)
