@@ -83,7 +83,8 @@ def test_measure_times_every_phase_on_a_gpu():
 
     r = measure("symm-ll", 1, "fp8_block", iters=2, warmup=2)
     assert all(r[p] > 0 for p in PHASES)
-    assert r["triton_launches"]["dispatch_send"] >= 1
+    # every symm-ll kernel is a bound Launcher: none goes through Triton's per-call binding
+    assert all(n == 0 for n in r["triton_launches"].values()), r["triton_launches"]
 
 
 def test_write_profile_scales_the_fits_to_the_profiles_host(tmp_path):

@@ -35,7 +35,8 @@ NO_BYTES_GBPS = 1e9  # an issue time does not grow with the bytes: the fits are 
 
 
 def measure(backend: str, tokens: int, recipe: str, iters: int = 10, warmup: int = 4) -> dict:
-    """-> {phase: host us per rank and call, "triton_launches": per phase, "gpu_busy": bool}."""
+    """-> {phase: host us per rank and call, "triton_launches": per phase, the launches through
+    Triton's JITFunction.run (0 where a bound `Launcher` took the shortcut), "gpu_busy": bool}."""
     import torch
     import triton.runtime.jit as tj
 
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         r = measure(backend, tokens, recipe, a.iters)
         results[f"{backend} {recipe} {tokens}"] = r
         print(f"{backend:<8} {recipe:<9} {tokens:>5} tok: " + ", ".join(
-            f"{ph} {r[ph]:.0f}" for ph in PHASES) + f" us; Triton launches "
+            f"{ph} {r[ph]:.0f}" for ph in PHASES) + f" us; launches through Triton's binder "
             f"{r['triton_launches']}" + ("" if r["gpu_busy"] else " (GPU went idle: "
                                                "a wait crept in)"), flush=True)
     fits = host_fits(results)
