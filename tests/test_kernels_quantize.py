@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig
-from epmoe.kernels.quantize import QuantKernelConfig, quantize_tokens
+from epmoe.kernels.quantize import QuantKernelConfig, TokenQuantizer, quantize_tokens
 from epmoe.quant import FP8_DTYPE, QTensor, quantize_act
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,3 +98,22 @@ def test_quantize_tokens_bitwise_at_deepseek_shape(recipe, fmt, seed):
         q = quantize_tokens(x, quant, mn_major=mn_major, out=_poisoned_like(ref, mn_major))
         assert torch.equal(_bits(q.data), _bits(ref.data)), f"{seed=}"
         assert torch.equal(_bits(q.scale), _bits(ref.scale)), f"{seed=}"
+
+
+@pytest.mark.parametrize("recipe,fmt", FORMATS)
+def test_token_quantizer_is_bitwise_the_reference(recipe, fmt, seed):
+    """The bound quantizer (one format, its kernel bound once): the reference's codes and
+    scales bit for bit, called again with other token counts (0 included)."""
+    quant = QuantConfig(recipe, fmt)
+    tq = TokenQuantizer(quant, 640, QuantKernelConfig(4, 4, 4))
+    for t in (9, 3, 0):
+        x = _x(max(t, 3), 640, torch.bfloat16)[:t]
+        ref = quantize_act(x, quant)
+        q = tq(x)
+        assert (q.recipe, q.group, q.scale_fmt) == (ref.recipe, ref.group, ref.scale_fmt)
+        assert torch.equal(_bits(q.data), _bits(ref.data)), f"{seed=} {t=}"
+        assert torch.equal(_bits(q.scale), _bits(ref.scale)), f"{seed=} {t=}"
+    with pytest.raises(ValueError, match="must be \\[T, 640\\]"):
+        tq(torch.zeros(2, 512, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        TokenQuantizer(QuantConfig("bf16"), 640)

@@ -29,6 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.config import QuantConfig  # noqa: E402
+from epmoe.kernels.launcher import Launcher  # noqa: E402
 from epmoe.quant import AMAX_MIN, FP8_DTYPE, FP8_MAX, QTensor, quantize_act  # noqa: E402
 
 _FP32, _POW2, _E8M0, _PACKED = 1, 2, 3, 4  # scale modes
@@ -115,6 +116,11 @@ def _check_out(out: QTensor, t: int, d: int, group: int, mode: int, mn_major: bo
           f"{None if s is None else (s.dtype, tuple(s.shape), s.stride())}")
 
 
+def _groups_per_program(cfg: QuantKernelConfig, mode: int, groups: int) -> int:
+    gpp = max(cfg.groups, 4) if mode == _PACKED else cfg.groups
+    return min(gpp, max(4, triton.next_power_of_2(groups))) if INTERPRET else gpp
+
+
 def launch_quant(x: torch.Tensor, group: int, mode: int, q: torch.Tensor, s: torch.Tensor,
                  cfg: QuantKernelConfig | None = None) -> None:
     """The kernel alone: x [T, D] -> q [T, D] fp8 and s (layout given by its strides)."""
@@ -122,9 +128,7 @@ def launch_quant(x: torch.Tensor, group: int, mode: int, q: torch.Tensor, s: tor
     if t == 0 or d == 0:
         return
     cfg = cfg or TUNED_QUANT[group]
-    gpp = max(cfg.groups, 4) if mode == _PACKED else cfg.groups
-    if INTERPRET:
-        gpp = min(gpp, max(4, triton.next_power_of_2(d // group)))
+    gpp = _groups_per_program(cfg, mode, d // group)
     grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(d // group, gpp))
     _quant_rows_kernel[grid](x, q, s, t, d, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                              AMAX_MIN, FP8_MAX, MODE=mode, PRE_ROUND=INTERPRET, GROUP=group,
@@ -176,4 +180,36 @@ def quantize_tokens(x_TD: torch.Tensor, quant: QuantConfig, mn_major: bool = Fal
     return out
 
 
-__all__ = ["quantize_tokens", "QuantKernelConfig", "launch_quant"]
+class TokenQuantizer:
+    """`quantize_tokens`' Triton path for one format and hidden size, its kernel bound once
+    (`epmoe.kernels.launcher`): for a caller that quantizes every call (the symm-ht wire).
+    Row-major scales; the same kernel, arguments and results as quantize_tokens."""
+
+    def __init__(self, quant: QuantConfig, hidden: int,
+                 config: QuantKernelConfig | None = None):
+        check(quant.recipe != "bf16", "bf16 has nothing to quantize")
+        group = quant.act_group
+        check(hidden % group == 0, f"hidden ({hidden}) must be a multiple of {quant.recipe}'s "
+              f"activation group ({group})")
+        self.quant, self.group, self.hidden, self.mode = quant, group, hidden, _mode(quant)
+        cfg = config or TUNED_QUANT[group]
+        gpp = _groups_per_program(cfg, self.mode, hidden // group)
+        self.block_m, self.col_programs = cfg.block_m, triton.cdiv(hidden // group, gpp)
+        self.kernel = Launcher(_quant_rows_kernel, dict(
+            MODE=self.mode, PRE_ROUND=INTERPRET, GROUP=group, GPP=gpp, BLOCK_M=cfg.block_m),
+            num_warps=cfg.num_warps)
+
+    def __call__(self, x_TD: torch.Tensor) -> QTensor:
+        t, d = x_TD.shape
+        check(d == self.hidden and x_TD.stride(1) == 1, f"x_TD must be [T, {self.hidden}] "
+              f"with contiguous rows, got {tuple(x_TD.shape)} strides {x_TD.stride()}")
+        q = torch.empty((t, d), dtype=FP8_DTYPE, device=x_TD.device)
+        s = _empty_scale(self.mode, t, d // self.group, False, x_TD.device)
+        if t:
+            self.kernel((triton.cdiv(t, self.block_m), self.col_programs), x_TD, q, s, t, d,
+                        x_TD.stride(0), q.stride(0), s.stride(0), s.stride(1), AMAX_MIN,
+                        FP8_MAX)
+        return QTensor(q, s, self.quant.recipe, self.group, self.quant.scale_fmt)
+
+
+__all__ = ["quantize_tokens", "QuantKernelConfig", "TokenQuantizer", "launch_quant"]

@@ -25,7 +25,7 @@ from epmoe.comm.symm.options import BoundOptions, SymmOptions, grid
 from epmoe.comm.symm.route import SendRouter
 from epmoe.comm.wire import wire_quant
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.kernels.act_quant import per_token_group_quant
+from epmoe.kernels.quantize import TokenQuantizer
 from epmoe.layout import ContiguousLayout
 from epmoe.quant import QTensor
 
@@ -104,6 +104,8 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         self.shape = self.arena_shape(cfg, quant, self.world, self.ctx.max_tokens_per_rank)
         self.arena = acquire_arena(self.ctx, ARENA_KEY, self.shape.layout())
         self._router = SendRouter(self.num_experts, self.world, self.shape.top_k)
+        self._quantizer = None if self.wire.recipe == "bf16" else \
+            TokenQuantizer(self.wire, cfg.hidden)
         self._bind()
 
     def _bind(self) -> None:
@@ -139,8 +141,7 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         with self.timer.stage("dispatch.quantize"):
             if w.recipe == "bf16":
                 return QTensor(x_TD.to(torch.bfloat16), None, "bf16", 0, w.scale_fmt)
-            return per_token_group_quant(x_TD.contiguous(), w.act_group, w.scale_fmt,
-                                         recipe=w.recipe)
+            return self._quantizer(x_TD.contiguous())
 
     # -------------------------------------------------------------- dispatch
     @property
