@@ -72,7 +72,9 @@ def test_parts_measure_only_what_they_name(tmp_path, capsys):
     out = tmp_path / "comm.json"
     assert main(["--quick", "--parts", "comm", "--ranks", "2", "--out", str(out),
                  "--device", "cpu"]) == 0
-    assert "not measured: the layer (--parts comm)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "not measured: the layer (--parts comm)" in said
+    assert "cpu records no host speed" in said  # so its layer stays as timed on its host
     prof, base = load_profile(str(out)), load_profile("cpu")
     assert prof.collective("all_reduce", "tcp").prov.source == "measured"
     assert prof.gemm and all(c.prov.source == "inherited" for c in prof.gemm)
@@ -221,3 +223,28 @@ def test_quick_gpu_calibration_times_a_later_layers_stages_queued(tmp_path):
         assert fit.prov.source == "measured" and fit.time_us(1e6) > 0, (table, name)
         assert prof.as_queued().kernel(table, name) == fit
     assert "permute.overlapped" not in prof.as_queued().kernels["triton"]
+
+
+def test_parts_comm_puts_the_inherited_layer_at_this_hosts_speed(tmp_path):
+    """The new profile records this host's speed, so what it inherits from a base that
+    recorded its own host's is scaled to this one (a layer issue fit: host time)."""
+    from dataclasses import replace
+
+    from epmoe.plan.figures import AlphaBeta, Provenance
+    from epmoe.plan.profile import HOST_OP, Figure, load_profile
+
+    cpu = load_profile("cpu")
+    p = Provenance("measured", "a test")
+    issue = AlphaBeta(400.0, 1e9, p)
+    base = replace(cpu, name="slow-host", device={**cpu.device, HOST_OP: Figure(50.0, p)},
+                   kernels={**cpu.kernels, "layer": {"issue.torch": issue}})
+    src, out = tmp_path / "base.json", tmp_path / "comm.json"
+    base.save(str(src))
+    assert main(["--quick", "--parts", "comm", "--ranks", "2", "--base", str(src), "--out",
+                 str(out), "--device", "cpu"]) == 0
+    prof = load_profile(str(out))
+    here = prof.host_op_us
+    assert here is not None and here != 50.0
+    fit = prof.kernels["layer"]["issue.torch"]
+    assert fit.alpha_us == pytest.approx(400.0 * here / 50.0)
+    assert fit.prov.source == "inherited"

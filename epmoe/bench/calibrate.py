@@ -331,6 +331,9 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     if "layer" in parts and "quantize" not in kernels.get("comm", {}):
         kernels.setdefault("comm", {})["quantize"] = measure_quantize(
             cfg, QuantConfig("fp8_block"), dev, clock)
+    if base is not None and HOST_OP in device:  # what it inherits, at the host it records
+        base, why = base.at_host(device[HOST_OP].value)
+        clock.skipped += [why] if why and "layer" not in parts else []
     gemm, kern, comm, coll, mlp = merge_onto(base, fits.gemm, kernels, fits.mlp)
     prof = HardwareProfile(args.name or f"{gpu}-calibrated", gpu,
                            f"calibrated on {clock.note}", device, gemm, kern, comm, coll, mlp)

@@ -132,6 +132,15 @@ class HardwareProfile:
         f = self.device.get(HOST_OP)
         return None if f is None else f.value
 
+    def at_host(self, host_op_us: float) -> tuple["HardwareProfile", str | None]:
+        """-> (this profile at a host issuing a tiny op in `host_op_us`, None), or (itself,
+        why not) when it records no host speed of its own: figures a calibration inherits
+        must describe the host whose speed the new profile records."""
+        if self.host_op_us is None:
+            return self, f"the inherited figures at this host's speed ({self.name} records " \
+                         f"no host speed: they stay as timed on its host)"
+        return self.at_host_speed(host_op_us / self.host_op_us), None
+
     def at_host_speed(self, factor: float) -> "HardwareProfile":
         """The profile on a host `factor` times as slow per op as the calibrating one (a run's
         `host_op_us` over the profile's). Host time scales by it: the host's issue time of a
