@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.comm.symm.route import route
+from epmoe.comm.symm.route import SendRouter
 
 pytestmark = pytest.mark.interpreter  # the routing kernels on CPU tensors
 
@@ -17,7 +17,7 @@ def test_route_ranks_pairs_and_messages_in_token_order_across_chunks(seed):
     t, k, e, world = 150, 4, 16, 2  # 3 chunks of 64 tokens under the interpreter
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
     ids[torch.rand(t, k, generator=gen) < 0.3] = -1  # empty slots, some empty tokens
-    rt = route(ids, e, world)
+    rt = SendRouter(e, world, k)(ids)
     e_l = e // world
     seen = [0] * e
     sent = [0] * world

@@ -155,9 +155,4 @@ class SendRouter:
         return SendRoute(pos, msg, tok, incl[-1])
 
 
-def route(topk_ids_TK: torch.Tensor, num_experts: int, world: int) -> SendRoute:
-    """`SendRouter` built for one call (tests; a backend keeps its router)."""
-    return SendRouter(num_experts, world, topk_ids_TK.shape[1])(topk_ids_TK)
-
-
-__all__ = ["route", "SendRoute", "SendRouter"]
+__all__ = ["SendRoute", "SendRouter"]
