@@ -36,6 +36,8 @@ C_READY = tl.constexpr(_a.CTRL_READY)
 C_SEQ_SEND = tl.constexpr(_a.CTRL_SEQ_SEND)
 C_ROLE = tl.constexpr(_a.CTRL_ROLE)
 C_NUM_OPS = tl.constexpr(_a.NUM_OPS)
+CTA_THREADS = tl.constexpr(1024)  # the most threads a CTA has (32 warps): one value each
+TIMER_POLLS = tl.constexpr(16)  # polls between two readings of the timer (a CTA reduction)
 
 
 @triton.jit
@@ -73,9 +75,16 @@ def signal(p, value):
 
 @triton.jit
 def _now(USE_TIMER: tl.constexpr):
+    """%globaltimer, the same value in every thread of the CTA (on GPU). Each thread reads its
+    own timer, a few ns apart: a spin that decided its timeout per thread would split the
+    CTA's warps between leaving the loop and polling again, and the barriers of the scalar
+    atomics and reductions that follow would then pair up wrongly (on a lent H200 the
+    receive after a timed-out call read garbage counts and wrote 4 GB out of bounds). A
+    reduction over every thread's reading makes it uniform."""
     if USE_TIMER:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                       is_pure=False, pack=1)
+        t = tl.max(tl.zeros((CTA_THREADS,), dtype=tl.int64) + t, axis=0)
     else:
         t = tl.zeros((), dtype=tl.int64)
     return t
@@ -84,19 +93,24 @@ def _now(USE_TIMER: tl.constexpr):
 @triton.jit
 def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexpr):
     """Spin until *flag >= target (acquire, sys scope). -> 1 if reached, 0 after a timeout
-    (recorded once in the arena's error record) or when an earlier timeout was recorded."""
+    (recorded once in the arena's error record) or when an earlier timeout was recorded.
+    Every value the loop decides on is the same in all threads of the CTA (scalar atomics
+    are done by one thread and broadcast, the timer is reduced: `_now`), so the CTA leaves
+    the loop as one; the timer is read every TIMER_POLLS polls."""
     err = ctrl_ptr(arena_ptr, C_ERR)
     v = ld_acquire(flag)
     ok = (v >= target).to(tl.int32)
     if ok == 0:
-        bad = tl.load(err, volatile=True)
+        bad = ld_acquire(err)
         t0 = _now(USE_TIMER)
         polls = tl.zeros((), dtype=tl.int64)
+        spent = tl.zeros((), dtype=tl.int64)
         while (v < target) & (bad == 0):
             v = ld_acquire(flag)
             polls += 1
             if USE_TIMER:
-                spent = _now(USE_TIMER) - t0
+                if polls % TIMER_POLLS == 0:
+                    spent = _now(USE_TIMER) - t0
             else:
                 spent = polls
             if (spent > limit) & (v < target):
@@ -227,7 +241,7 @@ def take_role(arena_ptr, OP: tl.constexpr, n):
 @triton.jit
 def no_error(arena_ptr):
     """1 while no timeout has been recorded in this arena."""
-    return (tl.load(ctrl_ptr(arena_ptr, C_ERR), volatile=True) == 0).to(tl.int32)
+    return (ld_acquire(ctrl_ptr(arena_ptr, C_ERR)) == 0).to(tl.int32)  # uniform in the CTA
 
 
 __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_release",
