@@ -75,28 +75,34 @@ def signal(p, value):
 
 @triton.jit
 def _now(USE_TIMER: tl.constexpr):
-    """%globaltimer, the same value in every thread of the CTA (on GPU). Each thread reads its
-    own timer, a few ns apart: a spin that decided its timeout per thread would split the
-    CTA's warps between leaving the loop and polling again, and the barriers of the scalar
-    atomics and reductions that follow would then pair up wrongly (on a lent H200 the
-    receive after a timed-out call read garbage counts and wrote 4 GB out of bounds). A
-    reduction over every thread's reading makes it uniform."""
+    """This thread's %globaltimer (GPU; threads read it a few ns apart)."""
     if USE_TIMER:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                       is_pure=False, pack=1)
-        t = tl.max(tl.zeros((CTA_THREADS,), dtype=tl.int64) + t, axis=0)
     else:
         t = tl.zeros((), dtype=tl.int64)
     return t
 
 
 @triton.jit
+def _cta_any(x):
+    """1 if the int32 `x` is nonzero in any thread of the CTA, the same answer in every thread
+    (a reduction over one element per thread)."""
+    return tl.max(tl.zeros((CTA_THREADS,), dtype=tl.int32) + x, axis=0)
+
+
+@triton.jit
 def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexpr):
     """Spin until *flag >= target (acquire, sys scope). -> 1 if reached, 0 after a timeout
     (recorded once in the arena's error record) or when an earlier timeout was recorded.
-    Every value the loop decides on is the same in all threads of the CTA (scalar atomics
-    are done by one thread and broadcast, the timer is reduced: `_now`), so the CTA leaves
-    the loop as one; the timer is read every TIMER_POLLS polls."""
+
+    Every value the loop decides on is the same in all threads of the CTA, so the CTA leaves
+    it as one: scalar atomics are done by one thread and broadcast through shared memory
+    behind a barrier, and the timeout is the CTA's (`_cta_any` over each thread's timer, every
+    TIMER_POLLS polls). A timeout decided per thread split the warps at the bound, some
+    leaving, some polling again; the barriers of the atomics that followed then paired up
+    wrongly (on a lent H200 the receive after a timed-out call read garbage counts and wrote
+    ~4 GB out of bounds: tests/test_symm_gpu_faults.py)."""
     err = ctrl_ptr(arena_ptr, C_ERR)
     v = ld_acquire(flag)
     ok = (v >= target).to(tl.int32)
@@ -104,16 +110,16 @@ def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexp
         bad = ld_acquire(err)
         t0 = _now(USE_TIMER)
         polls = tl.zeros((), dtype=tl.int64)
-        spent = tl.zeros((), dtype=tl.int64)
         while (v < target) & (bad == 0):
             v = ld_acquire(flag)
             polls += 1
+            late = tl.zeros((), dtype=tl.int32)
             if USE_TIMER:
                 if polls % TIMER_POLLS == 0:
-                    spent = _now(USE_TIMER) - t0
+                    late = _cta_any(((_now(USE_TIMER) - t0) > limit).to(tl.int32))
             else:
-                spent = polls
-            if (spent > limit) & (v < target):
+                late = (polls > limit).to(tl.int32)
+            if (late != 0) & (v < target):
                 if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="sys") == 0:
                     tl.store(err + 1, phase)
                     tl.store(err + 2, peer)
