@@ -7,10 +7,10 @@ atomics (one thread's result broadcast through shared memory) then paired up wro
 threads went on with other threads' values. On a lent H200 the dispatch receive after a
 timed-out combine read garbage counts and wrote ~4 GB below its output (compute-sanitizer):
 a device fault that kills the rank and is blamed on it, not on the peer that hung.
-`sync._now` now reduces the readings over the CTA. The kernel test below fails without it
-(mixed `ok` / broadcast values within a CTA); the loopback test is the end-to-end check
-(it reproduces the fault only now and then: the split needs a timer tick between two warps'
-readings).
+`sync.wait_geq` now decides the timeout for the whole CTA. On the tree before that, the
+kernel test below faulted (an illegal memory access); the loopback test is the end-to-end
+check (it reproduces the fault only now and then: the split needs a timer tick between two
+warps' readings).
 """
 
 from __future__ import annotations
