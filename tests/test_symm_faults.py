@@ -41,13 +41,13 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(ht_dispatch, "allocate", allocate)
 
 
-def assert_in_bounds(batch, h, world):
+def assert_in_bounds(batch, h, world, num_experts=CFG.num_experts, max_t=MAX_T):
     """Every index the experts and the combine follow is in range and consistent."""
     lay, rec = batch.layout, h.recv
-    m, e_l = lay.row_expert_M.numel(), CFG.num_experts // world
+    m, e_l = lay.row_expert_M.numel(), num_experts // world
     n, used = int(rec.info_I[0]), int(rec.info_I[1])
     counts, offs = lay.counts_E, lay.offsets_E1
-    assert 0 <= n <= world * MAX_T and 0 <= used <= m
+    assert 0 <= n <= world * max_t and 0 <= used <= m
     assert (counts >= 0).all() and (offs[1:] >= offs[:-1]).all() and int(offs[-1]) == used
     rex = lay.row_expert_M
     assert ((rex >= -1) & (rex < e_l)).all()
@@ -61,7 +61,7 @@ def assert_in_bounds(batch, h, world):
     assert (rex[inv[inv >= 0].long()] >= 0).all()
     assert (rec.w_NK[inv < 0] == 0).all() and not rec.w_NK.isnan().any()
     st = rec.src_tok_N
-    assert ((st >= -1) & (st < world * MAX_T)).all() and (st[n:] == -1).all()
+    assert ((st >= -1) & (st < world * max_t)).all() and (st[n:] == -1).all()
     assert (inv[st == -1] == -1).all()
 
 

@@ -29,6 +29,7 @@ from epmoe.comm.symm.loopback import loopback_comms
 from epmoe.comm.symm.options import SymmOptions
 from epmoe.comm.symm.sync import wait_geq
 from epmoe.config import MoEConfig, QuantConfig
+from test_symm_faults import assert_in_bounds
 
 pytestmark = pytest.mark.gpu
 V3 = MoEConfig("v3-moe", hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8)
@@ -73,20 +74,6 @@ def _routing(gen, world):
     return [i.cuda() for i in ids], [w.cuda() for w in ws]
 
 
-def _in_bounds(batch, handle, world):
-    """The HT receive's indices the experts and the combine follow are in range."""
-    lay, rec = batch.layout, handle.recv
-    e_l, m = V3.num_experts // world, lay.row_expert_M.numel()
-    n, used = int(rec.info_I[0]), int(rec.info_I[1])
-    assert 0 <= n <= world * TOKENS and 0 <= used <= m
-    rex = lay.row_expert_M
-    assert bool(((rex >= -1) & (rex < e_l)).all())
-    inv = rec.inv_NK
-    assert bool(((inv >= -1) & (inv < max(used, 1))).all())
-    st = rec.src_tok_N
-    assert bool(((st >= -1) & (st < world * TOKENS)).all())
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cls,recipe", [(SymmHighThroughputComm, "bf16"),
                                         (SymmHighThroughputComm, "fp8_block"),
@@ -105,7 +92,7 @@ def test_calls_after_a_timeout_stay_in_bounds_and_name_the_first(cls, recipe, se
         torch.cuda.synchronize()  # a device fault raises here
         if cls is SymmHighThroughputComm:
             for b, h in outs:
-                _in_bounds(b, h, world)
+                assert_in_bounds(b, h, world, V3.num_experts, TOKENS)
         ys = [identity_experts(b) for b, _ in outs]
         if call == 1:  # rank 0 waits for rank 1's rows, queued behind it: a timeout
             for c, y, (_, h) in zip(comms, ys, outs):
