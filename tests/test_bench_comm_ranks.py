@@ -147,3 +147,33 @@ def test_auto_table_takes_real_link_rows_only():
                         rows=100, link_rows=50, passed=False))
     assert auto_table([bad])["entries"] == {}  # a failed round trip recommends nothing
     assert auto_table([], "bench.comm 2026-12-04")["measured"] == "bench.comm 2026-12-04"
+
+
+def test_a_sweeps_knobs_reach_symm_jobs_and_only_theirs():
+    """--sweep on real ranks: each knob set is a symm job of its own (the others run once),
+    its knobs become the backend's SymmOptions (pipelined 2: off), rows say which set."""
+    from epmoe.bench.comm_loopback import _sweep
+    from epmoe.bench.comm_ranks import _kwargs
+
+    sets = _sweep("32:0:0:0:0:2:64,0")
+    assert sets[0] == dict(num_sms=32, recv_sms=0, tile_tokens=0, chunk_cols=0, num_warps=0,
+                           pipelined=2, chunk_rows=64)
+    job = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=tuple(sets[0].items()))
+    opts = _kwargs("symm-ht", job)["options"]
+    assert (opts.num_sms, opts.pipelined, opts.chunk_rows, opts.recv_sms) == (32, False, 64, 0)
+    assert job.label == "num_sms=32 pipelined=2 chunk_rows=64"
+    on = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=(("pipelined", 1),))
+    assert _kwargs("symm-ht", on)["options"].pipelined is True
+    default = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=tuple(sets[1].items()))
+    assert default.label == "" and _kwargs("symm-ht", default)["options"].num_sms == 0
+    plain = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW)  # no sweep: --num-sms
+    assert _kwargs("symm-ht", plain)["options"].num_sms == 24
+
+
+def test_a_sweep_on_cpu_ranks_runs_the_portable_backend_once(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--hidden", "256", "--num-experts", "16", "--only", "ht",
+                 "--ht-tokens", "16", "--recipes", "bf16", "--iters", "1", "--sweep",
+                 "24,32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["knobs"]) for r in rows] == [("all2all", "")]

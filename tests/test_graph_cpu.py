@@ -137,3 +137,14 @@ def test_plan_accuracy_judges_the_host_issue_time_apart_from_the_stages():
     assert [(r["candidate"], r["within_20"]) for r in issue] == [("ep/local/triton", True)]
     assert issue[0]["error"] == pytest.approx(0.15)
     assert [r["within_20"] for r in rows if r["stage"] == "router"] == [False, False]
+
+
+def test_plan_accuracy_at_ep2_needs_two_gpus_and_sweeps_at_ep2(capsys):
+    from epmoe.bench.plan_accuracy import groups, main as accuracy_main
+
+    if torch.cuda.device_count() < 2:
+        assert accuracy_main(["--ep", "2", "--calibrate"]) == 2  # before any calibration
+        assert "--ep 2 needs 2 CUDA GPUs" in capsys.readouterr().err
+    g = groups(True, True, 1, 4, ep=2)
+    assert [f[f.index("--ep") + 1] for f in (x["flags"] for x in g)] == ["2", "2"]
+    assert groups(True, True, 1, 4)[0]["flags"][-1] == "1"

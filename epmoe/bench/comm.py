@@ -64,6 +64,7 @@ class Row:
     vs_deepep_combine: float | None = None
     passed: bool | None = None  # real ranks: the round trip within the recipe's tolerance
     max_rel_err: float | None = None  # real ranks: the round trip's error (module docstring)
+    knobs: str = ""  # symm-* on real ranks: the --sweep knobs away from their defaults
 
 
 def make_row(r: dict, hidden: int = HIDDEN) -> Row:
@@ -75,7 +76,8 @@ def make_row(r: dict, hidden: int = HIDDEN) -> Row:
                r["combine_us"], g(r["rows"], disp_b, r["dispatch_us"]),
                g(r["link_rows"], disp_b, r["dispatch_us"]), g(r["rows"], d * 2, r["combine_us"]),
                g(r["link_rows"], d * 2, r["combine_us"]), r["sms"], r.get("vs_deepep_dispatch"),
-               r.get("vs_deepep_combine"), r.get("passed"), r.get("max_rel_err"))
+               r.get("vs_deepep_combine"), r.get("passed"), r.get("max_rel_err"),
+               r.get("knobs", ""))
 
 
 def auto_table(rows: list[Row], measured: str = "") -> dict:
@@ -84,7 +86,8 @@ def auto_table(rows: list[Row], measured: str = "") -> dict:
     times, so they are left out, as are rows whose round trip failed. `measured`: where, when
     and how (auto's reasons quote it)."""
     real = [r for r in rows if not r.where.startswith(("loopback", "shared"))
-            and r.passed is not False]  # a backend whose round trip failed is no candidate
+            and r.passed is not False  # a backend whose round trip failed is no candidate
+            and not r.knobs]  # a sweep's other knobs are not what the runtime runs
     table: dict = {}
     for r in real:
         table.setdefault(r.backend, {}).setdefault(r.recipe, []).append(
@@ -122,8 +125,9 @@ def parser() -> argparse.ArgumentParser:
                         "SM, deepep-ht 24)")
     p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
                    "chunk_cols:num_warps:pipelined:chunk_rows, comma-separated (0 or "
-                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine); "
-                   "overrides --num-sms")
+                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, 2: "
+                   "send then receive); overrides --num-sms for symm-* (real ranks: their "
+                   "jobs run once per set, the others once)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
     p.add_argument("--ht-tokens", help="comma-separated HT token counts (overrides --quick)")
@@ -265,14 +269,18 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
     kw = dict(world=world, device=device, iters=a.iters, hidden=a.hidden,
               num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms, timing=a.timing)
     jobs = []
-    for mode, tokens, names in (("ht", ht, HT_BACKENDS), ("ll", ll, LL_BACKENDS)):
-        if a.only in (None, mode):
-            jobs += plan_jobs([b for b in backends if b in names], mode,
-                              a.recipes.split(","), tokens, **kw)
+    for n, knobs in enumerate(_sweep(a.sweep) or [{}]):  # the others run with the first set
+        names_n = [b for b in backends if n == 0 or b.startswith("symm")]
+        for mode, tokens, names in (("ht", ht, HT_BACKENDS), ("ll", ll, LL_BACKENDS)):
+            if a.only in (None, mode):
+                jobs += plan_jobs([b for b in names_n if b in names], mode,
+                                  a.recipes.split(","), tokens,
+                                  **dict(kw, knobs=tuple(knobs.items())))
     merged = []
     for i, job in enumerate(jobs):
         print(f"[{i + 1}/{len(jobs)}] {job.mode} {job.recipe}: {', '.join(job.backends)} on "
-              f"{world} {device} ranks", file=sys.stderr, flush=True)
+              f"{world} {device} ranks{' (' + job.label + ')' if job.label else ''}",
+              file=sys.stderr, flush=True)
         merged += run_job(job, a.job_timeout)
     where = {"cuda": f"{world} ranks, one GPU each", "cpu": f"{world} gloo ranks (CPU)",
              "cuda-shared": f"shared: {world} ranks on one GPU (time-sliced)"}[device]
@@ -284,13 +292,16 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
             continue
         rows.append(make_row(dict(r, where=where), a.hidden))
         sink(asdict(rows[-1]))
-    print(_fmt(rows), flush=True)
+    for label in dict.fromkeys(r.knobs for r in rows):
+        print(f"knobs: {label}" if label else "knobs: defaults")
+        print(_fmt([r for r in rows if r.knobs == label]), flush=True)
     ratios = [r for r in rows if r.vs_deepep_dispatch is not None]
     if ratios:
         print("time / DeepEP's, same run and inputs (dispatch / combine):")
         for r in ratios:
             print(f"  {r.backend:<9} {r.recipe:<9} {r.tokens:>5} tok: "
-                  f"{r.vs_deepep_dispatch:.2f} / {r.vs_deepep_combine:.2f}")
+                  f"{r.vs_deepep_dispatch:.2f} / {r.vs_deepep_combine:.2f}"
+                  + (f"  ({r.knobs})" if r.knobs else ""))
     return rows
 
 

@@ -60,8 +60,8 @@ def _options(opt_kw: dict):
     from epmoe.comm.symm.options import SymmOptions
 
     kw = {k: v for k, v in opt_kw.items() if v}
-    if "pipelined" in kw:
-        kw["pipelined"] = bool(kw["pipelined"])
+    if "pipelined" in kw:  # 1: on, 2: off (0: the backend's default)
+        kw["pipelined"] = kw["pipelined"] == 1
     return SymmOptions(**kw)
 
 
@@ -223,7 +223,7 @@ KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipel
 def _sweep(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
     pipelined, chunk_rows}] (missing or 0: the default; pipelined 1: symm-ht's one-kernel
-    dispatch and combine, ranks on their own streams)."""
+    dispatch and combine, ranks on their own streams; 2: two launches, send then receive)."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = [int(v) for v in item.split(":")]

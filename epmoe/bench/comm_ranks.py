@@ -57,6 +57,13 @@ class RankJob:
     num_sms: int  # symm-*: SymmOptions.num_sms (0: theirs); deepep-ht: Buffer.set_num_sms
     # (0: DEEPEP_SMS)
     timing: str = "device"  # device | launched (the module's docstring)
+    knobs: tuple[tuple[str, int], ...] = ()  # symm-*: SymmOptions knobs of bench.comm's
+    # --sweep ((name, value) pairs; 0: the default), over num_sms
+
+    @property
+    def label(self) -> str:
+        """The knobs set away from their defaults, "name=value ..." ("" if none)."""
+        return " ".join(f"{k}={v}" for k, v in self.knobs if v)
 
     def __post_init__(self):
         if self.mode not in ("ht", "ll"):
@@ -154,9 +161,9 @@ def rank_device(device: str, rank: int):
 
 def _kwargs(name: str, job: RankJob) -> dict:
     if name.startswith("symm"):
-        from epmoe.comm.symm.options import SymmOptions
+        from epmoe.bench.comm_loopback import _options
 
-        return {"options": SymmOptions(num_sms=job.num_sms)}
+        return {"options": _options({"num_sms": job.num_sms, **dict(job.knobs)})}
     if name == "deepep-ht":
         return {"num_sms": job.num_sms or DEEPEP_SMS}
     return {}
@@ -258,7 +265,8 @@ def run_job(job: RankJob, timeout_s: float) -> list[dict]:
     rows = []
     for i, first in enumerate(per_rank[0]):
         base = dict(backend=first["backend"], recipe=job.recipe, mode=job.mode,
-                    world=job.world)
+                    world=job.world, knobs=job.label if first["backend"].startswith("symm")
+                    else "")
         if first["status"] != "ok":
             rows.append({**base, "status": first["status"], "error": first["error"]})
             continue

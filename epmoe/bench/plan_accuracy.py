@@ -9,8 +9,9 @@ against the best measured (within 5%?).
 
 | machine | groups                                                                          |
 |---------|---------------------------------------------------------------------------------|
-| CUDA    | ep 1, DeepSeek-V3 dims (--layers, default 1), fp8_block and bf16, triton and    |
-|         | deepgemm experts (those that run here), 128 and 4096 tokens; --no-check          |
+| CUDA    | ep 1 (--ep N: N ranks, one GPU each), DeepSeek-V3 dims (--layers, default 1),   |
+|         | fp8_block and bf16, triton and deepgemm experts (those that run here), 128 and  |
+|         | 4096 tokens; --no-check                                                         |
 | CPU     | gloo ranks (Ray): deepseek-v3-tiny bf16 at ep 1 (8 and 64 tokens), ep 2 and 4    |
 |         | (32 tokens/rank; every form, all2all and allgather); best effort, noisy          |
 
@@ -56,14 +57,16 @@ HOST_ISSUE = "host issue"  # a row per launch: the host's issue time of a step, 
 
 
 def groups(cuda: bool, quick: bool, layers: int, steps: int,
-           tokens: tuple[int, ...] | None = None) -> list[dict]:
+           tokens: tuple[int, ...] | None = None, ep: int = 1) -> list[dict]:
     """One dict of launch flags (and an experts restriction) per sweep (CUDA: `tokens`
-    overrides the token counts, e.g. one between the calibration's sizes)."""
+    overrides the token counts, e.g. one between the calibration's sizes; `ep` ranks, one GPU
+    each)."""
     if cuda:
         tokens = tokens or ((4096,) if quick else (128, 4096))
         return [dict(flags=["--model", "deepseek-v3", "--quant", recipe, "--tokens", str(t),
                             "--layers", str(layers), "--steps", str(steps), "--no-check",
-                            "--device", "cuda"], experts=("triton", "deepgemm"))
+                            "--device", "cuda", "--ep", str(ep)],
+                     experts=("triton", "deepgemm"))
                 for recipe in ("fp8_block", "bf16") for t in tokens]
     out = [dict(flags=["--tokens", str(t), "--ep", "1"], experts=None) for t in (8, 64)]
     out += [dict(flags=["--tokens", "32", "--ep", str(ep)], experts=None)
@@ -122,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="default: 1 on CUDA, 2 on CPU")
     ap.add_argument("--steps", type=int, default=None, help="default: 12 on CUDA, 6 on CPU")
     ap.add_argument("--profile", default=None, help="default: by device")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="CUDA: ranks, one GPU each (the calibration then measures the comm "
+                         "backends on as many; default 1)")
     ap.add_argument("--tokens", default=None, help="CUDA: comma-separated token counts "
                     "(default 4096 with --quick, else 128,4096); a count the calibration did "
                     "not measure checks interpolation, not a fit")
@@ -145,16 +151,22 @@ def main(argv=None) -> int:
         ap.error(f"--tokens ({args.tokens}) must be comma-separated integers")
     if tokens and min(tokens) < 1:
         ap.error(f"--tokens ({args.tokens}) must be >= 1")
+    if args.ep < 1:
+        ap.error(f"--ep ({args.ep}) must be >= 1")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.ep > 1 and not (cuda and torch.cuda.device_count() >= args.ep):
+        print(f"error: --ep {args.ep} needs {args.ep} CUDA GPUs (one per rank); "
+              f"{torch.cuda.device_count() if cuda else 0} visible", file=sys.stderr)
+        return 2
     if args.calibrate:
         args.profile = calibrate_first(args)
         if args.profile is None:
             return 2
-    import torch
-
     from epmoe.launch.cli import build_run, parser
     from epmoe.launch.sweep import run_sweep
 
-    cuda = torch.cuda.is_available()
     if args.cuda_graph and not cuda:
         print("error: --cuda-graph needs a CUDA GPU (it captures CUDA graphs)", file=sys.stderr)
         return 2
@@ -172,7 +184,7 @@ def main(argv=None) -> int:
     print(f"profile: {prof.name} ({profile}): " + ", ".join(
         f"{k} {v}" for k, v in used["provenance"].items() if v), flush=True)
     t0, results = time.monotonic(), []
-    for g in groups(cuda, args.quick, layers, steps, tokens):
+    for g in groups(cuda, args.quick, layers, steps, tokens, args.ep):
         left = args.budget_s - (time.monotonic() - t0)
         if left <= 0:
             print(f"budget spent: skipping {' '.join(g['flags'])}", flush=True)
@@ -234,6 +246,7 @@ def calibrate_first(args) -> str | None:
     argv = ["--out", out, "--budget-s", str(args.calibrate_budget_s), "--timing", args.timing]
     argv += ["--quick"] if args.calibrate == "quick" else []
     argv += ["--base", args.profile] if args.profile else []
+    argv += ["--ranks", str(args.ep)] if args.ep > 1 else []
     t = time.monotonic()
     print(f"calibrating ({args.calibrate}): python -m epmoe.bench.calibrate {' '.join(argv)}",
           flush=True)
