@@ -103,6 +103,19 @@ def test_ratios_are_to_deepep_of_the_same_mode_recipe_and_tokens():
     assert rows[0]["vs_deepep_dispatch"] == 1.0
     assert (rows[1]["vs_deepep_dispatch"], rows[1]["vs_deepep_combine"]) == (0.5, 1.5)
     assert "vs_deepep_dispatch" not in rows[2] and "vs_deepep_dispatch" not in rows[3]
+    assert "vs_deepep_layout" not in rows[1]  # DeepEP's permute not timed: no such ratio
+    rows = with_ratios([dict(row("deepep-ht", "ht", 100.0, 200.0), permute_us=60.0),
+                        row("symm-ht", "ht", 80.0, 300.0)])
+    assert rows[1]["vs_deepep_layout"] == 0.5 and "vs_deepep_layout" not in rows[0]
+
+
+def test_the_layout_pass_is_for_rows_per_token_only():
+    from epmoe.bench.comm_ranks import _layout_pass
+
+    x = QTensor(torch.zeros(3, 8, dtype=torch.bfloat16), None, "bf16", 0)
+    assert _layout_pass(LayoutBatch(x, None), 4) is None
+    assert callable(_layout_pass(TokenBatch(x, torch.zeros(3, 2, dtype=torch.int32),
+                                            torch.ones(3, 2)), 4))
 
 
 def test_identity_experts_follow_each_batch_types_contract():

@@ -65,6 +65,9 @@ class Row:
     passed: bool | None = None  # real ranks: the round trip within the recipe's tolerance
     max_rel_err: float | None = None  # real ranks: the round trip's error (module docstring)
     knobs: str = ""  # symm-* on real ranks: the --sweep knobs away from their defaults
+    permute_us: float | None = None  # real ranks, rows per token (deepep-ht, all2all): the
+    # permute into the experts' layout that the runtime runs after such a dispatch
+    vs_deepep_layout: float | None = None  # symm-ht: dispatch / (DeepEP's + its permute)
 
 
 def make_row(r: dict, hidden: int = HIDDEN) -> Row:
@@ -77,7 +80,7 @@ def make_row(r: dict, hidden: int = HIDDEN) -> Row:
                g(r["link_rows"], disp_b, r["dispatch_us"]), g(r["rows"], d * 2, r["combine_us"]),
                g(r["link_rows"], d * 2, r["combine_us"]), r["sms"], r.get("vs_deepep_dispatch"),
                r.get("vs_deepep_combine"), r.get("passed"), r.get("max_rel_err"),
-               r.get("knobs", ""))
+               r.get("knobs", ""), r.get("permute_us"), r.get("vs_deepep_layout"))
 
 
 def auto_table(rows: list[Row], measured: str = "") -> dict:
@@ -267,7 +270,8 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
     from epmoe.bench.comm_ranks import plan_jobs, run_job, with_ratios
 
     kw = dict(world=world, device=device, iters=a.iters, hidden=a.hidden,
-              num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms, timing=a.timing)
+              num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms, timing=a.timing,
+              breakdown=a.breakdown)
     jobs = []
     for n, knobs in enumerate(_sweep(a.sweep) or [{}]):  # the others run with the first set
         names_n = [b for b in backends if n == 0 or b.startswith("symm")]
@@ -291,7 +295,7 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
                   f"{r['error']}")
             continue
         rows.append(make_row(dict(r, where=where), a.hidden))
-        sink(asdict(rows[-1]))
+        sink(dict(asdict(rows[-1]), **({"kernels": r["kernels"]} if r.get("kernels") else {})))
     for label in dict.fromkeys(r.knobs for r in rows):
         print(f"knobs: {label}" if label else "knobs: defaults")
         print(_fmt([r for r in rows if r.knobs == label]), flush=True)
@@ -301,7 +305,14 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
         for r in ratios:
             print(f"  {r.backend:<9} {r.recipe:<9} {r.tokens:>5} tok: "
                   f"{r.vs_deepep_dispatch:.2f} / {r.vs_deepep_combine:.2f}"
+                  + (f"  (+permute {r.vs_deepep_layout:.2f})" if r.vs_deepep_layout else "")
                   + (f"  ({r.knobs})" if r.knobs else ""))
+        print("  (+permute: dispatch over DeepEP's dispatch + the permute into the experts' "
+              "layout, which symm-ht's dispatch writes itself)")
+    for r in rows:
+        if r.permute_us:
+            print(f"  {r.backend} {r.recipe} {r.tokens} tok: permute into the layout "
+                  f"{r.permute_us:.1f} us after the dispatch")
     return rows
 
 

@@ -59,6 +59,7 @@ class RankJob:
     timing: str = "device"  # device | launched (the module's docstring)
     knobs: tuple[tuple[str, int], ...] = ()  # symm-*: SymmOptions knobs of bench.comm's
     # --sweep ((name, value) pairs; 0: the default), over num_sms
+    breakdown: bool = False  # CUDA: each kernel's device time (torch.profiler), rank 0's
 
     @property
     def label(self) -> str:
@@ -216,7 +217,8 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                 res = comm.combine(y, h)
                 ref = wire_reference(x, name, quant) * w.float().sum(1, keepdim=True)
                 err = max_rel_err(res.float().cpu(), ref.cpu())
-                disp, comb = [], []
+                lay = _layout_pass(batch, e_l) if cuda else None
+                disp, comb, perm = [], [], []
                 for it in range(WARMUP + job.iters):
                     dist.barrier(group=group)
                     if cuda:
@@ -228,19 +230,30 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                     t0 = clock()
                     batch, h = comm.dispatch(x, ids, w)
                     t1 = clock()
+                    if lay is not None:
+                        lay(batch)
+                    t1b = clock()
                     comm.combine(y, h)
                     t2 = clock()
                     if cuda:
                         torch.cuda.synchronize(dev)
                     if it >= WARMUP:
                         disp.append(us(t0, t1))
-                        comb.append(us(t1, t2))
+                        perm.append(us(t1, t1b))
+                        comb.append(us(t1b, t2))
                 comm.check_errors()
                 rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll")
+                kern = None
+                if cuda and job.breakdown:
+                    from epmoe.bench.comm_loopback import kernel_breakdown
+
+                    kern = kernel_breakdown(
+                        lambda c=comm: c.combine(y, c.dispatch(x, ids, w)[1]), 3, 1)
                 out.append(dict(backend=name, status="ok", error=None, tokens=t,
                                 dispatch_us=disp, combine_us=comb, rows=rows, link_rows=link,
                                 max_rel_err=err, passed=err <= TOLERANCE[job.recipe],
-                                sms=_sms(comm, job)))
+                                sms=_sms(comm, job), permute_us=perm if lay else None,
+                                kernels=kern))
             del comm
     finally:
         if cuda:
@@ -278,8 +291,29 @@ def run_job(job: RankJob, timeout_s: float) -> list[dict]:
                      "rows": statistics.mean(r["rows"] for r in recs),
                      "link_rows": statistics.mean(r["link_rows"] for r in recs),
                      "max_rel_err": max(r["max_rel_err"] for r in recs),
-                     "passed": all(r["passed"] for r in recs), "sms": first["sms"]})
+                     "passed": all(r["passed"] for r in recs), "sms": first["sms"],
+                     "permute_us": statistics.median(worst("permute_us"))
+                     if first.get("permute_us") else None, "kernels": first.get("kernels")})
     return rows
+
+
+def _layout_pass(batch, num_local: int):
+    """For a TokenBatch (rows per received token): the permute the runtime runs next to put
+    them in the experts' contiguous layout (Triton, worst-case rows: no host sync), so the
+    bench can set symm-ht's dispatch, which writes that layout itself, against DeepEP's
+    dispatch plus this pass. None for batches already in a layout."""
+    from epmoe.comm.base import TokenBatch
+
+    if not isinstance(batch, TokenBatch):
+        return None
+    from epmoe.kernels.permute import triton_permute
+    from epmoe.layout import contiguous_rows_upper_bound
+
+    def run(b):
+        n, k = b.topk_ids_NK.shape
+        return triton_permute(b.x, b.topk_ids_NK, num_local, 128,
+                              num_rows=contiguous_rows_upper_bound(n * k, num_local, 128))
+    return run
 
 
 def _sms(comm, job: RankJob) -> str | None:
@@ -291,7 +325,9 @@ def _sms(comm, job: RankJob) -> str | None:
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each ok row with vs_deepep_dispatch / _combine: its time over DeepEP's (deepep-ht for
-    HT, deepep-ll for LL) at the same recipe and tokens, measured in the same run."""
+    HT, deepep-ll for LL) at the same recipe and tokens, measured in the same run; symm-ht
+    rows also vs_deepep_layout: its dispatch (which writes the experts' layout) over DeepEP's
+    dispatch plus the permute that writes the same layout (timed in the same iterations)."""
     base = {(r["mode"], r["recipe"], r["tokens"]): r for r in rows
             if r["status"] == "ok" and r["backend"] == f"deepep-{r['mode']}"}
     out = []
@@ -300,5 +336,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         if r["status"] == "ok" and b is not None:
             r = {**r, "vs_deepep_dispatch": r["dispatch_us"] / b["dispatch_us"],
                  "vs_deepep_combine": r["combine_us"] / b["combine_us"]}
+            if r["backend"] == "symm-ht" and b.get("permute_us"):
+                r["vs_deepep_layout"] = r["dispatch_us"] / (b["dispatch_us"] + b["permute_us"])
         out.append(r)
     return out
