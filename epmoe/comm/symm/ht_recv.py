@@ -6,9 +6,9 @@ Receive CTA c of G: wait for every peer's counts (ready >= epoch; this rank's ow
 routing table, never from its send) -> the layout (groups aligned) -> the parts that need no
 row (slots past the received tokens, row -> expert) -> work items (a step of BT slots of
 source s) in step-major order, the order the senders fill them: wait for s's progress word
-of the chunk the step lies in, then the step's received tokens (whole rows, one load, with
-their meta) stored to the layout rows of their local experts (one [BT, KP, CH] store of the
-same registers). Items are single steps so that every CTA has work at small token counts.
+of the chunk the step lies in, then the step's received tokens (whole rows, one [BT, CH] load, with
+their meta) stored to the layout rows of their local experts (a [BT, CH] store per slot k of
+the same registers). Items are single steps so that every CTA has work at small token counts.
 A rank's own rows and meta are read from its wire rows and routing, never staged in the arena.
 After a timeout the outputs stay well formed and in bounds, so the experts and the combine
 run to the caller's sync point (where `check_errors` raises): a peer's counts that never came
@@ -197,24 +197,27 @@ def _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS, xo_ptr
                      + kk[None, :], mask=pm, other=0.0)
         rows = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
         srows = rows + DW
-    # the row as [BT, 1, CH]: stored to its K layout rows by one [BT, KP, CH] store
-    row = tl.load(rows[:, None, None] + cols[None, None, :],
-                  mask=nm[:, None, None] & cm[None, None, :])
+    # every load of the step first (the rows as [BT, CH], the slots' layout rows as [BT, KP]),
+    # then one [BT, CH] store of the same registers per slot k (no [BT, KP, CH] tile: BT rows
+    # fit the registers); picking slot k's rows out of the tile is a cross-thread reduction,
+    # but only stores follow it
+    row = tl.load(rows[:, None] + cols[None, :], mask=nm[:, None] & cm[None, :])
     if SW > 0:
-        srow = tl.load(srows[:, None, None] + scols[None, None, :],
-                       mask=nm[:, None, None] & (scols < SW)[None, None, :])
+        srow = tl.load(srows[:, None] + scols[None, :], mask=nm[:, None] & (scols < SW)[None, :])
     valid = pm & (le >= 0) & (le < E_L)
     r = tl.load(rb + src * E_L + le, mask=valid, other=0) + pos
     valid = valid & (r >= 0) & (r < M_MAX)
-    r64 = r.to(tl.int64)[:, :, None]
-    tl.store(xo_ptr + r64 * DW + cols[None, None, :], row,
-             mask=valid[:, :, None] & cm[None, None, :])
-    if SW > 0:
-        tl.store(so_ptr + r64 * SW + scols[None, None, :], srow,
-                 mask=valid[:, :, None] & (scols < SW)[None, None, :])
-    tl.store(inv_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, r, -1), mask=pm)
+    r = tl.where(valid, r, -1)
+    tl.store(inv_ptr + n64[:, None] * K + kk[None, :], r, mask=pm)
     tl.store(wo_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, wk, 0.0), mask=pm)
     tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm)
+    for k in tl.static_range(K):
+        rk = tl.max(tl.where(kk[None, :] == k, r, -1), axis=1).to(tl.int64)
+        vk = rk >= 0
+        tl.store(xo_ptr + rk[:, None] * DW + cols[None, :], row, mask=vk[:, None] & cm[None, :])
+        if SW > 0:
+            tl.store(so_ptr + rk[:, None] * SW + scols[None, :], srow,
+                     mask=vk[:, None] & (scols < SW)[None, :])
 
 
 __all__ = ["recv_rows"]
