@@ -59,7 +59,9 @@ class RankJob:
     timing: str = "device"  # device | launched (the module's docstring)
     knobs: tuple[tuple[str, int], ...] = ()  # symm-*: SymmOptions knobs of bench.comm's
     # --sweep ((name, value) pairs; 0: the default), over num_sms
-    breakdown: bool = False  # CUDA: each kernel's device time (torch.profiler), rank 0's
+    breakdown: bool = False  # CUDA: each kernel's device time (torch.profiler, 3 pairs with
+    # the ranks lined up as for device timing), rank 0's; a kernel that waits for a peer
+    # counts the wait, and symm-ht's send and receive launches share one kernel name
 
     @property
     def label(self) -> str:
@@ -199,6 +201,17 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
             return ev
         return time.perf_counter()
 
+    def line_up(device_timing: bool) -> None:
+        """Before a timed pair: a barrier; with device timing a ~1 ms device sleep (the host
+        gets ahead) and a one-element all-reduce (the ranks' GPUs start the pair together)."""
+        dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize(dev)
+            if device_timing:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                if job.device == "cuda":  # (ranks sharing a GPU: gloo, no align)
+                    dist.all_reduce(align, group=group)
+
     def us(a, b) -> float:
         return a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
 
@@ -220,13 +233,7 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                 lay = _layout_pass(batch, e_l) if cuda else None
                 disp, comb, perm = [], [], []
                 for it in range(WARMUP + job.iters):
-                    dist.barrier(group=group)
-                    if cuda:
-                        torch.cuda.synchronize(dev)
-                        if job.timing == "device":  # the host gets ahead; the GPUs line up
-                            torch.cuda._sleep(SLEEP_CYCLES)
-                            if job.device == "cuda":  # (ranks sharing a GPU: gloo, no align)
-                                dist.all_reduce(align, group=group)
+                    line_up(job.timing == "device")
                     t0 = clock()
                     batch, h = comm.dispatch(x, ids, w)
                     t1 = clock()
@@ -247,8 +254,12 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                 if cuda and job.breakdown:
                     from epmoe.bench.comm_loopback import kernel_breakdown
 
-                    kern = kernel_breakdown(
-                        lambda c=comm: c.combine(y, c.dispatch(x, ids, w)[1]), 3, 1)
+                    def pair(c=comm):  # the ranks lined up first, as in the timed loop
+                        line_up(True)
+                        c.combine(y, c.dispatch(x, ids, w)[1])
+
+                    kern = {k: v for k, v in kernel_breakdown(pair, 3, 1).items()
+                            if not any(a in k.lower() for a in ("nccl", "sleep"))}
                 out.append(dict(backend=name, status="ok", error=None, tokens=t,
                                 dispatch_us=disp, combine_us=comb, rows=rows, link_rows=link,
                                 max_rel_err=err, passed=err <= TOLERANCE[job.recipe],
