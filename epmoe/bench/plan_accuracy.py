@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     from epmoe.launch.planning import local_device, profile_for_device
     from epmoe.plan.profile import load_profile
 
-    profile = args.profile or profile_for_device(*local_device())[0]
+    profile = args.profile or profile_for_device(
+        *local_device(), args.ep, 1, "device" if args.cuda_graph else args.timing)[0]
     prof = load_profile(profile)
     used = dict(name=prof.name, source=profile, calibrated=bool(args.calibrate),
                 provenance=prof.provenance_counts())

@@ -59,19 +59,42 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------- device -> profile
-def profile_for_device(device: str, sm_arch: int = 0) -> tuple[str, str | None]:
+# measured profiles that ship, by (GPU kind, ranks on one node, timing): a run on a machine
+# like the one measured predicts with what was measured there; any other shape gets the
+# kind's spec profile, whose mechanisms (links, fan-out to ranks and nodes, SMs) carry to
+# setups nobody measured (README "Planning")
+MEASURED_PROFILES = {("h200", 1, "launched"): "h200-calibrated",
+                     ("h200", 1, "device"): "h200-device-timed",
+                     ("h200", 2, "launched"): "h200x2-calibrated"}
+
+
+def profile_for_device(device: str, sm_arch: int = 0, ranks: int = 0, nodes: int = 1,
+                       timing: str = "launched") -> tuple[str, str | None]:
     """(shipped profile, warning or None) for a device description: "cpu", a GPU name, or a
-    worker's "cuda (NVIDIA H200, visible 0)"; sm_arch (capability x 10) picks the nearest."""
+    worker's "cuda (NVIDIA H200, visible 0)"; sm_arch (capability x 10) picks the nearest.
+    With the run's ranks, nodes and timing ("device" also for CUDA-graph replays): the measured
+    profile of that setup when one ships (MEASURED_PROFILES), else the spec one."""
     d = device.lower()
     if "cuda" not in d and "nvidia" not in d:
         return "cpu", None
     for key in GPU_PROFILES:
         if key in d:
-            return key, None
+            measured = MEASURED_PROFILES.get((key, ranks, timing)) if nodes == 1 else None
+            return measured or key, None
     near = "b200" if sm_arch >= 100 else "h100"
     return near, (f"no shipped profile for {device!r}: predicting with the nearest spec "
                   f"profile {near!r} (SM{sm_arch or '?'}); calibrate this machine with python "
                   f"-m epmoe.bench.calibrate --out mine.json and pass --profile mine.json")
+
+
+def _timing(run: RunConfig) -> str:
+    """The timing a run's stages are measured under, as profiles record it (a CUDA-graph
+    replay issues nothing from the host: GPU time, as "device")."""
+    return "device" if run.cuda_graph else run.timing
+
+
+def _setup(run: RunConfig, nodes: int) -> str:
+    return f"{run.world} rank(s) on {nodes} node(s), {_timing(run)} timing"
 
 
 def local_device(device_flag: str = "auto") -> tuple[str, int]:
@@ -142,10 +165,12 @@ class PlannedLaunch:
             topo = Topology.from_node_ids([w["node_id"] for w in where], gpu=topo.gpu,
                                           intra=topo.intra,
                                           **_cores(topo.gpu, _where_cores(where)))
-        if not p.given_profile and ("cuda" in where[0]["device"]) != (prof.fig("sm_arch") > 0):
-            name, warn = profile_for_device(where[0]["device"])
+        name, warn = profile_for_device(where[0]["device"], 0, self.run.world, topo.num_nodes,
+                                        _timing(self.run))
+        if not p.given_profile and name != prof.name:
             prof = load_profile(name)
-            notes += [f"profile {name}: by the ranks' device ({where[0]['device']})"]
+            notes += [f"profile {name}: by the ranks' device ({where[0]['device']}), "
+                      f"{_setup(self.run, topo.num_nodes)}"]
             notes += [warn] if warn else []
             topo = replace(topo, gpu=_topology_gpu(prof), links={},
                            intra="tcp" if prof.gpu == "cpu" else "nvlink",
@@ -236,9 +261,10 @@ def context(a, run: RunConfig, mode: str | None, tokens: int) -> Planning:
         notes.append(f"profile {prof.name}: given")
     else:
         dev, arch = local_device(getattr(a, "device", "auto"))
-        name, warn = profile_for_device(dev, arch)
+        name, warn = profile_for_device(dev, arch, run.world, 1, _timing(run))
         prof = load_profile(name)
-        notes += [f"profile {name}: by device ({dev})"] + ([warn] if warn else [])
+        notes += [f"profile {name}: by device ({dev}), {_setup(run, 1)}"] + \
+            ([warn] if warn else [])
     gpu = _topology_gpu(prof)
     if a.topology:
         topo = Topology.resolve(a.topology, gpu)
