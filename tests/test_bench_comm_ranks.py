@@ -65,8 +65,8 @@ def test_timing_is_device_or_launched():
 
 
 def test_wire_reference_follows_deepep_lls_own_fp8_arithmetic():
-    """deepep-ll: codes of x * (448 / amax), scale amax * fp32(1 / 448) (DeepEP's
-    calculate_fp8_scales); every other backend: epmoe.quant's codes, bit for bit."""
+    """deepep-ll: codes of x * (448 / amax) with IEEE fp32 division, scale amax * fp32(1 / 448)
+    (DeepEP's calculate_fp8_scales); every other backend: epmoe.quant's codes, bit for bit."""
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(64, 512, generator=gen) * torch.rand(64, 1, generator=gen) * 8).bfloat16()
     fp8 = QuantConfig("fp8_block")
@@ -77,8 +77,13 @@ def test_wire_reference_follows_deepep_lls_own_fp8_arithmetic():
     xg = x.float().unflatten(-1, (-1, 128))
     amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     step = amax * torch.tensor(1 / 448, dtype=torch.float32)
-    want = (xg * (448.0 / amax)).to(FP8_DTYPE).float() * step
+    exact = (448.0 / amax.double()).float()  # the IEEE fp32 quotient (one rounding)
+    want = (xg * exact).to(FP8_DTYPE).float() * step
     assert torch.equal(got, want.flatten(-2))
+    # torch's `448.0 / amax` (reciprocal, then times 448) is an ulp off in some groups, and
+    # codes follow: the reference must not use it
+    recip = (xg * (448.0 / amax)).to(FP8_DTYPE).float() * step
+    assert (448.0 / amax != exact).any() and not torch.equal(got, recip.flatten(-2))
     # the two conventions agree to within one fp8 code of the block's scale
     assert ((got - ours).abs().unflatten(-1, (-1, 128)) <= 32 * step * 1.0001).all()
 

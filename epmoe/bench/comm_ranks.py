@@ -19,7 +19,8 @@ issued on an idle GPU, the host's launch time included (what an eager step witho
 sees). A phase's time per iteration is its slowest rank's; the row reports the median.
 The round trip's reference quantizes x as the backend's wire does: ours (epmoe.quant) for
 every backend but deepep-ll, whose kernel quantizes fp8 with its own arithmetic (x * (448 /
-amax), scale amax * (1 / 448): a code can differ from ours where the two roundings part).
+amax), scale amax * (1 / 448), each an IEEE fp32 operation: a code can differ from ours where
+the two roundings part).
 Traffic: rows a rank sends, averaged over ranks (each token once per destination rank for HT,
 once per (token, k) for LL), all of them and only those that cross to another rank.
 """
@@ -131,11 +132,17 @@ def wire_reference(x, backend: str, quant):
     from epmoe.quant import FP8_DTYPE, FP8_MAX, dequantize_act
 
     if backend == "deepep-ll" and quant.recipe == "fp8_block" and quant.scale_fmt == "fp32":
-        xg = x.float().unflatten(-1, (-1, 128))
+        # on the CPU in fp32: each step rounded once, as the kernel's IEEE operations are
+        xg = x.detach().cpu().float().unflatten(-1, (-1, 128))
         amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-        codes = (xg * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        # 448 / amax as a division of two tensors: torch computes `448.0 / amax` (a Python
+        # number over a tensor) as amax.reciprocal() * 448, an ulp away from the kernel's
+        # division in about a quarter of the groups; with that scale a few codes per row
+        # came out one fp8 step off (BENCHMARKS.md 20: taken for a DeepEP bug until then)
+        scale = torch.full_like(amax, FP8_MAX) / amax
+        codes = (xg * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         inv = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
-        return (codes.float() * (amax * inv.to(x.device))).flatten(-2)
+        return (codes.float() * (amax * inv)).flatten(-2).to(x.device)
     return dequantize_act(quantize_tokens(x, quant)).float()
 
 
