@@ -122,16 +122,6 @@ def test_at_where_replans_for_the_cluster_topology():
 def test_profile_by_device():
     assert profile_for_device("cpu") == ("cpu", None)
     assert profile_for_device("cuda (NVIDIA H200, visible 0)") == ("h200", None)
-    # a measured profile where one ships for the run's setup, the spec one elsewhere
-    h200 = "cuda (NVIDIA H200, visible 0)"
-    assert profile_for_device(h200, 90, 1)[0] == "h200-calibrated"
-    assert profile_for_device(h200, 90, 1, timing="device")[0] == "h200-device-timed"
-    assert profile_for_device(h200, 90, 2)[0] == "h200x2-calibrated"
-    assert profile_for_device(h200, 90, 2, nodes=2)[0] == "h200"  # no link measured
-    assert profile_for_device(h200, 90, 8)[0] == "h200"
-    assert profile_for_device(h200, 90, 2, timing="device")[0] == "h200"
-    assert profile_for_device("NVIDIA H100 80GB HBM3", 90, 1)[0] == "h100"
-    assert profile_for_device("cpu", 0, 1) == ("cpu", None)
     assert profile_for_device("NVIDIA GB200") == ("gb200", None)
     assert profile_for_device("NVIDIA B200") == ("b200", None)
     name, warn = profile_for_device("NVIDIA RTX 6000 Ada Generation", 89)
@@ -416,20 +406,3 @@ def test_a_launch_scales_the_profile_to_its_hosts_speed(tmp_path, capsys):
     assert t["issue_ratio"] == pytest.approx(t["predicted_issue_ms"] / t["host_issue_ms_median"])
     rc, s = run_cli(tmp_path, *TINY, "--tokens", "8", "--steps", "2", "--layers", "1")
     assert s["timing"]["prediction"]["host"] is None  # the shipped cpu profile: no host
-
-
-def test_ranks_on_h200s_predict_with_the_profile_measured_for_their_setup():
-    """The driver (CPU here) plans with cpu; ranks that report H200s switch the profile to the
-    one measured for the run's shape: two ranks on one node h200x2-calibrated, two nodes the
-    spec h200 (no inter-node figure was measured)."""
-    from epmoe.launch.cli import build_run
-
-    gpu = "cuda (NVIDIA H200, visible 0)"
-    for nodes, want in (("aa", "h200x2-calibrated"), ("ab", "h200")):
-        launch = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers",
-                               "2"), build_run)
-        assert launch.planning.profile.name == "cpu"
-        launch.at_where([dict(node_id=n, device=gpu) for n in nodes])
-        assert launch.planning.profile.name == want
-        assert any(f"profile {want}: by the ranks' device" in n and "2 rank(s)" in n
-                   for n in launch.planning.notes)

@@ -88,7 +88,8 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
                 src_tok_ptr="*i32", info_ptr="*i32", align="i32", me="i32", limit="i64",
                 G_SEND="i32", G_RECV="i32"),
            dict(**ht, PROG=32768, GMAX=1024, M_MAX=world * tokens * top_k, CK=16,
-                BT_S=rows_per_step(row_cols(dw)), BT_R=ht_dispatch.RECV_ROWS, BR=2048, MODE=mode), True)
+                BT_S=rows_per_step(row_cols(dw)), BT_R=ht_dispatch.RECV_ROWS, BR=2048,
+                MODE=mode), True)
           for name, mode in (("send", ht_dispatch.SPLIT_SEND), ("recv", ht_dispatch.SPLIT_RECV),
                              ("pipelined", ht_dispatch.PIPELINED))],
         *[(f"ht combine ({name})", ht_combine._combine_kernel,
