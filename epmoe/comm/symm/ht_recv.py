@@ -8,7 +8,8 @@ row (slots past the received tokens, row -> expert) -> work items (a step of BT 
 source s) in step-major order, the order the senders fill them: wait for s's progress word
 of the chunk the step lies in, then the step's received tokens (whole rows, one [BT, CH]
 load, with their meta) stored to the layout rows of their local experts (a [BT, CH] store
-per slot k of the same registers). Items are single steps so that every CTA has work at small token counts.
+per slot k of the same registers). Items are single steps so that every CTA has work at
+small token counts.
 A rank's own rows and meta are read from its wire rows and routing, never staged in the arena.
 After a timeout the outputs stay well formed and in bounds, so the experts and the combine
 run to the caller's sync point (where `check_errors` raises): a peer's counts that never came
