@@ -174,11 +174,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # in-process ranks as the Ray workers: one thread each
     layers = args.layers or (1 if cuda else 2)
     steps = args.steps or (12 if cuda else 6)
-    from epmoe.launch.planning import local_device, profile_for_device
+    from epmoe.launch.planning import local_device, profile_for_device, timing_kind
     from epmoe.plan.profile import load_profile
 
     profile = args.profile or profile_for_device(
-        *local_device(), args.ep, 1, "device" if args.cuda_graph else args.timing)[0]
+        *local_device(), args.ep, 1, timing_kind(args.timing, args.cuda_graph))[0]
     prof = load_profile(profile)
     used = dict(name=prof.name, source=profile, calibrated=bool(args.calibrate),
                 provenance=prof.provenance_counts())

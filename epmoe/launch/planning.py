@@ -87,10 +87,14 @@ def profile_for_device(device: str, sm_arch: int = 0, ranks: int = 0, nodes: int
                   f"-m epmoe.bench.calibrate --out mine.json and pass --profile mine.json")
 
 
-def _timing(run: RunConfig) -> str:
+def timing_kind(timing: str, cuda_graph: bool) -> str:
     """The timing a run's stages are measured under, as profiles record it (a CUDA-graph
     replay issues nothing from the host: GPU time, as "device")."""
-    return "device" if run.cuda_graph else run.timing
+    return "device" if cuda_graph else timing
+
+
+def _timing(run: RunConfig) -> str:
+    return timing_kind(run.timing, run.cuda_graph)
 
 
 def _setup(run: RunConfig, nodes: int) -> str:

@@ -129,8 +129,9 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
                 WP=next_pow2(shape.world), K=shape.top_k, KP=next_pow2(shape.top_k), E_L=e_l,
                 EP=next_pow2(e_l), DW=dw, SW=sw, CH=row_cols(dw), BSW=next_pow2(max(sw, 1)),
                 ROW_W=shape.row_words, MW=shape.meta_words, CW=shape.count_words, CK=ck,
-                # the receive: 8 rows a step (a [BT, CH] load, one store per slot; 2 rows took
-                # 27-28% longer on a lent H200 with 48 receive CTAs, 3-11% with 132)
+                # the receive: 8 rows a step (a [BT, CH] load, one store per slot): 24-27% less
+                # time than 2 rows of a [BT, K, CH] store on a lent H200 with 48 receive CTAs,
+                # 4-12% less with 132
                 BT_S=min(tile, ck), BT_R=min(opts.tile(RECV_ROWS), ck),
                 BR=1024 if INTERPRET else 2048,
                 USE_TIMER=USE_TIMER)
