@@ -138,6 +138,8 @@ def test_sent_rows_counts_a_token_once_per_rank_for_ht_and_per_k_for_ll():
     ids = torch.tensor([[0, 1], [0, 9], [8, 9]])  # 16 experts over 2 ranks: 0-7, 8-15
     assert sent_rows(ids, 2, 16, 0, ll=False) == (4, 2)  # rank 0: {0}, {0, 1}, {1}
     assert sent_rows(ids, 2, 16, 0, ll=True) == (6, 3)
+    # symm-ll: DeepEP's convention for all rows, a token once per rank over the link
+    assert sent_rows(ids, 2, 16, 0, ll=True, dedup_link=True) == (6, 2)
 
 
 @pytest.mark.timeout(120)
@@ -175,13 +177,17 @@ def test_a_sweeps_knobs_reach_symm_jobs_and_only_theirs():
 
     sets = _sweep("32:0:0:0:0:2:64,0")
     assert sets[0] == dict(num_sms=32, recv_sms=0, tile_tokens=0, chunk_cols=0, num_warps=0,
-                           pipelined=2, chunk_rows=64)
+                           pipelined=2, chunk_rows=64, ll_dedup=0)
     job = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=tuple(sets[0].items()))
     opts = _kwargs("symm-ht", job)["options"]
     assert (opts.num_sms, opts.pipelined, opts.chunk_rows, opts.recv_sms) == (32, False, 64, 0)
     assert job.label == "num_sms=32 pipelined=2 chunk_rows=64"
     on = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=(("pipelined", 1),))
     assert _kwargs("symm-ht", on)["options"].pipelined is True
+    staged = RankJob("ll", ("symm-ll",), "fp8_block", (8,), **KW, knobs=(("ll_dedup", 1),))
+    assert _kwargs("symm-ll", staged)["options"].ll_dedup is True
+    direct = RankJob("ll", ("symm-ll",), "fp8_block", (8,), **KW, knobs=(("ll_dedup", 2),))
+    assert _kwargs("symm-ll", direct)["options"].ll_dedup is False
     default = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=tuple(sets[1].items()))
     assert default.label == "" and _kwargs("symm-ht", default)["options"].num_sms == 0
     plain = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW)  # no sweep: --num-sms

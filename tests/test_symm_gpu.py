@@ -53,15 +53,17 @@ def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, 
         c.check_errors()
 
 
+@pytest.mark.parametrize("dedup", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "fp8_block", "fp32", "uneven"), (4, "fp8_block", "ue8m0_fp32", "all_to_one"),
     (2, "bf16", "fp32", "full"), (8, "fp8_block", "fp32", "uneven"), (8, "bf16", "fp32", "full")])
-def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, seed):
+def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, dedup, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
+    opts = dataclasses.replace(OPTS if world > 2 else CHUNKED, ll_dedup=dedup)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
-                               options=OPTS if world > 2 else CHUNKED)
+                               options=opts)
     for _ in range(3):
         ll_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen, "cuda",
                  streams)
@@ -135,14 +137,15 @@ def _refill(static, world, gen):
             d.copy_(s_)
 
 
-def test_ll_cuda_graph_1000_replays_match_eager(seed):
+@pytest.mark.parametrize("dedup", [False, True], ids=["direct", "staged"])
+def test_ll_cuda_graph_1000_replays_match_eager(dedup, seed):
     """symm-ll of 2 loopback ranks captured once, replayed 1,000 times with fresh routing; each
     replay is bit-compared with an eager round on the same inputs (the device epochs advance
     in both) and every 250th also with the reference sum."""
     world, quant = 2, QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
-                              options=OPTS)
+                              options=dataclasses.replace(OPTS, ll_dedup=dedup))
     static = on("cuda", *case_inputs("full", world, gen))
     step, g, graph_out = _graph_round(comms, static, CFG.num_experts // world)
     for i in range(1000):
@@ -181,7 +184,7 @@ def test_ht_cuda_graph_replays_match_reference(pipelined, seed):
         c.check_errors()
 
 
-def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False):
+def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False, dedup=False):
     """One real rank: NVSHMEM arena through the CommContext, 3 rounds, checked locally (on
     cuda:rank, or cuda:0 when the ranks share one GPU). symm-ht dispatches pipelined (real
     ranks' default) in 4-slot chunks: several rounds of progress words per call."""
@@ -193,8 +196,8 @@ def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False):
     ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=MAX_T)
     expert_map = torch.full((CFG.num_experts,), -1, dtype=torch.int32)
     expert_map[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
-    comm = cls(CFG, quant, expert_map.cuda(), ctx, options=dataclasses.replace(OPTS,
-                                                                                chunk_rows=4))
+    comm = cls(CFG, quant, expert_map.cuda(), ctx,
+               options=dataclasses.replace(OPTS, chunk_rows=4, ll_dedup=dedup))
     gen = torch.Generator().manual_seed(seed)
     try:
         for _ in range(3):
@@ -218,18 +221,21 @@ def test_nvshmem_arena_on_one_pe(world, seed):
         assert run_ranks(_real_ranks, world, name, recipe, seed, timeout=120) == [True]
 
 
-REAL_CASES = [("symm-ht", "fp8_block"), ("symm-ll", "fp8_block"), ("symm-ht", "bf16")]
+REAL_CASES = [("symm-ht", "fp8_block", False), ("symm-ll", "fp8_block", False),
+              ("symm-ll", "fp8_block", True), ("symm-ht", "bf16", False)]  # (.., ll_dedup)
 
 
-@pytest.mark.parametrize("name,recipe", REAL_CASES)
-def test_two_real_ranks_sharing_one_gpu(name, recipe, seed):
+@pytest.mark.parametrize("name,recipe,dedup", REAL_CASES)
+def test_two_real_ranks_sharing_one_gpu(name, recipe, dedup, seed):
     """Two processes on cuda:0, two NVSHMEM PEs (gloo process group): the UID bootstrap, peer
     views of the other process's heap and the pipelined dispatch's spins on another process,
     with the driver time-slicing the two (a spin runs until its slice ends, then the peer)."""
-    assert run_ranks(_real_ranks, 2, name, recipe, seed, True, timeout=180) == [True, True]
+    assert run_ranks(_real_ranks, 2, name, recipe, seed, True, dedup,
+                     timeout=180) == [True, True]
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("name,recipe", REAL_CASES)
-def test_two_real_ranks(name, recipe, seed):
-    assert run_ranks(_real_ranks, 2, name, recipe, seed, timeout=180) == [True, True]
+@pytest.mark.parametrize("name,recipe,dedup", REAL_CASES)
+def test_two_real_ranks(name, recipe, dedup, seed):
+    assert run_ranks(_real_ranks, 2, name, recipe, seed, False, dedup,
+                     timeout=180) == [True, True]

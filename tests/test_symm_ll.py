@@ -89,26 +89,30 @@ CASES = [  # (world, recipe, scale_fmt, scenario, rounds, chunk_cols: > 0 splits
     (2, "bf16", "fp32", "empty", 1, 0),
     (4, "fp8_block", "ue8m0_fp32", "all_to_one", 1, 128),
 ]
+MODES = [False, True]  # ll_dedup: a row per (token, expert), or a token once per rank
 
 
+@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
 @pytest.mark.parametrize("world,recipe,fmt,scenario,rounds,chunk", CASES)
-def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, chunk, seed):
+def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, chunk, dedup, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = OPTS if world > 2 else SymmOptions(num_sms=2)
-    opts = dataclasses.replace(opts, chunk_cols=chunk)
+    opts = dataclasses.replace(opts, chunk_cols=chunk, ll_dedup=dedup)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, options=opts)
     for _ in range(rounds):
         run_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen)
 
 
-def test_ll_fewer_tokens_after_more_ignore_the_stale_messages(seed):
+@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
+def test_ll_fewer_tokens_after_more_ignore_the_stale_messages(dedup, seed):
     """A round with every slot full, then rounds with fewer tokens and other routing on the
     same arenas: the earlier rounds' messages (tokens past the new T, ranks a token no longer
-    goes to) stay in the arena and must not change a combine."""
+    goes to) and staged rows stay in the arena and must not change a dispatch or a combine."""
     quant = QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
-    lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T, options=OPTS)
+    lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
+                               options=dataclasses.replace(OPTS, ll_dedup=dedup))
     for scenario in ("full", "uneven", "empty", "all_to_one"):
         run_round(lw, comms, 2, quant, *case_inputs(scenario, 2, gen), gen)
 
@@ -134,6 +138,21 @@ def test_ll_second_dispatch_without_combine_times_out():
     with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 0 in ll-dispatch "
                                                r"send, waiting for the peer to release"):
         loopback_dispatch(comms, xs, ids, ws)
+
+
+@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
+def test_ll_receive_from_a_silent_peer_names_it_and_hands_out_no_rows(dedup):
+    """Rank 1 never sends: rank 0's receive gives up naming peer 1 and the phase, and the
+    masked batch it returns has no rows (counts 0), whatever rank 0's own send placed."""
+    quant = QuantConfig("fp8_block")
+    _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
+                              options=SymmOptions(num_sms=2, timeout_s=0.02, ll_dedup=dedup))
+    xs, ids, ws = case_inputs("full", 2, torch.Generator().manual_seed(0))
+    batch, _ = comms[0].dispatch_recv(comms[0].dispatch_send(xs[0], ids[0], ws[0]))
+    assert torch.equal(batch.counts_E, torch.zeros_like(batch.counts_E))
+    with pytest.raises(SymmTimeoutError, match=r"rank 0 timed out on peer 1 in ll-dispatch "
+                                               r"receive, waiting for the peer's data"):
+        comms[0].check_errors()
 
 
 def test_ll_refuses_recipes_it_cannot_quantize():
@@ -166,3 +185,4 @@ def test_bench_checks_agree_with_the_kernels_and_catch_a_wrong_sum(mode, seed):
     res[1] = res[1].clone()
     res[1][0, 0] += 1.0
     assert check(comms, ids, ws, outs, ys, res).startswith("rank 1: 1 differ")
+

@@ -66,7 +66,8 @@ def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = Tru
 def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 128,
             tokens: int = 4096) -> list[tuple]:
     """(name, jit fn, signature, constexprs, fp fusion) at the backends' default tiles."""
-    from epmoe.comm.symm import ht_combine, ht_dispatch, ll_combine, ll_dispatch, sum_back
+    from epmoe.comm.symm import (ht_combine, ht_dispatch, ll_combine, ll_dispatch, ll_send,
+                                  sum_back)
     from epmoe.comm.symm.arena import LL_COMBINE
     from epmoe.comm.symm.sync import USE_TIMER
     from epmoe.comm.symm.tiles import CHUNK_COLS, next_pow2, row_cols, rows_per_step
@@ -80,6 +81,12 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               K=top_k, KP=next_pow2(top_k), E_L=local_experts, EP=next_pow2(local_experts),
               DW=dw, SW=0, CH=row_cols(dw), BSW=1, ROW_W=dw, MW=28, CW=132,
               USE_TIMER=USE_TIMER)
+    ll = dict(SLOTS=4096, DATA=8192, SCALE=16384, META=32768, C=256, MSG=65536, MW=20,
+              STAGE=131072, SSTAGE=262144, NTOK=4224, TMAX=128, W=world,
+              WP=next_pow2(world), K=top_k, KP=next_pow2(top_k), E_L=local_experts,
+              EP=next_pow2(local_experts), D=hidden,
+              CH=row_cols(hidden), NG=hidden // 128, NGP=next_pow2(row_cols(hidden) // 128),
+              FP8=True, USE_TIMER=USE_TIMER)
     return [
         *[(f"ht dispatch ({name})", ht_dispatch._dispatch_kernel,
            dict(**ARENA, x_ptr="*i32", s_ptr="*i32", ids_ptr="*i32", w_ptr="*fp32",
@@ -110,15 +117,15 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               WP=next_pow2(world), K=top_k,
               E_L=local_experts, EP=next_pow2(local_experts), D=hidden, CK=ck, BT=16,
               PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
-        ("ll dispatch_send", ll_dispatch._dispatch_send_kernel,
-         dict(**ARENA, x_ptr="*bf16", ids_ptr="*i32", w_ptr="*fp32", slot_ptr="*i32",
-              msg_ptr="*i32", T="i32", me="i32", limit="i64"),
-         dict(SLOTS=4096, DATA=8192, SCALE=16384, META=32768, MSG=65536, MW=20, NTOK=4224,
-              TMAX=128,
-              W=world, WP=next_pow2(world), K=top_k, KP=next_pow2(top_k), E_L=local_experts,
-              C=256, D=hidden, CH=row_cols(hidden), NG=hidden // 128,
-              NGP=next_pow2(row_cols(hidden) // 128), FP8=True, POW2=False, PRE_ROUND=False,
-              BT=1, SA=16, USE_TIMER=USE_TIMER), True),
+        *[(f"ll dispatch_send ({name})", ll_send._dispatch_send_kernel,
+           dict(**ARENA, x_ptr="*bf16", ids_ptr="*i32", w_ptr="*fp32", slot_ptr="*i32",
+                msg_ptr="*i32", counts_ptr="*i32", T="i32", me="i32", limit="i64"),
+           dict(ll, STAGED=staged, POW2=False, PRE_ROUND=False, BT=1, SA=16), True)
+          for name, staged in (("direct", False), ("staged", True))],
+        *[(f"ll dispatch_recv ({name})", ll_dispatch._dispatch_recv_kernel,
+           dict(arena_ptr="*u8", counts_ptr="*i32", limit="i64"),
+           dict(ll, STAGED=staged, BT=2), True)
+          for name, staged in (("direct", False), ("staged", True))],
         ("ll sum_back", sum_back._sum_back_kernel,
          dict(**ARENA, out_ptr="*bf16", msg_ptr="*i32", T="i32", me="i32", limit="i64"),
          dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, D=hidden, CK=ck,

@@ -16,11 +16,11 @@ harness, not a benchmark). `--device shared`: symm-* on W real ranks that share 
 (processes time-sliced by the driver): the real-rank path (NVSHMEM arena, peer views, the
 pipelined dispatch) checked end to end on one GPU; its times are not link speeds. GB/s in two
 conventions: "all" = every received row incl. the rank's own (DeepEP's tests; LL: every
-(token, k)), "link" = only rows that cross to another rank. SMs: the persistent grid of the
-symm kernels (DeepEP HT: its SM count). Times: median of CUDA-event timings (real ranks: the
-slowest rank's per iteration; `--timing device`, the default, is the GPU's time with the host
-ahead and the ranks' GPUs lined up, DeepEP's convention; `launched` includes the host's launch
-time: epmoe.bench.comm_ranks).
+(token, k)), "link" = only rows that cross to another rank (symm-ll: a token once per rank).
+SMs: the persistent grid of the symm kernels (DeepEP HT: its SM count). Times: median of
+CUDA-event timings (real ranks: the slowest rank's per iteration; `--timing device`, the
+default, is the GPU's time with the host ahead and the ranks' GPUs lined up, DeepEP's
+convention; `launched` includes the host's launch time: epmoe.bench.comm_ranks).
 `--auto-table` writes the per-token-count table `--backend auto` reads (only figures that
 compare backends on real links belong in it: a loopback run writes none, and says so).
 """
@@ -127,9 +127,10 @@ def parser() -> argparse.ArgumentParser:
                         "default: symm-ht 24 + every SM for its local receives, symm-ll every "
                         "SM, deepep-ht 24)")
     p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
-                   "chunk_cols:num_warps:pipelined:chunk_rows, comma-separated (0 or "
+                   "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup, comma-separated (0 or "
                    "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, 2: "
-                   "send then receive); overrides --num-sms for symm-* (real ranks: their "
+                   "send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: "
+                   "once per expert); overrides --num-sms for symm-* (real ranks: their "
                    "jobs run once per set, the others once)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")

@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from epmoe.bench.comm_ranks import sent_rows
+from epmoe.bench.comm_ranks import LL_DEDUP, sent_rows
 from epmoe.config import MoEConfig, QuantConfig
 
 HIDDEN, NUM_EXPERTS, TOP_K = 7168, 256, 8
@@ -31,10 +31,11 @@ def routing(t: int, gen: torch.Generator, device):
     return ids.to(torch.int32).to(device), (torch.rand(t, TOP_K, generator=gen) + 0.1).to(device)
 
 
-def traffic(ids_per_rank, world: int, ll: bool) -> tuple[float, float]:
+def traffic(ids_per_rank, world: int, ll: bool, dedup_link: bool) -> tuple[float, float]:
     """Rows a rank receives on average: (all incl. its own, only from other ranks); the mean
     over sources of what each sends (comm_ranks.sent_rows)."""
-    sent = [sent_rows(ids, world, NUM_EXPERTS, s, ll) for s, ids in enumerate(ids_per_rank)]
+    sent = [sent_rows(ids, world, NUM_EXPERTS, s, ll, dedup_link)
+            for s, ids in enumerate(ids_per_rank)]
     return sum(a for a, _ in sent) / world, sum(b for _, b in sent) / world
 
 
@@ -60,8 +61,9 @@ def _options(opt_kw: dict):
     from epmoe.comm.symm.options import SymmOptions
 
     kw = {k: v for k, v in opt_kw.items() if v}
-    if "pipelined" in kw:  # 1: on, 2: off (0: the backend's default)
-        kw["pipelined"] = kw["pipelined"] == 1
+    for k in ON_OFF:
+        if k in kw:
+            kw[k] = kw[k] == 1
     return SymmOptions(**kw)
 
 
@@ -206,7 +208,7 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
         del g_disp, g_comb, outs, ys
         disp = _median_us((e[0], e[1]) for e in times) / world
         comb = _median_us((e[1], e[2]) for e in times) / world
-        all_rows, link_rows = traffic(ids, world, mode == "ll")
+        all_rows, link_rows = traffic(ids, world, mode == "ll", cls.name in LL_DEDUP)
         emit(dict(backend=cls.name, recipe=quant.recipe, tokens=t, world=world,
                   where=f"loopback {world} ranks / 1 GPU", dispatch_us=disp, combine_us=comb,
                   rows=all_rows, link_rows=link_rows,
@@ -217,13 +219,15 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
 
 
 KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipelined",
-         "chunk_rows")
+         "chunk_rows", "ll_dedup")
+ON_OFF = ("pipelined", "ll_dedup")  # 1: on, 2: off (0: the backend's default)
 
 
 def _sweep(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
-    pipelined, chunk_rows}] (missing or 0: the default; pipelined 1: symm-ht's one-kernel
-    dispatch and combine, ranks on their own streams; 2: two launches, send then receive)."""
+    pipelined, chunk_rows, ll_dedup}] (missing or 0: the default; pipelined 1: symm-ht's
+    one-kernel dispatch and combine, ranks on their own streams; 2: two launches, send then
+    receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert)."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = [int(v) for v in item.split(":")]

@@ -146,17 +146,25 @@ def wire_reference(x, backend: str, quant):
     return dequantize_act(quantize_tokens(x, quant)).float()
 
 
-def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool) -> tuple[int, int]:
+# LL backends that send a token once per destination rank (the receiver fills its experts'
+# rows); DeepEP LL sends one row per (token, expert)
+LL_DEDUP = ("symm-ll",)
+
+
+def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool,
+              dedup_link: bool = False) -> tuple[int, int]:
     """Rows `rank` sends for routing `ids` (experts in contiguous blocks per rank): (all, its
     own included; only those to other ranks). HT: a token once per destination rank; LL: once
-    per (token, k)."""
+    per (token, k) (DeepEP's convention), except the link rows of a backend that sends a token
+    once per rank (`dedup_link`: what crosses)."""
     owner = ids.long().cpu() // (num_experts // world)
     all_rows = link = 0
     for d in range(world):
         hit = owner == d
         n = int(hit.sum()) if ll else int(hit.any(1).sum())
         all_rows += n
-        link += n if d != rank else 0
+        if d != rank:
+            link += int(hit.any(1).sum()) if dedup_link else n
     return all_rows, link
 
 
@@ -256,7 +264,8 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                         perm.append(us(t1, t1b))
                         comb.append(us(t1b, t2))
                 comm.check_errors()
-                rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll")
+                rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll",
+                                       name in LL_DEDUP)
                 kern = None
                 if cuda and job.breakdown:
                     from epmoe.bench.comm_loopback import kernel_breakdown

@@ -12,7 +12,9 @@ Two backends behind the comm contract (`epmoe.comm.base`):
 | symm-ll | MaskedBatch | per (token, k), fp8 quantized in the   | as symm-ht: the expert rank |
 |         |             | send, straight into the peer's         | reduces a token's rows (the |
 |         |             | [E_l, C, D] (C = W x max tokens), plus | message: rows, weights); a  |
-|         |             | one message per (token, rank)          | bf16 row per (token, rank)  |
+|         |             | one message per (token, rank); or      | bf16 row per (token, rank)  |
+|         |             | (ll_dedup) once per (token, rank), the |                             |
+|         |             | receiver copying it into its rows      |                             |
 
     ctx = CommContext(group, rank, world, device, max_tokens_per_rank=T)   # the Runtime's
     ht = SymmHighThroughputComm(cfg, quant, expert_map_E, ctx)  # options=SymmOptions(...),
@@ -41,14 +43,16 @@ rows of one [W, bytes] tensor). Kernels are identical for both.
     | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
     | ht_counts [2][W] n, pairs/expert,G,CK|  | ll_meta   [E_l][C] (src*T + t)*K + k  |
     | ht_prog   [W][1024] i64 chunk rounds |  | ll_msg    [W][T] epoch, row_k, w_k    |
-    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_comb   [2][W][T] bf16 [D] partial  |
+    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_stage  [W][T] data|scale (ll_dedup)|
+    |                                      |  | ll_comb   [2][W][T] bf16 [D] partial  |
     +--------------------------------------+  +---------------------------------------+
     [2] = buffer epoch % 2, [W] = source rank, T = max tokens per rank, C = W x T
 
 ## Synchronisation and epochs (all on the device: CUDA-graph safe)
 
 Every op (ht-dispatch, ht-combine, ll-dispatch, ll-combine) has on each rank a call counter
-`seq` in its control block; a call's epoch is seq + 1, the receive half's last CTA stores it.
+`seq` in its control block; a call's epoch is seq + 1, the receive half's last CTA stores it
+(symm-ll's dispatch counts its send's calls instead, `send_seq`: its receive has no last CTA).
 A send half: waits until every peer's `ack[op][me]` (written by the peer into my control block)
 says the buffer it is about to fill was consumed (HT: epoch - 2, double-buffered; LL dispatch:
 epoch - 1, single buffer released by the peer's combine_send), stores rows, then its last CTA
@@ -77,9 +81,9 @@ symm-ll every SM); the receive halves (local copies after their wait) run `recv_
 its push CTAs copy each token block as soon as its reduce CTAs finish it (done words), and
 count the rows into their sources' landing counters; the source sums a block of its tokens
 once every rank's rows for it have landed (in the same kernel on real ranks, in the receive's
-launch in the loopback world; see `ht_combine.py`). The only CTAs that wait on CTAs of their own grid (that push) took their
-role after those (arrival order), so what they wait for is running: a CTA that is not
-resident yet only delays (the grid need not fit at once).
+launch in the loopback world; see `ht_combine.py`). The only CTAs that wait on CTAs of
+their own grid (that push) took their role after those (arrival order), so what they wait for
+is running: a CTA that is not resident yet only delays (the grid need not fit at once).
 Every kernel moves whole rows per CTA step, all loads of a step before its stores (tiles.py).
 
 ## NVSHMEM in one process
@@ -94,7 +98,7 @@ about 0.5 GB).
 
 Files: arena.py (layouts, loopback world, NVSHMEM arena), sync.py (device flags), route.py
 (sender's routing table), ht_dispatch.py (+ ht_send.py, ht_recv.py: its roles) /
-ht_combine.py, ll_dispatch.py / ll_combine.py (kernels + wrappers), sum_back.py (symm-ll
+ht_combine.py, ll_dispatch.py (+ ll_send.py) / ll_combine.py, sum_back.py (symm-ll
 combine's receive), tiles.py (row tiles, `ksum`), options.py (knobs), ht.py / ll.py (the
 backends), loopback.py (W ranks in one process).
 """

@@ -32,9 +32,11 @@ MAX_TOKENS = 1024  # the masked region holds E_L x (W x tokens) rows: decode siz
 @dataclass(frozen=True)
 class SymmLLPending:
     """Between dispatch_send and dispatch_recv: msg_TW int32 [T, W], >= 0 where a token went
-    to that rank (the partial sums combine_recv adds)."""
+    to that rank (the partial sums combine_recv adds); counts_E int32 [E_L], zeroed by the
+    send, filled by the receive."""
 
     msg_TW: torch.Tensor
+    counts_E: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -98,14 +100,14 @@ class SymmLowLatencyComm(BoundOptions, Comm):
 
     # -------------------------------------------------------------- dispatch
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
-        """Quantize (fused into the send kernel) and send every (token, k) row."""
+        """Quantize (fused into the send kernel) and send each token once per rank."""
         opts = self.options.for_call(self.arena.begin(LL_DISPATCH))
-        return SymmLLPending(self._dispatch.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK,
-                                                          opts))
+        return SymmLLPending(*self._dispatch.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK,
+                                                           opts))
 
     def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
         opts = self.options.for_call(self.arena.end(LL_DISPATCH))
-        x, counts = self._dispatch.dispatch_recv(opts)
+        x, counts = self._dispatch.dispatch_recv(pending.counts_E, opts)
         return MaskedBatch(x, counts), SymmLLHandle(counts, pending.msg_TW)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):

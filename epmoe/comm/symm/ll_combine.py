@@ -20,9 +20,9 @@ from epmoe.comm.symm.arena import LL_COMBINE, LL_DISPATCH, RankArena  # noqa: E4
 from epmoe.comm.symm.ll_dispatch import LLShape  # noqa: E402
 from epmoe.comm.symm.options import LL_SMS, SymmOptions, grid  # noqa: E402
 from epmoe.comm.symm.sum_back import SumBack  # noqa: E402
-from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, C_SEQ, USE_TIMER,  # noqa: E402
-                                  arrive_last, ctrl_ptr, epoch, publish2, wait_acks)
-from epmoe.comm.symm.tiles import ksum  # noqa: E402
+from epmoe.comm.symm.sync import (C_DONE_SEND, C_NUM_OPS, C_READY, USE_TIMER,  # noqa: E402
+                                  arrive_last, epoch, publish2, send_epoch, wait_acks)
+from epmoe.comm.symm.tiles import ksum, source_block  # noqa: E402
 
 OP_D = tl.constexpr(LL_DISPATCH)
 OP_C = tl.constexpr(LL_COMBINE)
@@ -43,24 +43,19 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, me, limit, SLOTS: tl.const
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     NC: tl.constexpr = (D + CK - 1) // CK
-    e_d = tl.load(ctrl_ptr(arena_ptr, C_SEQ + OP_D))  # the dispatch this combine answers
+    e_d = send_epoch(arena_ptr, OP_D) - 1  # the dispatch this combine answers
     e = epoch(arena_ptr, OP_C)
     buf = e % 2
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         msg = (arena_ptr + MSG).to(tl.pointer_type(tl.int32))
         ss = tl.arange(0, WP)
-        sm = ss < W
         ntok = tl.minimum(tl.load((arena_ptr + NTOK).to(tl.pointer_type(tl.int32)) + ss,
-                                  mask=sm, other=0), TMAX)
-        nb = (ntok + BT - 1) // BT  # token blocks per source, the sources one after another
-        incl = tl.cumsum(nb, axis=0)
-        for it in range(pid, tl.sum(nb, axis=0) * NC, G):
-            blk = it // NC
-            src = tl.sum(((blk >= incl) & sm).to(tl.int32), axis=0)
-            t = (blk - tl.sum(tl.where(ss < src, nb, 0), axis=0)) * BT + tl.arange(0, BT)
+                                  mask=ss < W, other=0), TMAX)
+        nblk = tl.sum((ntok + BT - 1) // BT, axis=0)  # the sources' token blocks in turn
+        for it in range(pid, nblk * NC, G):
+            src, t, nm = source_block(it // NC, ntok, ss, W, BT)
             n64 = (src * TMAX + t).to(tl.int64)
-            nm = t < tl.sum(tl.where(ss == src, ntok, 0), axis=0)
             nm = nm & (tl.load(msg + n64 * MW, mask=nm, other=0) == e_d)  # current only
             cols = (it % NC) * CK + tl.arange(0, CK)
             cm = cols < D

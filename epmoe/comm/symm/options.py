@@ -37,6 +37,11 @@ class SymmOptions:
                 rank by rank (a receive there would wait for a send launched after it)
     chunk_rows  symm-ht dispatch: slots per chunk (the unit a receive waits for; a power of
                 two); 0 = 16 on GPU, 4 when interpreting (several rounds in small tests)
+    ll_dedup    symm-ll dispatch: send a token once per destination rank into a staging
+                region, the receive (every SM) copying it into its experts' rows (a quarter
+                of the link bytes at ep 2 with top-8), instead of one row per (token, expert)
+                straight into the peers' masked layout (DeepEP LL's way, the default: on one
+                H200 the staged copy costs 2-8 us more; not yet measured on a link)
     """
 
     num_sms: int = 0
@@ -49,6 +54,7 @@ class SymmOptions:
     exact_rows: bool = False
     pipelined: bool | None = None
     chunk_rows: int = 0
+    ll_dedup: bool = False
 
     def __post_init__(self):
         if self.num_sms < 0:

@@ -198,8 +198,10 @@ def publish2(arena_ptr, delta_ptr, word_a, value_a, word_b, value_b, W: tl.const
 
 @triton.jit
 def finish_send(arena_ptr, delta_ptr, OP: tl.constexpr, e, me, W: tl.constexpr):
-    """Last CTA of a send half: ready[OP][me] = e at every rank."""
+    """Last CTA of a send half that counts its own calls (`send_epoch`): send_seq[OP] = e
+    here, ready[OP][me] = e at every rank."""
     if arrive_last(arena_ptr, C_DONE_SEND + OP, tl.num_programs(0)) != 0:
+        tl.store(ctrl_ptr(arena_ptr, C_SEQ_SEND + OP), e)
         publish(arena_ptr, delta_ptr, C_READY + OP * W + me, e, W)
 
 

@@ -60,6 +60,25 @@ def work_item(it, BT: tl.constexpr, CK: tl.constexpr, NC: tl.constexpr, D: tl.co
 
 
 @triton.jit
+def span(P: tl.constexpr, n):
+    """(arange(P), its mask < n): a tile axis of P >= n lanes."""
+    r = tl.arange(0, P)
+    return r, r < n
+
+
+@triton.jit
+def source_block(blk, ntok, ss, W: tl.constexpr, BT: tl.constexpr):
+    """Block `blk` of BT tokens when the sources' tokens (ntok [WP] int32, 0 past W; ss =
+    arange(WP)) are taken one source after another -> (source, its tokens t [BT], t < ntok of
+    the source)."""
+    nb = (ntok + BT - 1) // BT
+    incl = tl.cumsum(nb, axis=0)
+    src = tl.sum(((blk >= incl) & (ss < W)).to(tl.int32), axis=0)
+    t = (blk - tl.sum(tl.where(ss < src, nb, 0), axis=0)) * BT + tl.arange(0, BT)
+    return src, t, t < tl.sum(tl.where(ss == src, ntok, 0), axis=0)
+
+
+@triton.jit
 def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constexpr,
          ISTRIDE: tl.constexpr, INDIRECT: tl.constexpr, HAS_W: tl.constexpr,
          PRE_ROUND: tl.constexpr):
@@ -99,5 +118,6 @@ def ksum(ptr, idx_ptr, w_ptr, n64, nm, row0, rstride, cols, cm, D, S: tl.constex
     return acc
 
 
-__all__ = ["chunk_cols", "ksum", "num_items", "work_item", "row_cols", "rows_per_step", "warps",
+__all__ = ["chunk_cols", "ksum", "source_block", "span", "num_items", "work_item", "row_cols",
+           "rows_per_step", "warps",
            "CHUNK_COLS", "TILE_ELEMS", "NUM_WARPS"]
