@@ -2,9 +2,11 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from epmoe.config import QuantConfig
 from epmoe.plan.profile import (SOURCES, GemmCurve, LinkFit, Provenance, load_profile,
                                 shipped_profiles, to_dict)
 from epmoe.plan.specs import build_profiles
@@ -181,6 +183,36 @@ def test_link_fit_scales_with_the_link_and_the_sms():
     assert f.bandwidth_GBps(900.0) == 600.0  # twice the link, twice the bandwidth
     assert f.sm_GBps() == 100.0 and f.sm_GBps(7) == 35.0  # default 20 SMs x 5 GB/s
     assert LinkFit(1.0, 1.0, 1.0, Provenance("estimate", "t")).sm_GBps(20) is None
+
+
+def test_a_fixed_cost_per_peer_grows_with_the_world():
+    """peer_us: alpha is the cost with one peer, each further one adds peer_us (symm-ll's flags,
+    fitted to loopback runs at 2, 4 and 8 ranks); a fit without it keeps alpha at any world,
+    and the model's comm time follows."""
+    from epmoe.config import get_preset
+    from epmoe.plan.comm_cost import CommCase, dispatch_cost
+    from epmoe.plan.routing import RoutingSpec, routing_stats
+    from epmoe.plan.topology import Topology
+
+    f = LinkFit(10.0, 300.0, 450.0, Provenance("estimate", "t"), peer_us=0.5)
+    assert (f.alpha_at(1), f.alpha_at(2), f.alpha_at(8)) == (10.0, 10.0, 13.0)
+    assert LinkFit(10.0, 300.0, 450.0, Provenance("estimate", "t")).alpha_at(8) == 10.0
+    prof = load_profile("h200")
+    fit = prof.comm_fit("symm-ll", "nvlink", "dispatch")
+    assert 0.2 < fit.peer_us < 0.6 and "per peer" in fit.prov.note
+    assert prof.comm_fit("deepep-ll", "nvlink", "dispatch").peer_us == 0.0
+    cfg = get_preset("deepseek-v3").replace(n_group=1, topk_group=1)
+
+    def kernel_us(world, p):
+        stats = routing_stats(cfg, RoutingSpec(), world, world)
+        case = CommCase(cfg, QuantConfig("fp8_block"), Topology.parse(f"1x{world}"), p, stats,
+                        1, 1)
+        return dispatch_cost("symm-ll", case).kernel_us
+
+    without = prof.replace(comm={**prof.comm, "symm-ll": {"nvlink": {
+        k: replace(v, peer_us=0.0) for k, v in prof.comm["symm-ll"]["nvlink"].items()}}})
+    grown = kernel_us(8, prof) - kernel_us(8, without)
+    assert abs(grown - 6 * fit.peer_us) < 1e-9 and kernel_us(2, prof) == kernel_us(2, without)
 
 
 def test_the_v4_flash_calibration_holds_measured_w4a8_curves_at_its_shapes():

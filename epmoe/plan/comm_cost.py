@@ -10,8 +10,9 @@ Mechanisms (each a term below, each constant from the profile, which says where 
   (`PRE_REDUCED`: the expert rank sums a token's rows first);
 - the hottest rank: the receiving side uses the most loaded rank (population skew from the
   routing statistics plus the finite-batch maximum over ranks), the sending side the mean;
-- fixed per-call latency: alpha per transfer and per collective call, the count exchange
-  (plus a host sync where the backend waits for counts on the host), op launches;
+- fixed per-call latency: alpha per transfer and per collective call (symm: plus a cost per
+  peer, its flags), the count exchange (plus a host sync where the backend waits for counts
+  on the host), op launches;
 - SMs given to comm: an SM-driven transfer also takes the rows its SMs move (every row the
   rank sends or receives, its own rows included: they are copied by the same SMs) over
   SMs x the per-SM rate; the transfer takes the longer of that and its slowest link class.
@@ -195,7 +196,7 @@ def _transfer(c: CommCase, backend: str, direction: str, rows: dict, row_bytes: 
             notes[f"{direction}.sm_GBps"] = sm_bw
             notes[f"{direction}.sm_bytes"] = sm_rows * row_bytes
             us = max(us, sm_rows * row_bytes / (sm_bw * 1e3))
-        worst = max(worst, fit.alpha_us + us)
+        worst = max(worst, fit.alpha_at(c.topo.world) + us)
         link_bytes[cls] = sent * row_bytes
         notes[f"{direction}.{cls}_GBps"] = bw
         notes[f"{direction}.{cls}_bytes"] = max(sent, recv) * row_bytes

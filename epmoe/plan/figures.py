@@ -74,6 +74,8 @@ class LinkFit:
                  rank's own rows included (None: not SM-limited)
     sms          SMs the backend takes by default (None: not SM-driven, or all of them)
     count_us     count/layout exchange per call when the layout is not cached (0: none)
+    peer_us      fixed cost per peer beyond the first (the flags a call polls and publishes
+                 per peer): alpha_us is the cost with one peer (`alpha_at`)
     """
 
     alpha_us: float
@@ -83,6 +85,11 @@ class LinkFit:
     per_sm_GBps: float | None = None
     sms: int | None = None
     count_us: float = 0.0
+    peer_us: float = 0.0
+
+    def alpha_at(self, world: int) -> float:
+        """The fixed cost per call in a world of `world` ranks."""
+        return self.alpha_us + self.peer_us * max(0, world - 2)
 
     def bandwidth_GBps(self, link_GBps: float) -> float:
         """Usable bandwidth on a link of `link_GBps` nominal per direction."""

@@ -242,7 +242,8 @@ def _prov(d) -> Provenance:
 def _linkfit(d) -> LinkFit:
     return LinkFit(float(d["alpha_us"]), float(d["beta_GBps"]), float(d["link_GBps"]),
                    _prov(d["prov"]), None if d.get("per_sm_GBps") is None
-                   else float(d["per_sm_GBps"]), d.get("sms"), float(d.get("count_us", 0.0)))
+                   else float(d["per_sm_GBps"]), d.get("sms"), float(d.get("count_us", 0.0)),
+                   float(d.get("peer_us", 0.0)))
 
 
 def from_dict(d: Mapping) -> HardwareProfile:

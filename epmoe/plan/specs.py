@@ -210,6 +210,29 @@ SYMM_LOOPBACK = {  # backend: (CTAs the send halves take, points)
 }
 
 
+# symm-ll at 1 token per rank in the loopback world of 2, 4 and 8 ranks (one H200; rows too
+# few to matter, so what grows is the fixed cost per peer): {direction: {recipe: [us at 2, 4,
+# 8 ranks]}}
+SYMM_PEERS_SRC = ("lent H200, BENCHMARKS.md section 21 (2026-12-04): python -m "
+                  "epmoe.bench.comm --world 2|4|8 --only ll --ll-tokens 1,128, loopback")
+SYMM_PEERS = {"dispatch": {"fp8_block": [13.4, 13.0, 15.1], "bf16": [9.7, 9.7, 11.8]},
+              "combine": {"fp8_block": [15.4, 15.4, 18.0], "bf16": [14.4, 15.0, 17.0]}}
+PEER_WORLDS = (2, 4, 8)
+
+
+def _peer_us(direction: str) -> float:
+    """The per-peer slope of symm-ll's fixed cost: least squares over the worlds, each recipe
+    its own intercept."""
+    xs = [w - 2 for w in PEER_WORLDS]
+    mx = sum(xs) / len(xs)
+    num = den = 0.0
+    for ys in SYMM_PEERS[direction].values():
+        my = sum(ys) / len(ys)
+        num += sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        den += sum((x - mx) ** 2 for x in xs)
+    return num / den
+
+
 def _fit_line(xs, ys) -> tuple[float, float]:
     """Least squares y = a + b x -> (a, b); a < 0 (no fixed cost visible): a = 0, b refitted
     through the origin."""
@@ -247,11 +270,14 @@ def _symm_comm(comm: dict) -> dict:
             ys = [p[2] - p[4] if k == "dispatch" else p[3] for p in points]
             alpha, inv = _fit_line(xs, ys)
             f = theirs[k]
+            peer = _peer_us(k) if ours == "symm-ll" else 0.0
+            per = (f"; + {peer:.2f} us per peer beyond one ({SYMM_PEERS_SRC})" if peer else
+                   "; per-peer cost not measured (0)")
             prov = P("derived", f"{SYMM_SRC}: {ours} {k} at {len(points)} points (bf16, fp8) -> "
                                 f"alpha {alpha:.1f} us, {1 / inv:.1f} GB/s per CTA ({sms} "
                                 f"CTAs) over the rows the SMs move; link efficiency assumed "
-                                f"DeepEP's")
-            fits[k] = LinkFit(alpha, f.beta_GBps, f.link_GBps, prov, 1 / inv, sms, 0.0)
+                                f"DeepEP's{per}")
+            fits[k] = LinkFit(alpha, f.beta_GBps, f.link_GBps, prov, 1 / inv, sms, 0.0, peer)
         out[ours] = {"nvlink": fits}
     return out
 
@@ -346,7 +372,7 @@ def derive(base: HardwareProfile, name: str) -> HardwareProfile:
 
 def _inherit_fit(f: LinkFit, frm: str) -> LinkFit:
     return LinkFit(f.alpha_us, f.beta_GBps, f.link_GBps, f.prov.inherit(frm), f.per_sm_GBps,
-                   f.sms, f.count_us)
+                   f.sms, f.count_us, f.peer_us)
 
 
 def build_profiles() -> dict[str, HardwareProfile]:
