@@ -123,6 +123,14 @@ class Runtime:
         return "mixed", ", ".join(f"layer {l}: {b}" for l, b in enumerate(names))
 
     # ---------------------------------------------------------------- building
+    def _symm_options(self):
+        """The symm layers' SymmOptions from --comm-option (None: their defaults)."""
+        if not self.run.comm_options:
+            return None
+        from epmoe.comm.symm.options import SymmOptions
+
+        return SymmOptions(**dict(self.run.comm_options))
+
     def _make_experts(self, weights, name: str | None = None, cfg=None) -> Experts:
         """The experts backend `name` (default: the run's) for these weights (computing with
         `cfg`, default the model's)."""
@@ -147,7 +155,7 @@ class Runtime:
         shared = None if w.shared is None else \
             self._make_experts(w.shared, plan.experts, cfg.shared_mlp_cfg)
         comm = make_comm(plan.backend, cfg, run.quant, plan.expert_map(cfg).to(self.device),
-                         self.comm_ctx)
+                         self.comm_ctx, self._symm_options())
         comm.set_alignment(experts.alignment)
         return MoELayer(cfg, run.quant, w, plan, comm, experts, shared,
                         replica_map=self.rebalancer.replica_maps[l], group=self.group,

@@ -94,6 +94,14 @@ BAD_FLAGS = [
      r"--cuda-graph captures CUDA work, but the ranks run on cpu \(this machine has no CUDA"),
     (["--cuda-graph", "--steps", "1"], r"--cuda-graph replays steps 1\.\.; with --steps 1 no "
                                        r"step would be replayed"),
+    (["--ep", "2", "--comm-option", "ll_dedupe=1"],
+     r"comm option 'll_dedupe=1': expected KNOB=VALUE with KNOB one of num_sms, .*ll_dedup"),
+    (["--ep", "2", "--comm-option", "num_sms=many"],
+     r"comm option 'num_sms=many': num_sms takes a value of type int"),
+    (["--ep", "2", "--comm-option", "chunk_cols=3"],
+     r"comm options chunk_cols=3: chunk_cols \(3\) must be 0 \(the default\) or a power of two"),
+    (["--ep", "2", "--backend", "all2all", "--comm-option", "ll_dedup=1"],
+     r"--comm-option tunes symm-ht / symm-ll \(SymmOptions\); --backend all2all takes none"),
 ]
 
 

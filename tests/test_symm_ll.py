@@ -186,3 +186,32 @@ def test_bench_checks_agree_with_the_kernels_and_catch_a_wrong_sum(mode, seed):
     res[1][0, 0] += 1.0
     assert check(comms, ids, ws, outs, ys, res).startswith("rank 1: 1 differ")
 
+
+
+def test_comm_options_reach_a_symm_layer_and_only_symm_layers():
+    """--comm-option KNOB=VALUE -> RunConfig.comm_options -> the symm backend's SymmOptions
+    (make_comm); the other backends take none."""
+    from epmoe.comm import make_comm
+    from epmoe.comm.context import CommContext
+    from epmoe.comm.symm.arena import ArenaResource, LoopbackWorld
+    from epmoe.comm.symm.options import parse_knobs
+    from epmoe.launch.cli import build_run, parser
+
+    run = build_run(parser().parse_args(["--ep", "2", "--comm-option", "ll_dedup=on",
+                                         "--comm-option", "num_sms=2"]))
+    assert run.comm_options == (("ll_dedup", True), ("num_sms", 2))
+    assert build_run(parser().parse_args(["--ep", "2"])).comm_options == ()
+    assert parse_knobs(["pipelined=0", "timeout_s=2.5"]) == (("pipelined", False),
+                                                            ("timeout_s", 2.5))
+    quant = QuantConfig("fp8_block")
+    layout = SymmLowLatencyComm.arena_layout(CFG, quant, 2, MAX_T)
+    lw = LoopbackWorld(layout, "cpu")
+    ctx = CommContext(None, 0, 2, "cpu", max_tokens_per_rank=MAX_T)
+    ctx.resource(SymmLowLatencyComm.arena_key, lambda: ArenaResource(lw.rank(0)))
+    emap = torch.full((CFG.num_experts,), -1, dtype=torch.int32)
+    emap[:CFG.num_experts // 2] = torch.arange(CFG.num_experts // 2, dtype=torch.int32)
+    comm = make_comm("symm-ll", CFG, quant, emap, ctx,
+                     SymmOptions(**dict(run.comm_options)))
+    assert comm.options.ll_dedup and comm.options.num_sms == 2 and comm._dispatch.staged
+    plain = make_comm("local", CFG, quant, emap, None, SymmOptions(ll_dedup=True))
+    assert not hasattr(plain, "options")

@@ -87,7 +87,13 @@ def resolve_backend(name: str, run, device) -> tuple[str, str]:
     return "all2all", "auto: all2all" + (f" ({'; '.join(tried)})" if tried else "")
 
 
-def make_comm(name: str, cfg, quant, expert_map_E, ctx: CommContext | None = None) -> Comm:
+SYMM = ("symm-ht", "symm-ll")  # ours: tuned by SymmOptions
+
+
+def make_comm(name: str, cfg, quant, expert_map_E, ctx: CommContext | None = None,
+              options=None) -> Comm:
     """The backend `name` for one layer on this rank; `ctx` is the rank's shared context (a
-    one-rank CPU context when None)."""
-    return backend_class(name)(cfg, quant, expert_map_E, ctx)
+    one-rank CPU context when None); `options`: a symm backend's SymmOptions (None: its
+    defaults; the other backends take none)."""
+    kw = {"options": options} if options is not None and name in SYMM else {}
+    return backend_class(name)(cfg, quant, expert_map_E, ctx, **kw)

@@ -83,6 +83,7 @@ def build_run(a: argparse.Namespace):
     if rpg != 1:
         _check_shared_gpus(a, rpg, form, world)
     graph = getattr(a, "cuda_graph", False)
+    comm_options = _comm_options(a)
     if weights:
         _check_weights(weights, cfg, model, a.layers)
     # a config.json is read here, once: the ranks get its MoEConfig, not the path
@@ -95,7 +96,7 @@ def build_run(a: argparse.Namespace):
                     eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
                     micro_batches=getattr(a, "micro_batches", 1),
                     timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,
-                    cuda_graph=graph)
+                    cuda_graph=graph, comm_options=comm_options)
     run.validate()
     if graph and local_device(a) == "cpu":  # (a cluster's device: check_runnable)
         raise ValueError("--cuda-graph captures CUDA work; drop it with --device cpu"
@@ -112,6 +113,19 @@ def build_run(a: argparse.Namespace):
 
 
 SHARED_GPU_BACKENDS = ("symm-ht", "symm-ll")  # NCCL and DeepEP need a GPU per rank
+
+
+def _comm_options(a: argparse.Namespace) -> tuple:
+    """--comm-option KNOB=VALUE ... -> RunConfig.comm_options (symm-ht / symm-ll only)."""
+    items = getattr(a, "comm_option", None) or []
+    if not items:
+        return ()
+    if a.backend not in ("auto", *SHARED_GPU_BACKENDS):
+        raise ValueError(f"--comm-option tunes symm-ht / symm-ll (SymmOptions); --backend "
+                         f"{a.backend} takes none")
+    from epmoe.comm.symm.options import parse_knobs
+
+    return parse_knobs(items)
 
 
 def _check_weights(path: str, cfg, model: str, layers: int | None) -> None:

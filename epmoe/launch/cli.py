@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ll-max-tokens", type=int, default=256,
                    help="with --backend auto on CUDA: DeepEP low-latency up to this many tokens "
                         "per rank, high-throughput above")
+    g.add_argument("--comm-option", action="append", default=[], metavar="KNOB=VALUE",
+                   help="a symm-ht / symm-ll tuning knob (SymmOptions; repeatable), e.g. "
+                        "ll_dedup=1 (symm-ll sends a token once per rank), num_sms=32")
     g.add_argument("--experts", default="auto", choices=("auto", "torch", "triton", "deepgemm"),
                    help="experts backend")
     g.add_argument("--micro-batches", type=int, default=1, choices=(1, 2),

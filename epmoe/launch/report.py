@@ -270,6 +270,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                    backend=reports[0]["backend"], backend_reason=reports[0]["backend_reason"],
                    experts=reports[0]["experts_reason"], device=reports[0]["device"],
                    nodes=len(nodes), ranks_per_gpu=run.ranks_per_gpu,
+                   comm_options=dict(run.comm_options),  # symm layers' SymmOptions knobs
                    ranks=[dict(rank=w["rank"], host=w["host"], node=nodes.index(w["node_id"]),
                                device=w["device"]) for w in where]),
         correctness=check_correctness(run, reports),

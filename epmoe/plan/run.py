@@ -61,6 +61,8 @@ class RunConfig:
     ranks_per_gpu: int = 1
     # steps 1.. replayed from one CUDA graph per rank (epmoe/graph.py: capturable paths only)
     cuda_graph: bool = False
+    # ((SymmOptions knob, value), ...): the symm-ht / symm-ll layers' options (--comm-option)
+    comm_options: tuple = ()
 
     @property
     def cfg(self) -> MoEConfig:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from epmoe.kernels._common import INTERPRET
 
@@ -129,6 +129,40 @@ class BoundOptions:
         self._options = options
         if hasattr(self, "arena"):  # replaced after construction: bind the kernels again
             self._bind()
+
+
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def parse_knobs(items) -> tuple[tuple[str, object], ...]:
+    """["ll_dedup=1", "num_sms=32", ...] (a launcher's --comm-option) -> ((knob, typed value),
+    ...), checked by building the SymmOptions they describe; ValueError names the bad item
+    and the knobs there are."""
+    types = {f.name: str(f.type) for f in fields(SymmOptions)}
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or key not in types:
+            raise ValueError(f"comm option {item!r}: expected KNOB=VALUE with KNOB one of "
+                             f"{', '.join(types)} (SymmOptions)")
+        kind = types[key]
+        try:
+            if kind.startswith("bool"):
+                if text.lower() not in _TRUE + _FALSE:
+                    raise ValueError
+                value: object = text.lower() in _TRUE
+            else:
+                value = float(text) if kind == "float" else int(text)
+        except ValueError:
+            raise ValueError(f"comm option {item!r}: {key} takes a value of type "
+                             f"{kind.split()[0]}") from None
+        out[key] = value
+    try:
+        SymmOptions(**out)  # its own range checks
+    except ValueError as exc:
+        raise ValueError(f"comm options {', '.join(items)}: {exc}") from None
+    return tuple(out.items())
 
 
 HT_SMS = 24  # symm-ht's default CTAs for the halves that write to peers
