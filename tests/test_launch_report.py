@@ -103,6 +103,13 @@ def test_ranks_sharing_a_gpu_say_their_times_are_not_speeds(eplb_run):
     assert all(len(ln) <= 80 for ln in text.splitlines())
 
 
+def test_the_backend_line_names_the_comm_options(eplb_run):
+    s = copy.deepcopy(eplb_run[0])
+    assert s["world"]["comm_options"] == {}  # none given
+    s["world"]["comm_options"] = {"ll_dedup": True, "num_sms": 32}
+    assert "; ll_dedup=True; num_sms=32" in " ".join(rendered(s).split())
+
+
 def test_help_shows_every_default():
     text = parser().format_help()
     text = text[text.index("options:"):]  # past the usage line

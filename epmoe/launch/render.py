@@ -57,7 +57,9 @@ def run_table(s: dict):
     c, w, t, ld, cfg = s["correctness"], s["world"], s["timing"], s["load"], s["config"]
     rows = [*([["weights", escape(cfg["weights"])]] if cfg.get("weights", "synthetic")
                != "synthetic" else []),
-            ["backend", escape(f"{w['backend']} ({w['backend_reason']})")],
+            ["backend", escape(f"{w['backend']} ({w['backend_reason']})"
+                               + "".join(f"; {k}={v}" for k, v in
+                                         (w.get("comm_options") or {}).items()))],
             ["experts", escape(str(w["experts"]))],
             ["device", escape(w["device"]) + (
                 f" ({w['ranks_per_gpu']} ranks per GPU, time-sliced: the times are not speeds)"
