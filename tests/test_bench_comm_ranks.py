@@ -138,8 +138,17 @@ def test_sent_rows_counts_a_token_once_per_rank_for_ht_and_per_k_for_ll():
     ids = torch.tensor([[0, 1], [0, 9], [8, 9]])  # 16 experts over 2 ranks: 0-7, 8-15
     assert sent_rows(ids, 2, 16, 0, ll=False) == (4, 2)  # rank 0: {0}, {0, 1}, {1}
     assert sent_rows(ids, 2, 16, 0, ll=True) == (6, 3)
-    # symm-ll: DeepEP's convention for all rows, a token once per rank over the link
+    # symm-ll with ll_dedup: DeepEP's convention for all rows, a token once per rank over the
+    # link (its default sends a row per (token, expert), as DeepEP)
     assert sent_rows(ids, 2, 16, 0, ll=True, dedup_link=True) == (6, 2)
+    from types import SimpleNamespace
+
+    from epmoe.bench.comm_ranks import sends_once_per_rank
+    from epmoe.comm.symm.options import SymmOptions
+
+    assert sends_once_per_rank(SimpleNamespace(options=SymmOptions(ll_dedup=True)))
+    assert not sends_once_per_rank(SimpleNamespace(options=SymmOptions()))
+    assert not sends_once_per_rank(object())  # DeepEP, all2all: no SymmOptions
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,8 @@ harness, not a benchmark). `--device shared`: symm-* on W real ranks that share 
 (processes time-sliced by the driver): the real-rank path (NVSHMEM arena, peer views, the
 pipelined dispatch) checked end to end on one GPU; its times are not link speeds. GB/s in two
 conventions: "all" = every received row incl. the rank's own (DeepEP's tests; LL: every
-(token, k)), "link" = only rows that cross to another rank (symm-ll: a token once per rank).
+(token, k)), "link" = only rows that cross to another rank (symm-ll with ll_dedup: a token
+once per rank).
 SMs: the persistent grid of the symm kernels (DeepEP HT: its SM count). Times: median of
 CUDA-event timings (real ranks: the slowest rank's per iteration; `--timing device`, the
 default, is the GPU's time with the host ahead and the ranks' GPUs lined up, DeepEP's

@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from epmoe.bench.comm_ranks import LL_DEDUP, sent_rows
+from epmoe.bench.comm_ranks import sends_once_per_rank, sent_rows
 from epmoe.config import MoEConfig, QuantConfig
 
 HIDDEN, NUM_EXPERTS, TOP_K = 7168, 256, 8
@@ -208,7 +208,7 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
         del g_disp, g_comb, outs, ys
         disp = _median_us((e[0], e[1]) for e in times) / world
         comb = _median_us((e[1], e[2]) for e in times) / world
-        all_rows, link_rows = traffic(ids, world, mode == "ll", cls.name in LL_DEDUP)
+        all_rows, link_rows = traffic(ids, world, mode == "ll", sends_once_per_rank(comms[0]))
         emit(dict(backend=cls.name, recipe=quant.recipe, tokens=t, world=world,
                   where=f"loopback {world} ranks / 1 GPU", dispatch_us=disp, combine_us=comb,
                   rows=all_rows, link_rows=link_rows,

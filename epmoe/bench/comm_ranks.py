@@ -146,9 +146,10 @@ def wire_reference(x, backend: str, quant):
     return dequantize_act(quantize_tokens(x, quant)).float()
 
 
-# LL backends that send a token once per destination rank (the receiver fills its experts'
-# rows); DeepEP LL sends one row per (token, expert)
-LL_DEDUP = ("symm-ll",)
+def sends_once_per_rank(comm) -> bool:
+    """An LL backend that sends a token once per destination rank (symm-ll with ll_dedup: the
+    receiver fills its experts' rows); the others send one row per (token, expert)."""
+    return bool(getattr(getattr(comm, "options", None), "ll_dedup", False))
 
 
 def sent_rows(ids, world: int, num_experts: int, rank: int, ll: bool,
@@ -265,7 +266,7 @@ def bench_rank(rank: int, world: int, group, job: RankJob) -> list[dict]:
                         comb.append(us(t1b, t2))
                 comm.check_errors()
                 rows, link = sent_rows(ids, world, job.num_experts, rank, job.mode == "ll",
-                                       name in LL_DEDUP)
+                                       sends_once_per_rank(comm))
                 kern = None
                 if cuda and job.breakdown:
                     from epmoe.bench.comm_loopback import kernel_breakdown
