@@ -10,8 +10,9 @@ per slot and field) and stores:
   token, each with its destination's message (rows there) — a rank holding several of a
   token's slots gets the same message several times, cheaper than finding the first;
 - staged (STAGED True): no atomics; a slot sends when no earlier slot of its token is on the
-  same rank: the row into that rank's staging region at [me][t] and one message (its local
-  experts there); the receive takes the rows.
+  same rank (a reduction over the token's slot tile: measured cheaper than reloading the
+  earlier slots, whose masked loads chain) — the row into that rank's staging region at
+  [me][t] and one message (its local experts there); the receive takes the rows.
 """
 
 from __future__ import annotations
