@@ -120,10 +120,12 @@ def _comm_options(a: argparse.Namespace) -> tuple:
     items = getattr(a, "comm_option", None) or []
     if not items:
         return ()
-    if a.backend not in ("auto", *SHARED_GPU_BACKENDS):
+    from epmoe.comm import SYMM
+    from epmoe.comm.symm.options import parse_knobs
+
+    if a.backend not in ("auto", *SYMM):
         raise ValueError(f"--comm-option tunes symm-ht / symm-ll (SymmOptions); --backend "
                          f"{a.backend} takes none")
-    from epmoe.comm.symm.options import parse_knobs
 
     return parse_knobs(items)
 
