@@ -100,7 +100,8 @@ class SymmLowLatencyComm(BoundOptions, Comm):
 
     # -------------------------------------------------------------- dispatch
     def dispatch_send(self, x_TD, topk_ids_TK, topk_weights_TK) -> SymmLLPending:
-        """Quantize (fused into the send kernel) and send each token once per rank."""
+        """Quantize (fused into the send kernel) and send each token: a row per expert, or
+        once per rank with `ll_dedup` (see ll_dispatch.py)."""
         opts = self.options.for_call(self.arena.begin(LL_DISPATCH))
         return SymmLLPending(*self._dispatch.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK,
                                                            opts))
