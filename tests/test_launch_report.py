@@ -107,7 +107,22 @@ def test_the_backend_line_names_the_comm_options(eplb_run):
     s = copy.deepcopy(eplb_run[0])
     assert s["world"]["comm_options"] == {}  # none given
     s["world"]["comm_options"] = {"ll_dedup": True, "num_sms": 32}
+    s["world"]["comm_options_used"] = True
     assert "; ll_dedup=True; num_sms=32" in " ".join(rendered(s).split())
+    assert "unused" not in rendered(s)
+
+
+def test_comm_options_no_layer_used_are_said_unused(tmp_path):
+    """`--backend auto --comm-option ...` that picked no symm backend: the knobs did nothing."""
+    out = tmp_path / "s.json"
+    assert main(["--tokens", "4", "--layers", "1", "--steps", "2", "--quiet", "--out",
+                 str(out), "--comm-option", "ll_dedup=1"]) == 0
+    summary = json.loads(out.read_text())
+    w = summary["world"]
+    assert w["backend"] not in ("symm-ht", "symm-ll") and w["comm_options"] == {"ll_dedup": True}
+    assert w["comm_options_used"] is False
+    assert "ll_dedup=True (unused: no layer ran symm-ht / symm-ll)" in " ".join(
+        rendered(summary).split())
 
 
 def test_help_shows_every_default():

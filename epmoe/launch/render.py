@@ -51,6 +51,15 @@ def router_line(rt: dict) -> str:
             f"(tol {rt['weight_tol']:.0e})")
 
 
+def _options_words(w: dict) -> str:
+    """--comm-option knobs on the backend line; said unused when no layer ran a symm backend."""
+    opts = w.get("comm_options") or {}
+    words = "".join(f"; {k}={v}" for k, v in opts.items())
+    if opts and not w.get("comm_options_used", True):
+        words += " (unused: no layer ran symm-ht / symm-ll)"
+    return words
+
+
 def run_table(s: dict):
     from rich.markup import escape
 
@@ -58,8 +67,7 @@ def run_table(s: dict):
     rows = [*([["weights", escape(cfg["weights"])]] if cfg.get("weights", "synthetic")
                != "synthetic" else []),
             ["backend", escape(f"{w['backend']} ({w['backend_reason']})"
-                               + "".join(f"; {k}={v}" for k, v in
-                                         (w.get("comm_options") or {}).items()))],
+                               + _options_words(w))],
             ["experts", escape(str(w["experts"]))],
             ["device", escape(w["device"]) + (
                 f" ({w['ranks_per_gpu']} ranks per GPU, time-sliced: the times are not speeds)"

@@ -10,6 +10,7 @@ import torch
 
 from epmoe import __version__
 from epmoe.checkpoint import SafetensorsCheckpoint
+from epmoe.comm import SYMM
 from epmoe.plan.run import RunConfig
 from epmoe.reference import (Oracle, max_rel_err, reference_hash_route, reference_moe,
                              reference_route, tolerance)
@@ -271,6 +272,8 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                    experts=reports[0]["experts_reason"], device=reports[0]["device"],
                    nodes=len(nodes), ranks_per_gpu=run.ranks_per_gpu,
                    comm_options=dict(run.comm_options),  # symm layers' SymmOptions knobs
+                   comm_options_used=bool(run.comm_options) and any(  # auto may pick no symm
+                       b[0] in SYMM for b in reports[0].get("layer_backends", [])),
                    ranks=[dict(rank=w["rank"], host=w["host"], node=nodes.index(w["node_id"]),
                                device=w["device"]) for w in where]),
         correctness=check_correctness(run, reports),
