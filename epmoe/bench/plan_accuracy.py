@@ -117,7 +117,7 @@ def render_group(s: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m epmoe.bench.plan_accuracy",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, type=writable_file, help="write the results here")
@@ -144,6 +144,11 @@ def main(argv=None) -> int:
                     "(default: <--json without .json>.profile.json, else a temporary file)")
     ap.add_argument("--calibrate-budget-s", type=float, default=120.0,
                     help="calibration time budget (default 120)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         tokens = tuple(int(v) for v in args.tokens.split(",")) if args.tokens else None
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
         args.profile = calibrate_first(args)
         if args.profile is None:
             return 2
-    from epmoe.launch.cli import build_run, parser
+    from epmoe.launch.cli import build_run, parser as launch_parser
     from epmoe.launch.sweep import run_sweep
 
     if args.cuda_graph and not cuda:
@@ -190,10 +195,11 @@ def main(argv=None) -> int:
         if left <= 0:
             print(f"budget spent: skipping {' '.join(g['flags'])}", flush=True)
             continue
-        a = parser().parse_args(g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left),
-                                              "--timing", args.timing]
-                                + (["--profile", args.profile] if args.profile else [])
-                                + (["--cuda-graph"] if args.cuda_graph else []))
+        a = launch_parser().parse_args(
+            g["flags"] + ["--plan", "sweep", "--sweep-budget-s", str(left),
+                          "--timing", args.timing]
+            + (["--profile", args.profile] if args.profile else [])
+            + (["--cuda-graph"] if args.cuda_graph else []))
         try:
             s = run_sweep(a, build_run, experts=g["experts"])
         except ValueError as exc:
