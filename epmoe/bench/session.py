@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         ap.error(f"sets {bad or '(none)'}: choose from {', '.join(known)}")
     if a.budget_s <= 0:
         ap.error(f"--budget-s ({a.budget_s}) must be > 0")
-    out = Path(a.out)
+    out = Path(a.out).resolve()  # the sets run in the repository root
     if a.dry_run:
         for s in SETS:
             if s.name in a.sets:
