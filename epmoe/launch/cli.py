@@ -110,6 +110,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from epmoe.launch.errors import sigterm_interrupts
+
+    with sigterm_interrupts() as sigterm:  # unwinds like Ctrl-C: the private cluster stops
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # the driver's context stopped what it started
+            print(f"error: {'terminated (SIGTERM)' if sigterm.received else 'interrupted'}",
+                  file=sys.stderr)
+            return 143 if sigterm.received else 130
+
+
+def _main(argv) -> int:
     a = parser().parse_args(argv)
     if a.plan == "sweep":
         from epmoe.launch.sweep import main as sweep
@@ -159,9 +171,6 @@ def main(argv=None) -> int:
         _write(a.out, dict(failure=e.failure.to_json() if e.failure else dict(message=str(e)),
                            exit_code=EXIT_FAILED))
         return _error(e, EXIT_FAILED)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:  # a bug of ours: one line, and never exit 1 (that means incorrect)
         return _error(f"{type(e).__name__}: {e} (an internal error of the launcher; "
                       f"EPMOE_LOG_LEVEL=DEBUG shows the traceback)", EXIT_FAILED, trace=True)

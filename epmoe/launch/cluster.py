@@ -24,6 +24,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -116,9 +117,12 @@ def init_ray(error: type, what: str, **kwargs) -> None:
     """ray.init(**kwargs) in this thread (Ray's driver breaks when initialized from another
     thread); a failure becomes `error` with one line and leaves Ray shut down. Ray bounds its
     own retries (about 20 s when a cluster refuses this driver's token)."""
+    import signal
+
     import ray
 
-    try:
+    sigterm = signal.getsignal(signal.SIGTERM)  # Ray's driver installs a C++ one (exit 15,
+    try:                                        # a stack, no unwinding): ours is put back
         ray.init(**kwargs)
     except Exception as e:
         if ray.is_initialized():
@@ -127,6 +131,8 @@ def init_ray(error: type, what: str, **kwargs) -> None:
         hint = (" (if the cluster uses token authentication, export RAY_AUTH_MODE=token and "
                 "RAY_AUTH_TOKEN_PATH=<its token file>)" if isinstance(e, ConnectionError) else "")
         raise error(f"{what}: {type(e).__name__}: {first}{hint}") from None
+    if sigterm is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 class _Env:
