@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -49,6 +50,9 @@ SETS = (
     MeasureSet("gpu-tests", 1, 240.0, (*PY, "pytest", "-q", "-m", "gpu and not multigpu",
                                        "tests/test_symm_gpu.py", "tests/test_symm_gpu_faults.py"),
                "symm-ht / symm-ll compiled: loopback worlds, graph replays, timeouts"),
+    MeasureSet("loopback", 1, 150.0, (*PY, "epmoe.bench.comm", "--world", "2", "--quick",
+                                      "--json", "{json}"),
+               "symm-* kernel cost without a link (every rank's arena on one GPU; BENCHMARKS 7)"),
     MeasureSet("multigpu-tests", 2, 120.0, (*PY, "pytest", "-q", "-m", "multigpu",
                                             "tests/test_symm_gpu.py", "tests/test_gpu_backends.py"),
                "every GPU comm backend at ep 2 against the oracle; symm-* on two real ranks"),
@@ -188,7 +192,8 @@ def main(argv=None) -> int:
     known = [DEPS, *(s.name for s in SETS)]
     if a.list:
         for s in SETS:
-            print(f"{s.name:<16}{s.gpus} GPU  ~{s.est_s:4.0f} s  {s.why}"[:80])
+            print(textwrap.fill(s.why, 80, initial_indent=f"{s.name:<16}{s.gpus} GPU "
+                                f"~{s.est_s:3.0f} s  ", subsequent_indent=" " * 30))
         return 0
     bad = [n for n in a.sets if n not in known]
     if bad or not a.sets:
