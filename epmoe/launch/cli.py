@@ -110,15 +110,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from epmoe.launch.errors import sigterm_interrupts
+    from epmoe.launch.errors import stop_signals_interrupt
 
-    with sigterm_interrupts() as sigterm:  # unwinds like Ctrl-C: the private cluster stops
+    with stop_signals_interrupt() as stop:  # unwind like Ctrl-C: the private cluster stops
         try:
             return _main(argv)
         except KeyboardInterrupt:  # the driver's context stopped what it started
-            print(f"error: {'terminated (SIGTERM)' if sigterm.received else 'interrupted'}",
+            print(f"error: terminated ({stop.name})" if stop.signum else "error: interrupted",
                   file=sys.stderr)
-            return 143 if sigterm.received else 130
+            return 128 + (stop.signum or 2)  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
 
 
 def _main(argv) -> int:

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +30,8 @@ import time
 from dataclasses import dataclass
 
 from epmoe.env import RAY_TMPDIR
-from epmoe.launch.errors import InputError, LaunchError
+from epmoe.launch import reaper
+from epmoe.launch.errors import STOP_SIGNALS, InputError, LaunchError
 
 LOOPBACK = "127.0.0.1"
 # Unix socket paths hold 107 bytes; Ray's under our temp dir take about 82
@@ -121,8 +123,10 @@ def init_ray(error: type, what: str, **kwargs) -> None:
 
     import ray
 
-    sigterm = signal.getsignal(signal.SIGTERM)  # Ray's driver installs a C++ one (exit 15,
-    try:                                        # a stack, no unwinding): ours is put back
+    # Ray's driver installs C++ handlers (a stack, exit 15, no unwinding): ours are put back
+    stops = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+    before = {s: signal.getsignal(s) for s in stops}
+    try:
         ray.init(**kwargs)
     except Exception as e:
         if ray.is_initialized():
@@ -131,8 +135,10 @@ def init_ray(error: type, what: str, **kwargs) -> None:
         hint = (" (if the cluster uses token authentication, export RAY_AUTH_MODE=token and "
                 "RAY_AUTH_TOKEN_PATH=<its token file>)" if isinstance(e, ConnectionError) else "")
         raise error(f"{what}: {type(e).__name__}: {first}{hint}") from None
-    if sigterm is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, sigterm)
+    if threading.current_thread() is threading.main_thread():
+        for s, h in before.items():
+            if h is not None:
+                signal.signal(s, h)
 
 
 class _Env:
@@ -212,6 +218,7 @@ class RayCluster:
         self.address, self.timeout_s = address, timeout_s
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.tmp: str | None = None
+        self._reaper: Reaper | None = None
         self._env = _Env()
         self._connected = False
 
@@ -262,9 +269,11 @@ class RayCluster:
         fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
+        self._reaper = Reaper.start(self.tmp)  # the cluster goes with us, even on kill -9
         # RAY_AUTH_TOKEN would win over the file; RAY_ADDRESS would make Ray join another cluster
         self._env.set(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path,
-                      RAY_AUTH_TOKEN=None, RAY_ADDRESS=None, **loopback_env())
+                      RAY_AUTH_TOKEN=None, RAY_ADDRESS=None, **loopback_env(),
+                      **{reaper.TAG_VAR: self._reaper.tag})
         _ray_rereads_env()
         if not _token_auth_on():
             raise InputError("this Ray has no token authentication (Ray >= 2.52 has it): "
@@ -295,4 +304,41 @@ class RayCluster:
             if self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 self.tmp = None
+            if self._reaper is not None:  # sweeps what Ray's shutdown left (its agents)
+                self._reaper.finish()
+                self._reaper = None
             self._connected = False
+
+
+@dataclass
+class Reaper:
+    """The reaper process (epmoe/launch/reaper.py) of a private cluster: it sweeps every
+    process carrying `tag` and removes the temp dir when `finish()` closes its pipe, or when
+    this process dies without doing so."""
+
+    proc: subprocess.Popen
+    pipe_w: int  # ours; the reaper holds the read end
+    tag: str
+
+    @classmethod
+    def start(cls, tmp: str) -> Reaper:
+        tag = secrets.token_hex(8)
+        r, w = os.pipe()  # not inherited by anything else we start (PEP 446)
+        try:
+            proc = subprocess.Popen([sys.executable, reaper.__file__, str(r), tag, tmp],
+                                    pass_fds=(r,), start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        return cls(proc, w, tag)
+
+    def finish(self, timeout_s: float = reaper.GRACE_S + 10) -> None:
+        os.close(self.pipe_w)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # pragma: no cover (it gives up after its grace)
+            pass

@@ -1,5 +1,5 @@
-"""The launcher's two failure kinds, one per exit code (see epmoe.launch.cli), and SIGTERM
-unwinding it like Ctrl-C."""
+"""The launcher's two failure kinds, one per exit code (see epmoe.launch.cli), and the stop
+signals (SIGTERM, SIGHUP) unwinding it like Ctrl-C."""
 
 from __future__ import annotations
 
@@ -27,31 +27,42 @@ class LaunchError(RuntimeError):
         self.failure = failure
 
 
-@dataclasses.dataclass
-class Sigterm:
-    """Whether a SIGTERM arrived (a scheduler stopping the job, `kill`). Its handler raises
-    KeyboardInterrupt, which Ray's blocking calls turn into a plain one: hence the flag."""
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # a scheduler or `kill`; the terminal closing
 
-    received: bool = False
+
+@dataclasses.dataclass
+class Stopped:
+    """Which stop signal arrived, if any. Its handler raises KeyboardInterrupt, which Ray's
+    blocking calls turn into a plain one: hence the record."""
+
+    signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "SIGINT"
 
 
 @contextlib.contextmanager
-def sigterm_interrupts():
-    """Within: SIGTERM unwinds like Ctrl-C, so what the launcher started (the private
-    cluster, its token file) is stopped on the way out; -> the Sigterm flag. Main thread only
-    (elsewhere Python cannot set a handler); the handler before is put back after."""
-    seen = Sigterm()
+def stop_signals_interrupt():
+    """Within: SIGTERM and SIGHUP unwind like Ctrl-C, so what the launcher started (the
+    private cluster, its token file) is stopped on the way out; -> the Stopped record. Main
+    thread only (elsewhere Python cannot set a handler); the handlers before are put back."""
+    seen = Stopped()
 
-    def on_sigterm(signum, frame):
-        seen.received = True
-        raise KeyboardInterrupt("SIGTERM")
+    def on_stop(signum, frame):
+        if seen.signum:  # a second one while unwinding: let the clean-up finish
+            return
+        seen.signum = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     if threading.current_thread() is not threading.main_thread():
         yield seen
         return
-    before = signal.signal(signal.SIGTERM, on_sigterm)
+    sigs = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+    before = {s: signal.signal(s, on_stop) for s in sigs}
     try:
         yield seen
     finally:
-        if before is not None:  # None: one set outside Python, which Python cannot restore
-            signal.signal(signal.SIGTERM, before)
+        for s, h in before.items():
+            if h is not None:  # None: one set outside Python, which Python cannot restore
+                signal.signal(s, h)

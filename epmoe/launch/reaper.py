@@ -1,0 +1,83 @@
+"""The private cluster's reaper: whatever way the launcher ends, even `kill -9` or the OOM
+killer, nothing of its private Ray cluster outlives it.
+
+The launcher starts this file as a script (`python reaper.py FD TAG DIR`: standard library
+only, nothing of epmoe imported) in its own session before Ray starts, and keeps the write end
+of a pipe whose read end is FD. Every process of the cluster inherits EPMOE_CLUSTER_TAG=TAG
+(Ray's daemons, the rank actors, whatever they spawn). When the pipe reads end-of-file (the
+launcher closed it after its own clean shutdown, or died), the reaper sends SIGTERM to every
+process of this user whose environment carries the tag, SIGKILL to those still there after
+a grace period, and removes DIR (the run's temp dir: Ray's sockets and the token file).
+Linux finds the processes in /proc; elsewhere only DIR is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+TAG_VAR = "EPMOE_CLUSTER_TAG"
+GRACE_S = 3.0
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes (not this one, not zombies) whose environment has TAG_VAR=tag."""
+    want = f"{TAG_VAR}={tag}".encode()
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in names:
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if want not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:  # gone, or another user's
+            continue
+        out.append(int(d))
+    return out
+
+
+def sweep(tag: str, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM the tagged processes, SIGKILL what is left after grace_s; -> the pids found."""
+    found = tagged(tag)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        for pid in tagged(tag):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while wait and tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return found
+
+
+def main(argv: list[str]) -> int:
+    fd, tag, tmp = int(argv[0]), argv[1], argv[2]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # outlive the launcher's Ctrl-C / hangup
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    while True:  # blocks until every write end is closed
+        try:
+            if not os.read(fd, 4096):
+                break
+        except InterruptedError:  # pragma: no cover (PEP 475 retries)
+            continue
+        except OSError:
+            break
+    sweep(tag)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
