@@ -57,20 +57,24 @@ def test_a_signal_stops_the_run_and_everything_it_started(sig, rc, line):
 
 def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
     """The reaper on its own: two sleepers carry its tag (one ignoring SIGTERM: killed after
-    the grace), one carries another tag and lives on; the temp dir goes."""
+    the grace; one with a child whose environment lacks the tag, as when a process renames
+    itself over its environment block: swept as a descendant), one carries another tag and
+    lives on; the temp dir goes."""
     tag, other = "t" + new_tag(), "o" + new_tag()
     tmp = tmp_path / "run"
     (tmp / "ray").mkdir(parents=True)
     (tmp / "auth_token").write_text("x")
-    sleep = [sys.executable, "-c", "import signal, sys, time; "
+    sleep = [sys.executable, "-c", "import signal, subprocess, sys, time; "
              "sys.argv[1] == 'deaf' and signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-             "print('up', flush=True); time.sleep(120)"]
+             "c = sys.argv[1] == 'parent' and subprocess.Popen(['sleep', '120'], env={}); "
+             "print('up', c and c.pid, flush=True); time.sleep(120)"]
     procs = [subprocess.Popen([*sleep, how], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, reaper.TAG_VAR: t})
-             for t, how in ((tag, "plain"), (tag, "deaf"), (other, "plain"))]
+             for t, how in ((tag, "parent"), (tag, "deaf"), (other, "plain"))]
     try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "up"
+        ups = [p.stdout.readline().split() for p in procs]
+        assert all(u[0] == "up" for u in ups), ups
+        child = int(ups[0][1])
         r, w = os.pipe()
         rp = subprocess.Popen([sys.executable, reaper.__file__, str(r), tag, str(tmp)],
                               pass_fds=(r,))
@@ -82,6 +86,13 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
         assert procs[0].wait(timeout=5) == -signal.SIGTERM
         assert procs[1].wait(timeout=5) == -signal.SIGKILL  # after the grace period
         assert procs[2].poll() is None, "a process of another tag was touched"
+        for _ in range(50):
+            if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read(
+                    ).rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the untagged child of a tagged process outlived the sweep")
         assert not tmp.exists()
     finally:
         for p in procs:

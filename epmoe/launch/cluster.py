@@ -282,6 +282,8 @@ class RayCluster:
                  num_cpus=self.num_cpus, num_gpus=self.num_gpus,
                  _temp_dir=os.path.join(self.tmp, "ray"), _node_ip_address=LOOPBACK,
                  **init_kwargs)
+        self._env.set(**{reaper.TAG_VAR: None})  # Ray's daemons (and the workers they start)
+        # carry the tag; what this process starts from here on is not the reaper's to stop
         import ray
 
         ip = ray.util.get_node_ip_address()

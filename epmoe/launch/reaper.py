@@ -3,11 +3,12 @@ killer, nothing of its private Ray cluster outlives it.
 
 The launcher starts this file as a script (`python reaper.py FD TAG DIR`: standard library
 only, nothing of epmoe imported) in its own session before Ray starts, and keeps the write end
-of a pipe whose read end is FD. Every process of the cluster inherits EPMOE_CLUSTER_TAG=TAG
-(Ray's daemons, the rank actors, whatever they spawn). When the pipe reads end-of-file (the
-launcher closed it after its own clean shutdown, or died), the reaper sends SIGTERM to every
-process of this user whose environment carries the tag, SIGKILL to those still there after
-a grace period, and removes DIR (the run's temp dir: Ray's sockets and the token file).
+of a pipe whose read end is FD. The processes Ray starts inherit EPMOE_CLUSTER_TAG=TAG (set
+only while ray.init starts its daemons; the rank actors come from those). When the pipe reads
+end-of-file (the launcher closed it after its own clean shutdown, or died), the reaper sends
+SIGTERM to every process of this user whose environment carries the tag, and to their
+descendants, SIGKILL to those still there after a grace period, and removes DIR (the run's
+temp dir: Ray's sockets and the token file).
 Linux finds the processes in /proc; elsewhere only DIR is removed.
 """
 
@@ -23,10 +24,10 @@ TAG_VAR = "EPMOE_CLUSTER_TAG"
 GRACE_S = 3.0
 
 
-def tagged(tag: str) -> list[int]:
-    """Live processes (not this one, not zombies) whose environment has TAG_VAR=tag."""
-    want = f"{TAG_VAR}={tag}".encode()
-    out = []
+def _procs() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, the environment block) of this user's live processes (not zombies,
+    not this one)."""
+    out = {}
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -35,16 +36,30 @@ def tagged(tag: str) -> list[int]:
         if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if want not in f.read().split(b"\0"):
-                    continue
             with open(f"/proc/{d}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
         except OSError:  # gone, or another user's
             continue
-        out.append(int(d))
+        if fields[0] != b"Z":
+            out[int(d)] = (int(fields[1]), env)
     return out
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes whose environment has TAG_VAR=tag, and their descendants: a process
+    that renames itself (Ray's agents: setproctitle) can overwrite its environment block, but
+    not its parent."""
+    want = f"{TAG_VAR}={tag}".encode()
+    procs = _procs()
+    found = {pid for pid, (_, env) in procs.items() if want in env.split(b"\0")}
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
 
 
 def sweep(tag: str, grace_s: float = GRACE_S) -> list[int]:
