@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -22,6 +23,14 @@ def file_problem(path: str) -> str | None:
         return f"{path}: folder {str(parent)!r} does not exist; create it or pick another path"
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         return f"{path} is not writable; pick another path"
+    existed = p.exists()
+    try:  # the permission bits do not tell (root; /proc, read-only mounts): try it
+        open(p, "a").close()  # appending truncates nothing
+    except OSError as e:
+        return f"{path} cannot be written ({e.strerror}); pick another path"
+    finally:
+        if not existed and p.exists():
+            p.unlink()
     return None
 
 
@@ -37,6 +46,18 @@ def dir_problem(path: str) -> str | None:
         return f"{path}: {str(q)!r} is a file, not a folder; pick another folder"
     if not os.access(q, os.W_OK | os.X_OK):
         return f"{path}: {str(q)!r} is not writable; pick another folder"
+    made = []  # the permission bits do not tell (root; /proc, read-only mounts): try it
+    try:
+        for d in reversed([p, *p.parents]):
+            if not d.exists():
+                d.mkdir()
+                made.append(d)
+        tempfile.TemporaryFile(dir=p).close()
+    except OSError as e:
+        return f"{path} cannot be written ({e.strerror}); pick another folder"
+    finally:
+        for d in reversed(made):
+            d.rmdir()
     return None
 
 

@@ -47,6 +47,19 @@ def test_the_rules(tmp_path):
         assert "not writable" in dir_problem(str(ro / "d"))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_what_the_permission_bits_do_not_tell_is_tried(tmp_path):
+    """/proc takes no new files, whatever os.access says (as root it says yes to all); the
+    probes leave nothing behind where they succeed."""
+    assert "cannot be written" in file_problem("/proc/x.json")
+    assert "cannot be written" in dir_problem("/proc/x/y")
+    f, d = tmp_path / "new.json", tmp_path / "a" / "b"
+    assert file_problem(str(f)) is None and dir_problem(str(d)) is None
+    assert sorted(tmp_path.iterdir()) == []  # neither the file nor the folders stay
+    f.write_text("kept")
+    assert file_problem(str(f)) is None and f.read_text() == "kept"
+
+
 @pytest.mark.parametrize("module,flag,kind,extra", WRITERS,
                          ids=[f"{m.split('.')[-1]}{f}" for m, f, _, _ in WRITERS])
 def test_a_path_it_cannot_write_is_exit_2_before_anything_starts(module, flag, kind, extra,
@@ -60,3 +73,25 @@ def test_a_path_it_cannot_write_is_exit_2_before_anything_starts(module, flag, k
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and bad in err, err
+
+
+def test_a_launch_whose_outputs_fail_at_the_end_prints_first_and_exits_3(monkeypatch, capsys,
+                                                                         tmp_path):
+    """--out checked up front, then the disk fills during the run: the tables are on stdout,
+    one error line says what failed, exit 3 (not a traceback, not exit 0)."""
+    import errno
+
+    from epmoe.launch import cli
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(cli, "_write", full)
+    out = str(tmp_path / "s.json")
+    rc = cli.main(["--tokens", "4", "--layers", "1", "--steps", "2", "--quiet", "--out", out])
+    got = capsys.readouterr()
+    assert rc == 3
+    assert "correctness" in got.out and "PASS" in got.out
+    assert got.err.strip().splitlines() == [
+        f"error: the run finished, but writing its outputs failed: [Errno 28] No space left "
+        f"on device: '{out}'"]

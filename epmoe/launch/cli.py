@@ -183,16 +183,19 @@ def _finish(a, summary: dict, phases) -> int:
     c = summary["correctness"]
     code = EXIT_INCORRECT if c.get("checked") and not c["passed"] else EXIT_OK
     summary["exit_code"] = code
-    if a.plot:
-        from epmoe.launch.plots import write_plots
-
-        for path in write_plots(summary, a.plot):
-            phases(f"wrote {path}")
-    _write(a.out, summary)
-    if a.json:
+    if a.json:  # first: the results are on screen even if a file below cannot be written
         print(json.dumps(summary, indent=2))
     else:
         render(summary)
+    try:  # checked up front; a disk that fills or a folder removed meanwhile lands here
+        if a.plot:
+            from epmoe.launch.plots import write_plots
+
+            for path in write_plots(summary, a.plot):
+                phases(f"wrote {path}")
+        _write(a.out, summary)
+    except OSError as e:
+        return _error(f"the run finished, but writing its outputs failed: {e}", EXIT_FAILED)
     return code
 
 
