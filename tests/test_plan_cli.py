@@ -36,6 +36,8 @@ def test_json_and_plan_file(capsys, tmp_path):
     (["--routing", "pareto:1"], "routing"),
     (["--forms", "tp,dp"], "--forms"),
     (["--layers", "0"], "--layers"),
+    (["--memory-gib", "-1"], "--memory-gib (-1.0) must be > 0"),
+    (["--redundant-experts", "-2"], "--redundant-experts (-2) must be >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, msg, capsys):
     assert main(argv) == 2

@@ -74,6 +74,8 @@ def build(args) -> Plan:
         raise ValueError(f"--forms {args.forms!r}: each must be one of {FORMS}")
     if args.redundant_experts < 0:
         raise ValueError(f"--redundant-experts ({args.redundant_experts}) must be >= 0")
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0 (GiB per rank)")
     return plan_stack(cfg, quant, topo, prof, buckets, routing=args.routing,
                       redundant_experts=args.redundant_experts, scope=args.scope, forms=forms,
                       memory_GiB=args.memory_gib, model=args.model)
