@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import tarfile
 import time
 from pathlib import Path
@@ -123,3 +124,23 @@ def test_main_writes_session_json_and_packs_the_folder(tmp_path, monkeypatch):
     with tarfile.open(tar) as t:
         names = t.getnames()
     assert "o/session.json" in names and not any("site" in n for n in names)
+
+
+def test_an_interrupted_set_goes_with_the_session(tmp_path):
+    """Ctrl-C (or SIGTERM, which the CLI turns into the same) while a set runs: the set's
+    whole process group is killed before the interrupt goes on."""
+    import _thread
+    import threading
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); print('child', c.pid, flush=True); time.sleep(60)")
+    log = tmp_path / "x.log"
+    threading.Timer(2.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        session._run([session.PY[0], "-c", code], log, dict(os.environ), timeout=60)
+    child = int(log.read_text().split()[1])
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child), "the interrupted set's child outlived it"

@@ -13,7 +13,8 @@ every set with its command, exit code, seconds and status; `--tar FILE` packs DI
 (a lent machine returns only a few). `deps` first makes DeepEP and DeepGEMM importable: already
 importable, a built `--site DIR`, or built from `--src` by tools/build_gpu_deps.sh (~100 s);
 the later sets then find them on PYTHONPATH. Exit code: 0 when every set that ran exited 0,
-1 when one failed or was stopped, 2 on a bad set name or flag.
+1 when one failed or was stopped, 2 on a bad set name or flag; Ctrl-C or SIGTERM stops the set
+under way with its process group (130 / 143).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def _run(argv: list[str], log: Path, env: dict, timeout: float) -> tuple[int | N
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             rc = None
+        except BaseException:  # Ctrl-C, SIGTERM: the set (its own session) goes too
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise
     return rc, time.monotonic() - t
 
 
@@ -210,7 +215,13 @@ def main(argv=None) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    res = run_session(a.sets, a, out, gpus)
+    from epmoe.launch.errors import stop_signals_interrupt
+
+    with stop_signals_interrupt() as stop:
+        try:
+            res = run_session(a.sets, a, out, gpus)
+        except KeyboardInterrupt:  # the set under way was stopped; its log stays in DIR
+            return stop.exit()
     (out / "session.json").write_text(json.dumps(
         dict(gpus=gpus, budget_s=a.budget_s, sets=[dataclasses.asdict(o) for o in res]),
         indent=1))

@@ -116,9 +116,7 @@ def main(argv=None) -> int:
         try:
             return _main(argv)
         except KeyboardInterrupt:  # the driver's context stopped what it started
-            print(f"error: terminated ({stop.name})" if stop.signum else "error: interrupted",
-                  file=sys.stderr)
-            return 128 + (stop.signum or 2)  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+            return stop.exit()
 
 
 def _main(argv) -> int:

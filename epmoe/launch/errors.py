@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
+import sys
 import threading
 
 
@@ -37,9 +38,12 @@ class Stopped:
 
     signum: int | None = None
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else "SIGINT"
+    def exit(self) -> int:
+        """After the KeyboardInterrupt: one line on stderr; -> the exit code (130 for Ctrl-C,
+        else 128 + the signal's number: 143 SIGTERM, 129 SIGHUP)."""
+        name = signal.Signals(self.signum).name if self.signum else None
+        print(f"error: terminated ({name})" if name else "error: interrupted", file=sys.stderr)
+        return 128 + (self.signum or signal.SIGINT)
 
 
 @contextlib.contextmanager

@@ -83,9 +83,14 @@ def main(argv=None) -> int:
         return 2
     code = 0
     if opts is not None:
+        from epmoe.launch.errors import stop_signals_interrupt
         from epmoe.sim import measure
 
-        rows = measure.measure(rows, sweep, opts)
+        with stop_signals_interrupt() as stop:
+            try:
+                rows = measure.measure(rows, sweep, opts)
+            except KeyboardInterrupt:  # the launch under way is killed; its reaper cleans up
+                return stop.exit()
         code = measure.exit_code(rows)
     doc = {"sweep": asdict(sweep), "rows": rows,
            "note": "step_ms etc. predicted by epmoe.plan.cost from the named profiles; "
