@@ -25,13 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
 from epmoe.env import RAY_TMPDIR
 from epmoe.launch import reaper
-from epmoe.launch.errors import STOP_SIGNALS, InputError, LaunchError
+from epmoe.launch.errors import InputError, LaunchError, stop_handlers_kept
 
 LOOPBACK = "127.0.0.1"
 # Unix socket paths hold 107 bytes; Ray's under our temp dir take about 82
@@ -119,15 +118,11 @@ def init_ray(error: type, what: str, **kwargs) -> None:
     """ray.init(**kwargs) in this thread (Ray's driver breaks when initialized from another
     thread); a failure becomes `error` with one line and leaves Ray shut down. Ray bounds its
     own retries (about 20 s when a cluster refuses this driver's token)."""
-    import signal
-
     import ray
 
-    # Ray's driver installs C++ handlers (a stack, exit 15, no unwinding): ours are put back
-    stops = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
-    before = {s: signal.getsignal(s) for s in stops}
     try:
-        ray.init(**kwargs)
+        with stop_handlers_kept():  # not Ray's: a SIGTERM must unwind and stop the cluster
+            ray.init(**kwargs)
     except Exception as e:
         if ray.is_initialized():
             ray.shutdown()
@@ -135,10 +130,6 @@ def init_ray(error: type, what: str, **kwargs) -> None:
         hint = (" (if the cluster uses token authentication, export RAY_AUTH_MODE=token and "
                 "RAY_AUTH_TOKEN_PATH=<its token file>)" if isinstance(e, ConnectionError) else "")
         raise error(f"{what}: {type(e).__name__}: {first}{hint}") from None
-    if threading.current_thread() is threading.main_thread():
-        for s, h in before.items():
-            if h is not None:
-                signal.signal(s, h)
 
 
 class _Env:

@@ -46,11 +46,31 @@ class Stopped:
         return 128 + (self.signum or signal.SIGINT)
 
 
+def _stop_signals() -> list[int]:
+    return [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+
+
+@contextlib.contextmanager
+def stop_handlers_kept():
+    """Within: anything may set the stop signals' handlers (Ray's driver installs C++ ones
+    that print a stack and exit 15, unwinding nothing); after: the ones before are back. Main
+    thread only (elsewhere Python can neither set nor need to restore them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in _stop_signals()}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            if h is not None:  # None: one set outside Python, which Python cannot restore
+                signal.signal(s, h)
+
+
 @contextlib.contextmanager
 def stop_signals_interrupt():
     """Within: SIGTERM and SIGHUP unwind like Ctrl-C, so what the launcher started (the
-    private cluster, its token file) is stopped on the way out; -> the Stopped record. Main
-    thread only (elsewhere Python cannot set a handler); the handlers before are put back."""
+    private cluster, its token file) is stopped on the way out; -> the Stopped record."""
     seen = Stopped()
 
     def on_stop(signum, frame):
@@ -59,14 +79,8 @@ def stop_signals_interrupt():
         seen.signum = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    if threading.current_thread() is not threading.main_thread():
+    with stop_handlers_kept():
+        if threading.current_thread() is threading.main_thread():
+            for s in _stop_signals():
+                signal.signal(s, on_stop)
         yield seen
-        return
-    sigs = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
-    before = {s: signal.signal(s, on_stop) for s in sigs}
-    try:
-        yield seen
-    finally:
-        for s, h in before.items():
-            if h is not None:  # None: one set outside Python, which Python cannot restore
-                signal.signal(s, h)
