@@ -7,7 +7,7 @@ run in order on a lent machine within one time budget, every log and JSON in one
 
 A set runs as a child process (its output in DIR/SET.log, its JSON, if any, in DIR/SET.json);
 one that needs more GPUs than the machine has, or more seconds than the budget has left by its
-last measured duration, is skipped with the reason, never half-run. A set still running when
+expected duration, is skipped with the reason, never half-run. A set still running when
 the budget is spent is stopped (its whole process group) and marked so. DIR/session.json lists
 every set with its command, exit code, seconds and status; `--tar FILE` packs DIR into one file
 (a lent machine returns only a few). `deps` first makes DeepEP and DeepGEMM importable: already
@@ -42,7 +42,7 @@ class MeasureSet:
 
     name: str
     gpus: int  # GPUs it needs on this machine
-    est_s: float  # its last measured duration (skip when the budget has less left)
+    est_s: float  # expected seconds: measured where it ran before (skipped with less left)
     argv: tuple[str, ...]  # "{json}" stands for DIR/<name>.json
     why: str  # the issue item it answers
 
