@@ -156,7 +156,7 @@ def run_session(names: list[str], a, out: Path, gpus: int, sets=SETS,
             res.append(Outcome(name, argv, "skipped", why=f"needs {s.gpus} GPUs, {gpus} here"))
         elif left < s.est_s:
             res.append(Outcome(name, argv, "skipped",
-                               why=f"~{s.est_s:.0f} s measured last time, {left:.0f} s left"))
+                               why=f"~{s.est_s:.0f} s expected, {left:.0f} s left"))
         else:
             _stamp(t0, f"{name}: running (~{s.est_s:.0f} s; {left:.0f} s left): {s.why}")
             rc, secs = _run(argv, out / f"{name}.log", env, left)
