@@ -58,8 +58,9 @@ def test_a_signal_stops_the_run_and_everything_it_started(sig, rc, line):
 def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
     """The reaper on its own: two sleepers carry its tag (one ignoring SIGTERM: killed after
     the grace; one with a child whose environment lacks the tag, as when a process renames
-    itself over its environment block: swept as a descendant), one carries another tag and
-    lives on; the temp dir goes."""
+    itself over its environment block: swept as a descendant), one without the tag holding a
+    log open in the run's temp dir (an orphaned Ray agent: swept), one carries another tag
+    and lives on; the temp dir goes."""
     tag, other = "t" + new_tag(), "o" + new_tag()
     tmp = tmp_path / "run"
     (tmp / "ray").mkdir(parents=True)
@@ -67,10 +68,12 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
     sleep = [sys.executable, "-c", "import signal, subprocess, sys, time; "
              "sys.argv[1] == 'deaf' and signal.signal(signal.SIGTERM, signal.SIG_IGN); "
              "c = sys.argv[1] == 'parent' and subprocess.Popen(['sleep', '120'], env={}); "
+             "log = sys.argv[1].startswith('/') and open(sys.argv[1], 'a'); "
              "print('up', c and c.pid, flush=True); time.sleep(120)"]
+    log = str(tmp / "ray" / "agent.log")
     procs = [subprocess.Popen([*sleep, how], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, reaper.TAG_VAR: t})
-             for t, how in ((tag, "parent"), (tag, "deaf"), (other, "plain"))]
+                              env={**os.environ, **({reaper.TAG_VAR: t} if t else {})})
+             for t, how in ((tag, "parent"), (tag, "deaf"), (other, "plain"), (None, log))]
     try:
         ups = [p.stdout.readline().split() for p in procs]
         assert all(u[0] == "up" for u in ups), ups
@@ -86,6 +89,7 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
         assert procs[0].wait(timeout=5) == -signal.SIGTERM
         assert procs[1].wait(timeout=5) == -signal.SIGKILL  # after the grace period
         assert procs[2].poll() is None, "a process of another tag was touched"
+        assert procs[3].wait(timeout=5) == -signal.SIGTERM  # by its open file
         for _ in range(50):
             if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read(
                     ).rsplit(")", 1)[1].split()[0] == "Z":

@@ -6,9 +6,9 @@ only, nothing of epmoe imported) in its own session before Ray starts, and keeps
 of a pipe whose read end is FD. The processes Ray starts inherit EPMOE_CLUSTER_TAG=TAG (set
 only while ray.init starts its daemons; the rank actors come from those). When the pipe reads
 end-of-file (the launcher closed it after its own clean shutdown, or died), the reaper sends
-SIGTERM to every process of this user whose environment carries the tag, and to their
-descendants, SIGKILL to those still there after a grace period, and removes DIR (the run's
-temp dir: Ray's sockets and the token file).
+SIGTERM to every process of this user whose environment carries the tag or which holds a file
+open under DIR (Ray's logs), and to their descendants, SIGKILL to those still there after a
+grace period, and removes DIR (the run's temp dir: Ray's sockets and the token file).
 Linux finds the processes in /proc; elsewhere only DIR is removed.
 """
 
@@ -24,17 +24,34 @@ TAG_VAR = "EPMOE_CLUSTER_TAG"
 GRACE_S = 3.0
 
 
-def _procs() -> dict[int, tuple[int, bytes]]:
-    """pid -> (parent pid, the environment block) of this user's live processes (not zombies,
-    not this one)."""
-    out = {}
+def _holds_file_under(pid: str, dirs: tuple[str, ...]) -> bool:
     try:
-        names = os.listdir("/proc")
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return out
-    for d in names:
-        if not d.isdigit() or int(d) == os.getpid():
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
             continue
+        if target.startswith(dirs):
+            return True
+    return False
+
+
+def members(tag: str, tmp: str) -> list[int]:
+    """This user's live processes (not zombies, not this one) of the cluster: those whose
+    environment has TAG_VAR=tag or which hold a file open under `tmp` (Ray's processes log
+    there; its agents rename themselves over their environment block, and outlive their
+    parent raylet when the launcher is killed), and their descendants."""
+    want = f"{TAG_VAR}={tag}".encode()
+    dirs = tuple({os.path.join(tmp, ""), os.path.join(os.path.realpath(tmp), "")})
+    parent, found = {}, set()
+    try:
+        names = [d for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()]
+    except OSError:
+        return []
+    for d in names:
         try:
             with open(f"/proc/{d}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -42,37 +59,30 @@ def _procs() -> dict[int, tuple[int, bytes]]:
                 env = f.read()
         except OSError:  # gone, or another user's
             continue
-        if fields[0] != b"Z":
-            out[int(d)] = (int(fields[1]), env)
-    return out
-
-
-def tagged(tag: str) -> list[int]:
-    """The processes whose environment has TAG_VAR=tag, and their descendants: a process
-    that renames itself (Ray's agents: setproctitle) can overwrite its environment block, but
-    not its parent."""
-    want = f"{TAG_VAR}={tag}".encode()
-    procs = _procs()
-    found = {pid for pid, (_, env) in procs.items() if want in env.split(b"\0")}
+        if fields[0] == b"Z":
+            continue
+        parent[int(d)] = int(fields[1])
+        if want in env.split(b"\0") or _holds_file_under(d, dirs):
+            found.add(int(d))
     grew = True
     while grew:
-        more = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
+        more = {pid for pid, ppid in parent.items() if ppid in found} - found
         found |= more
         grew = bool(more)
     return sorted(found)
 
 
-def sweep(tag: str, grace_s: float = GRACE_S) -> list[int]:
-    """SIGTERM the tagged processes, SIGKILL what is left after grace_s; -> the pids found."""
-    found = tagged(tag)
+def sweep(tag: str, tmp: str, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM the cluster's processes, SIGKILL what is left after grace_s; -> those found."""
+    found = members(tag, tmp)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        for pid in tagged(tag):
+        for pid in members(tag, tmp):
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         deadline = time.monotonic() + wait
-        while wait and tagged(tag) and time.monotonic() < deadline:
+        while wait and members(tag, tmp) and time.monotonic() < deadline:
             time.sleep(0.1)
     return found
 
@@ -89,7 +99,7 @@ def main(argv: list[str]) -> int:
             continue
         except OSError:
             break
-    sweep(tag)
+    sweep(tag, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
