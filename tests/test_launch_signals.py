@@ -60,7 +60,8 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
     the grace; one with a child whose environment lacks the tag, as when a process renames
     itself over its environment block: swept as a descendant), one without the tag holding a
     log open in the run's temp dir (an orphaned Ray agent: swept), one carries another tag
-    and lives on; the temp dir goes."""
+    and lives on, and so does its parent (the launcher's part, here the test) though it holds
+    a file there too; the temp dir goes."""
     tag, other = "t" + new_tag(), "o" + new_tag()
     tmp = tmp_path / "run"
     (tmp / "ray").mkdir(parents=True)
@@ -71,6 +72,8 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
              "log = sys.argv[1].startswith('/') and open(sys.argv[1], 'a'); "
              "print('up', c and c.pid, flush=True); time.sleep(120)"]
     log = str(tmp / "ray" / "agent.log")
+    # this process plays the launcher: its Ray driver logs there too, and it must be spared
+    driver_log = open(tmp / "ray" / "driver.log", "a")
     procs = [subprocess.Popen([*sleep, how], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, **({reaper.TAG_VAR: t} if t else {})})
              for t, how in ((tag, "parent"), (tag, "deaf"), (other, "plain"), (None, log))]
@@ -99,5 +102,6 @@ def test_the_reaper_sweeps_only_its_tag_when_the_pipe_closes(tmp_path):
             pytest.fail("the untagged child of a tagged process outlived the sweep")
         assert not tmp.exists()
     finally:
+        driver_log.close()
         for p in procs:
             p.kill()

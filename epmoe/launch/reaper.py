@@ -39,16 +39,32 @@ def _holds_file_under(pid: str, dirs: tuple[str, ...]) -> bool:
     return False
 
 
-def members(tag: str, tmp: str) -> list[int]:
+def ancestors(pid: int) -> set[int]:
+    """pid and the processes above it (up to init)."""
+    out = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            break
+    return out
+
+
+def members(tag: str, tmp: str, spare: frozenset[int] = frozenset()) -> list[int]:
     """This user's live processes (not zombies, not this one) of the cluster: those whose
     environment has TAG_VAR=tag or which hold a file open under `tmp` (Ray's processes log
     there; its agents rename themselves over their environment block, and outlive their
-    parent raylet when the launcher is killed), and their descendants."""
+    parent raylet when the launcher is killed), and their descendants; never one in `spare`
+    (the launcher and what runs it: its Ray driver logs there too, and on a clean exit it is
+    waiting for this sweep)."""
     want = f"{TAG_VAR}={tag}".encode()
     dirs = tuple({os.path.join(tmp, ""), os.path.join(os.path.realpath(tmp), "")})
     parent, found = {}, set()
     try:
-        names = [d for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()]
+        names = [d for d in os.listdir("/proc")
+                 if d.isdigit() and int(d) != os.getpid() and int(d) not in spare]
     except OSError:
         return []
     for d in names:
@@ -72,23 +88,25 @@ def members(tag: str, tmp: str) -> list[int]:
     return sorted(found)
 
 
-def sweep(tag: str, tmp: str, grace_s: float = GRACE_S) -> list[int]:
+def sweep(tag: str, tmp: str, spare: frozenset[int] = frozenset(),
+          grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM the cluster's processes, SIGKILL what is left after grace_s; -> those found."""
-    found = members(tag, tmp)
+    found = members(tag, tmp, spare)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        for pid in members(tag, tmp):
+        for pid in members(tag, tmp, spare):
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         deadline = time.monotonic() + wait
-        while wait and members(tag, tmp) and time.monotonic() < deadline:
+        while wait and members(tag, tmp, spare) and time.monotonic() < deadline:
             time.sleep(0.1)
     return found
 
 
 def main(argv: list[str]) -> int:
     fd, tag, tmp = int(argv[0]), argv[1], argv[2]
+    spare = frozenset(ancestors(os.getppid()))  # the launcher (alive until it closes the pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # outlive the launcher's Ctrl-C / hangup
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     while True:  # blocks until every write end is closed
@@ -99,7 +117,7 @@ def main(argv: list[str]) -> int:
             continue
         except OSError:
             break
-    sweep(tag, tmp)
+    sweep(tag, tmp, spare)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
