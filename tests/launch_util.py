@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from epmoe.launch.reaper import fd_targets
+
 # Ray's CLI: its console script beside this Python, else its module (Ray installed without
 # entry points, e.g. unpacked onto PYTHONPATH)
 _RAY_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -107,19 +109,7 @@ def kill_tagged(tag: str) -> None:
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    out = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            out.add(int(link[8:-1]))
-    return out
+    return {int(link[8:-1]) for link in fd_targets(pid) if link.startswith("socket:[")}
 
 
 def _addr(hex_addr: str, v6: bool) -> tuple[str, int]:

@@ -24,19 +24,23 @@ TAG_VAR = "EPMOE_CLUSTER_TAG"
 GRACE_S = 3.0
 
 
-def _holds_file_under(pid: str, dirs: tuple[str, ...]) -> bool:
+def fd_targets(pid: int | str) -> list[str]:
+    """What a process's open file descriptors point at ([] if it is gone or not ours)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return False
+        return []
+    out = []
     for fd in fds:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
             continue
-        if target.startswith(dirs):
-            return True
-    return False
+    return out
+
+
+def _holds_file_under(pid: str, dirs: tuple[str, ...]) -> bool:
+    return any(t.startswith(dirs) for t in fd_targets(pid))
 
 
 def ancestors(pid: int) -> set[int]:
