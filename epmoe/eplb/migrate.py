@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from epmoe.comm.wire import as_wire
 from epmoe.experts.base import ExpertWeights
+from epmoe.peers import wait_works
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,7 @@ def stage_layers(ws: list[ExpertWeights], old_LR: list[list[int]], new_LR: list[
                     for b in bufs:
                         ops.append(dist.P2POp(dist.irecv, b, t.src, group))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        wait_works(dist.batch_isend_irecv(ops))
     for m, l in enumerate(moving):
         local = tuple(sorted(staged[m]))
         after = mine[m].cpu().clone()  # unchanged slots keep their bytes

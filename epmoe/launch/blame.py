@@ -80,7 +80,9 @@ CALL_LABELS = {"window_balancedness": "measure", "eplb_status": "eplb status"}
 class Heartbeat:
     """A rank's answer to `progress()`: the call it runs (or last ran), the runtime stage it
     is in, how many calls and stages it has entered (the same sequence on every rank), and
-    whether it is blocked inside a torch.distributed call."""
+    whether it waits for peers (`in_collective`: blocked in a torch.distributed call or in
+    `epmoe.peers.wait_works`, or its call ended with a collective's error, i.e. it gave up
+    waiting)."""
 
     rank: int
     call: str

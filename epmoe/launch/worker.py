@@ -19,18 +19,10 @@ from datetime import timedelta
 from epmoe.env import fault_spec
 from epmoe.launch.blame import Heartbeat, RankFailure, is_collective_error
 from epmoe.launch.faults import Fault, FaultPoint
+from epmoe.peers import waiting_on_peers
 from epmoe.plan.topology import local_cores
 
 PROBE_GROUP = "probe"  # the concurrency group of progress()
-
-
-def _in_collective(frame) -> bool:
-    """Whether a thread's Python stack is inside a torch.distributed call (blocked on peers)."""
-    while frame is not None:
-        if f"torch{os.sep}distributed" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class Worker:
@@ -41,6 +33,7 @@ class Worker:
         self.group = None
         self._listen: socket.socket | None = None
         self._call, self._step, self._calls, self._busy = "start", None, 1, True
+        self._gave_up = False  # the last call ended with a collective's error (a peer's fault)
         self._thread = threading.get_ident()
         self._faults = FaultPoint(Fault.parse(fault_spec()), rank)
         self._faults.hit("start")
@@ -55,10 +48,13 @@ class Worker:
         """Where this rank is now; answered while a call runs (the probe thread)."""
         pos = self.runtime.timer.where() if self.runtime is not None else None
         frame = sys._current_frames().get(self._thread) if self._busy else None
+        # a rank whose wait for a peer timed out is still a waiting rank, even when its error
+        # has not reached the driver yet (its timeout and the driver's deadline race)
+        waiting = waiting_on_peers(frame) or self._gave_up
         return Heartbeat(rank=self.rank, call=self._call, step=self._step,
                          stage=pos.stage if pos else None, calls=self._calls,
                          entered=pos.entered if pos else 0, busy=self._busy,
-                         in_collective=_in_collective(frame),
+                         in_collective=waiting,
                          seconds_in_stage=pos.seconds_in_stage if pos else 0.0,
                          depth=pos.depth if pos else 0)
 
@@ -68,13 +64,14 @@ class Worker:
         self._call, self._step = call, step
         self._calls += 1
         self._thread = threading.get_ident()
-        self._busy = True
+        self._busy, self._gave_up = True, False
         if self.runtime is not None:
             self.runtime.timer.failed_in = None
         try:
             self._faults.hit(call)
             return fn(*args)
         except Exception as e:
+            self._gave_up = is_collective_error(e)
             hb = self.progress()
             failed_in = self.runtime.timer.failed_in if self.runtime is not None else None
             where = dataclasses.replace(hb, stage=failed_in or hb.stage).where
