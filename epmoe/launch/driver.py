@@ -33,6 +33,9 @@ from epmoe.runtime import Runtime
 HEARTBEAT_S = 1.0  # how often a waiting driver asks every rank where it is
 GRACE_S = 2.0  # after a first failure, how long to collect the other ranks' outcomes
 PROBE_S = 3.0  # how long a rank has to answer the heartbeat that decides the blame
+# the process group's own timeout is the run's plus this: the driver's deadline decides the
+# verdict; a rank's collective gives up by itself only when the driver is gone or late
+GROUP_MARGIN_S = 30.0
 
 
 def _first_line(e: BaseException) -> str:
@@ -321,9 +324,9 @@ class RayDriver:
         self.phases(f"connecting the ranks ({group} process group)")
         addr, port = self._wait("start", "open_store", [self.actors[0].open_store.remote()],
                                 start)[0]
-        # the group's own timeout bounds its collectives in every later stage: the run's
-        self._all("init_process_group", "init_group", addr, port, self.run.timeout_s, group,
-                  timeout=start)
+        # the group's own timeout bounds its collectives in every later stage: past the run's
+        self._all("init_process_group", "init_group", addr, port,
+                  self.run.timeout_s + GROUP_MARGIN_S, group, timeout=start)
         self.phases("building the layers (weights, comm, experts)")
         self._all("build", "build", self.run)
         return where
