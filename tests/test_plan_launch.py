@@ -124,6 +124,8 @@ def test_profile_by_device():
     assert profile_for_device("cuda (NVIDIA H200, visible 0)") == ("h200", None)
     assert profile_for_device("NVIDIA GB200") == ("gb200", None)
     assert profile_for_device("NVIDIA B200") == ("b200", None)
+    assert profile_for_device("NVIDIA H20") == ("h20", None)  # a word: H200 is not an H20
+    assert profile_for_device("NVIDIA H20-3e")[0] == "h20"
     name, warn = profile_for_device("NVIDIA RTX 6000 Ada Generation", 89)
     assert name == "h100" and "nearest spec profile 'h100'" in warn and "--profile" in warn
     assert profile_for_device("NVIDIA Future GPU", 120)[0] == "b200"

@@ -11,7 +11,7 @@ from epmoe.plan.profile import (SOURCES, GemmCurve, LinkFit, Provenance, load_pr
                                 shipped_profiles, to_dict)
 from epmoe.plan.specs import build_profiles
 
-GPUS = ("h100", "h800", "h200", "b200", "gb200")
+GPUS = ("h100", "h800", "h20", "h200", "b200", "gb200")
 
 
 def _provenances(d):
@@ -74,12 +74,26 @@ def test_every_number_has_provenance(name):
 def test_h200_is_measured_and_others_derived():
     counts = {n: load_profile(n).provenance_counts() for n in GPUS}
     assert counts["h200"]["measured"] >= 10
-    for n in ("h100", "h800", "b200", "gb200"):
+    for n in ("h100", "h800", "h20", "b200", "gb200"):
         assert counts[n]["measured"] == 0 and counts[n]["derived"] > 0
     b200 = load_profile("b200")
     assert b200.fig("peak_tflops_fp8") == 4500 and b200.fig("sm_arch") == 100
     assert all("model, not measured" in c.prov.note for c in b200.gemm)
     assert load_profile("cpu").provenance_counts()["measured"] > 0
+
+
+def test_h20_is_a_hopper_with_a_seventh_of_the_compute():
+    """H20: the H100's NVLink and SM architecture, 78 SMs, 296 / 148 dense FP8 / BF16 TFLOPS
+    and 4 TB/s: its GEMM curves run at <= 296/1979 of the H200's (measured; the H100's peaks) and never above its own HBM
+    roofline; the bandwidth kernels run faster than the H100's (more HBM)."""
+    h20, h100, h200 = load_profile("h20"), load_profile("h100"), load_profile("h200")
+    assert (h20.fig("sm_arch"), h20.fig("sms"), h20.fig("peak_tflops_fp8")) == (90, 78, 296)
+    assert h20.fig("hbm_GBps") > h100.fig("hbm_GBps")
+    for a, b in zip(h20.gemm, h200.gemm):  # H200: the same peaks as the H100, measured
+        assert (a.backend, a.recipe, a.n, a.k) == (b.backend, b.recipe, b.n, b.k)
+        ratio = 44 / 67 if a.backend == "torch" else 296 / 1979  # = 148 / 989 for bf16
+        for (m, ta), (_, tb) in zip(a.points, b.points):
+            assert ta <= tb * ratio + 0.1, (a.backend, a.recipe, m, ta, tb)
 
 
 def test_json_round_trip(tmp_path):

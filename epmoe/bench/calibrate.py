@@ -37,6 +37,7 @@ from epmoe.plan import traffic as tr
 from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
                                 Provenance, load_profile)
 from epmoe.outputs import writable_file
+from epmoe.plan.topology import gpu_kind_of
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
 
@@ -284,8 +285,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
         torch.set_num_threads(1)
     gpu_name = torch.cuda.get_device_name(dev) if kind == "cuda" else platform.processor() or \
         platform.machine()
-    gpu = "cpu" if kind == "cpu" else next(
-        (g for g in ("gb200", "b200", "h800", "h200", "h100") if g in gpu_name.lower()), "h200")
+    gpu = "cpu" if kind == "cpu" else gpu_kind_of(gpu_name) or "h200"
     base = _base(args.base, gpu)
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
         if kind == "cpu" else ""

@@ -19,7 +19,7 @@ agree with it otherwise (exit 2).
 Topology: --topology NxG|FILE, else where the ranks land: the Ray driver's node id per rank
 (`at_where`, which re-plans when that differs from the one node assumed before the start);
 one node of one rank in-process. Profile: --profile NAME|FILE, else by device: h200 on an
-H200, cpu on CPU ranks, the named GPU's spec profile (h100, h800, b200, gb200), else the
+H200, cpu on CPU ranks, the named GPU's spec profile (h100, h800, h20, b200, gb200), else the
 nearest one by compute capability, with a warning. Every launch predicts with them
 (epmoe.launch.plan_report), with or without --plan.
 """
@@ -34,11 +34,9 @@ from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile,
 from epmoe.plan.planner import rule_violation
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
-from epmoe.plan.topology import LINK_SPECS, local_cores
+from epmoe.plan.topology import LINK_SPECS, gpu_kind_of, local_cores
 
 MODES = ("auto", "tp", "ep", "ep_dp", "sweep")
-# device-name substring -> shipped profile, most specific first ("gb200" contains "b200")
-GPU_PROFILES = ("gb200", "b200", "h800", "h200", "h100")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -77,10 +75,10 @@ def profile_for_device(device: str, sm_arch: int = 0, ranks: int = 0, nodes: int
     d = device.lower()
     if "cuda" not in d and "nvidia" not in d:
         return "cpu", None
-    for key in GPU_PROFILES:
-        if key in d:
-            measured = MEASURED_PROFILES.get((key, ranks, timing)) if nodes == 1 else None
-            return measured or key, None
+    key = gpu_kind_of(d)
+    if key is not None:
+        measured = MEASURED_PROFILES.get((key, ranks, timing)) if nodes == 1 else None
+        return measured or key, None
     near = "b200" if sm_arch >= 100 else "h100"
     return near, (f"no shipped profile for {device!r}: predicting with the nearest spec "
                   f"profile {near!r} (SM{sm_arch or '?'}); calibrate this machine with python "

@@ -282,7 +282,7 @@ def shipped_profiles() -> list[str]:
 
 
 def load_profile(spec) -> HardwareProfile:
-    """A HardwareProfile, a shipped profile's name (h200, h100, h800, b200, gb200, cpu) or a
+    """A HardwareProfile, a shipped profile's name (h200, h100, h800, h20, b200, gb200, cpu) or a
     path to a JSON file."""
     if isinstance(spec, HardwareProfile):
         return spec

@@ -1,6 +1,6 @@
 """The shipped GPU profiles, built from the H200 measurements and vendors' data sheets.
 
-`build_profiles()` -> {"h200", "h100", "h800", "b200", "gb200"}; `python -m epmoe.plan.specs`
+`build_profiles()` -> {"h200", "h100", "h800", "h20", "b200", "gb200"}; `python -m epmoe.plan.specs`
 rewrites `epmoe/plan/profiles/<name>.json` from it (a test checks the files match, so every
 number's provenance lives here, next to the number). The CPU profile is measured by
 `python -m epmoe.bench.calibrate --quick` instead.
@@ -38,6 +38,8 @@ SHEETS = {
     "h800": dict(arch=90, desc="H800 SXM5 80GB (NVLink 400 GB/s)", sms=132, hbm=3350.0,
                  gb=80.0, fp8=1979.0, bf16=989.0, fp32=67.0,
                  src="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s)"),
+    "h20": dict(arch=90, desc="H20 96GB", sms=78, hbm=4000.0, gb=96.0, fp8=296.0, bf16=148.0,
+                fp32=44.0, src="NVIDIA H20 product brief (78 SMs as the device reports them)"),
     "b200": dict(arch=100, desc="HGX B200 180GB", sms=148, hbm=8000.0, gb=180.0, fp8=4500.0,
                  bf16=2250.0, fp32=75.0, src="NVIDIA HGX B200 data sheet (per GPU)"),
     "gb200": dict(arch=100, desc="GB200 NVL72 (per Blackwell GPU)", sms=148, hbm=8000.0, gb=186.0,

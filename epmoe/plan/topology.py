@@ -72,10 +72,23 @@ LINK_SPECS: dict[str, dict[str, Link]] = {
     "b200": _spec(900.0, 50.0, 128.0, "spec: NVIDIA HGX B200 data sheet; CX7 400 Gb/s"),
     # GB200 NVL72: one NVLink domain of 72 GPUs, 1.8 TB/s bidirectional per GPU.
     "gb200": _spec(900.0, 50.0, 128.0, "spec: NVIDIA GB200 NVL72 data sheet; CX7 400 Gb/s"),
+    # H20 (China-market Hopper): NVLink 900 GB/s bidirectional as the H100; CX7 400 Gb/s.
+    "h20": _spec(450.0, 50.0, 64.0, "spec: NVIDIA H20 product brief; CX7 400 Gb/s"),
     # CPU ranks: gloo over loopback TCP; a placeholder until calibrate measures it.
     "cpu": {"tcp": Link("tcp", 2.0, 30.0, "spec: loopback TCP, order of magnitude"),
             "rdma": Link("rdma", 1.25, 50.0, "spec: 10 GbE between CPU nodes")},
 }
+
+
+def gpu_kind_of(device_name: str) -> str | None:
+    """The GPU kind (a key of LINK_SPECS) a device name names as a whole word, e.g. "NVIDIA
+    H20" -> h20, "NVIDIA H200" -> h200 (never h20), "NVIDIA GB200" -> gb200; None if none."""
+    name = device_name.lower()
+    for kind in sorted(LINK_SPECS, key=lambda k: (-len(k), k)):
+        if kind != "cpu" and re.search(rf"(?<![a-z0-9]){kind}(?![0-9])", name):
+            return kind
+    return None
+
 
 def local_cores() -> int:
     """Cores this process may run on (its affinity mask; the CPU count where there is none)."""
