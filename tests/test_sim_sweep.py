@@ -106,3 +106,20 @@ def test_a_step_with_queued_figures_runs_its_later_layers_behind_the_first():
         first = predict_layer(c, work, topo, prof)
         got = stack_us(first, work, topo, prof, None, 4)
         assert got == pytest.approx(4 * first.total_us - 3 * later), issue_us
+
+
+def test_a_point_where_nothing_fits_is_a_row_with_the_reason(tmp_path, capsys):
+    """DeepSeek-V3 on 8 H800 (80 GB): no candidate fits, so the point is an "infeasible" row
+    (no time, the reason; the table says so under it), not a row left out; 16 fit."""
+    f = tmp_path / "s.toml"
+    f.write_text('model = "deepseek-v3"\ngpus = ["h800"]\nep = [8, 16]\ntokens = [128]\n')
+    out = tmp_path / "out"
+    assert main([str(f), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in text.splitlines())
+    rows = json.loads((out / "sim.json").read_text())["rows"]
+    assert [(r["ep"], r["kind"]) for r in rows] == [(8, "infeasible"), (16, "pick")]
+    bad = rows[0]
+    assert bad["step_ms"] is None and "GiB per rank" in bad["reason"]
+    assert "infeasible" in text and "h800 ep 8, 128 tokens: no feasible candidate" in text
+    assert (out / "step_time.png").stat().st_size > 5000

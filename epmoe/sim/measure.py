@@ -61,6 +61,8 @@ def launch_argv(row: dict, sweep, opts: MeasureOptions) -> list[str]:
 
 
 def _skip(row: dict, opts: MeasureOptions) -> str | None:
+    if row.get("kind") == "infeasible":
+        return row["reason"]
     if row["gpu"] != opts.gpu:
         return f"gpu {row['gpu']} (this run measures {opts.gpu})"
     if row["redundant"]:

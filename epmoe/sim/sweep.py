@@ -20,6 +20,8 @@ gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink dom
 
 from __future__ import annotations
 
+import textwrap
+
 import os
 from dataclasses import dataclass, field
 
@@ -155,6 +157,8 @@ def run(sweep: Sweep) -> list[dict]:
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
                                      routing=spec.label(), redundant=rpr * ep,
                                      redundant_per_rank=rpr)
+                        if not ranked.preds:  # said, not dropped: e.g. it does not fit
+                            rows.append(_infeasible(point, ranked.rejected))
                         picks = [("pick", p) for p in ranked.preds[:1]] + [
                             ("fixed", predict_layer(_candidate(c), work, topo, prof, stats))
                             for c in sweep.candidates]
@@ -192,14 +196,31 @@ def _row(point: dict, kind: str, p, step_us: float) -> dict:
             "imbalance": p.notes.get("imbalance", 1.0)}
 
 
+def _infeasible(point: dict, rejected) -> dict:
+    """A point where no candidate is feasible: no time, the first candidate's reason."""
+    why = f"{rejected[0][0]}: {rejected[0][1]}" if rejected else "no candidate"
+    return {**point, "kind": "infeasible", "choice": "-", "layer_us": None, "step_ms": None,
+            "comm_share": None, "nvlink_MB": None, "rdma_MB": None, "stages_us": {},
+            "imbalance": None, "reason": f"no feasible candidate ({len(rejected)} rejected, "
+                                         f"e.g. {why})"}
+
+
 def table(rows: list[dict]) -> str:
     """80 columns: one line per row."""
     head = (f"{'gpu':<6}{'ep':>4}{'nod':>4}{'tok':>5} {'routing':<9}{'red':>4} "
             f"{'choice':<25}{'step ms':>8}{'comm':>5}{'rdma MB':>8}")
     out = [head, "-" * 80]
     for r in rows:
+        lead = (f"{r['gpu'][:6]:<6}{r['ep']:>4}{r['nodes']:>4}{r['tokens']:>5} "
+                f"{r['routing'][:9]:<9}{r['redundant']:>4} ")
+        if r["kind"] == "infeasible":
+            out.append(f"{lead}{'infeasible: see below':<25}{'-':>8}{'-':>5}{'-':>8}")
+            continue
         ch = r["choice"] if r["kind"] == "pick" else "=" + r["choice"]
-        out.append(f"{r['gpu'][:6]:<6}{r['ep']:>4}{r['nodes']:>4}{r['tokens']:>5} "
-                   f"{r['routing'][:9]:<9}{r['redundant']:>4} {ch[:25]:<25}"
+        out.append(f"{lead}{ch[:25]:<25}"
                    f"{r['step_ms']:>8.1f}{100 * r['comm_share']:>4.0f}%{r['rdma_MB']:>8.1f}")
+    for r in rows:
+        if r["kind"] == "infeasible":
+            out.append(textwrap.fill(f"{r['gpu']} ep {r['ep']}, {r['tokens']} tokens: "
+                                     f"{r['reason']}", 80, subsequent_indent="  "))
     return "\n".join(out)
