@@ -3,12 +3,15 @@
 
     p.add_argument("--json", type=writable_file)   # argparse: exit 2, "argument --json: ..."
     why = file_problem(path)                       # the same rule where no parser runs
+
+and a command whose reader goes away (`... | head`) ends quietly: `run_main(main)`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -75,3 +78,15 @@ def writable_dir(path: str) -> str:
     if why:
         raise argparse.ArgumentTypeError(why)
     return path
+
+
+def run_main(main, *args) -> None:
+    """sys.exit(main(*args)); a closed stdout (`| head`) is exit 141 (as SIGPIPE), no
+    traceback: stdout goes to /dev/null so the interpreter's last flush cannot raise again."""
+    try:
+        code = main(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    sys.exit(code)

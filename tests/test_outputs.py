@@ -95,3 +95,30 @@ def test_a_launch_whose_outputs_fail_at_the_end_prints_first_and_exits_3(monkeyp
     assert got.err.strip().splitlines() == [
         f"error: the run finished, but writing its outputs failed: [Errno 28] No space left "
         f"on device: '{out}'"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["epmoe.plan", "--model", "qwen3-30b-a3b", "--topology", "1x2", "--json", "--tokens",
+     "1,4,16,64,256,1024,4096"],  # > 64 KiB, a pipe's buffer
+    ["epmoe.sim", "epmoe/sim/sweeps/deepseek-v3.toml", "--json"],
+])
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv):
+    """`... --json | head -c 10`: exit 141 as SIGPIPE would, no traceback on stderr."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    head = p.stdout.read(10)
+    p.stdout.close()  # the reader goes away before the command has written everything
+    err = p.stderr.read().decode()
+    assert p.wait(120) == 141, err
+    assert head.startswith(b"{") and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_run_main_passes_the_exit_code_through():
+    from epmoe.outputs import run_main
+
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda a: a + 1, 2)
+    assert e.value.code == 3

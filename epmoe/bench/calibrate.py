@@ -36,7 +36,7 @@ import time
 from epmoe.plan import traffic as tr
 from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
                                 Provenance, load_profile)
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 from epmoe.plan.topology import gpu_kind_of
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
@@ -398,4 +398,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

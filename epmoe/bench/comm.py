@@ -39,7 +39,7 @@ import torch
 from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, _sweep, bench_loopback
 from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS, TIMINGS
 from epmoe.config import QuantConfig
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 HT_TOKENS = (512, 1024, 2048, 4096, 8192)
 LL_TOKENS = (1, 8, 32, 128, 256)
@@ -319,4 +319,4 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -23,7 +23,7 @@ import torch
 from epmoe.eplb import (MODES, deepseek_rebalance, make_routing, rebalance,
                         rebalance_incremental)
 from epmoe.eplb.traffic import routing_from_loads, traffic_from_routing
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUP = 61, 256, 8, 8, 4  # DeepSeek-V3-like
 TOKEN_BYTES = 7168 * 3  # fp8 dispatch row + bf16 combine row
@@ -114,4 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

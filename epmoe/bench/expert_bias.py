@@ -23,7 +23,7 @@ import sys
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 
 def bench_ms(fn) -> float:
@@ -115,4 +115,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

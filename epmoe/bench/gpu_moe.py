@@ -28,7 +28,7 @@ import os
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 DSV3 = get_preset("deepseek-v3")
 FP8 = QuantConfig("fp8_block")
@@ -387,4 +387,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -20,7 +20,7 @@ import json
 import statistics
 import sys
 
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 
 def measure(model: str, recipe: str, experts: str, tokens: int, layers: int, steps: int,
@@ -109,4 +109,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from epmoe.outputs import writable_dir
+from epmoe.outputs import run_main, writable_dir
 
 STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch", "plan")
 
@@ -230,4 +230,4 @@ def _markdown(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -30,7 +30,7 @@ from epmoe.bench import kernels as kb
 from epmoe.kernels.gate_topk import RouterConfig
 from epmoe.kernels.gemm_tma import GemmConfig
 from epmoe.kernels.quantize import QuantKernelConfig
-from epmoe.outputs import writable_dir
+from epmoe.outputs import run_main, writable_dir
 
 G = GemmConfig
 FP8_CANDIDATES = {
@@ -365,4 +365,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

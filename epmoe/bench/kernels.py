@@ -23,7 +23,7 @@ import sys
 import torch
 
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 7168, 2048, 32, 8
 ROUTER_CFG = MoEConfig("dsv3-router", hidden=HIDDEN, moe_intermediate=INTER, num_experts=256,
@@ -326,4 +326,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 WITHIN = 0.20
 FLOOR_MS = 0.05
@@ -264,4 +264,4 @@ def calibrate_first(args) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

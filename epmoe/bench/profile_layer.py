@@ -25,7 +25,7 @@ import json
 import statistics
 import sys
 
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 HOLD_MS = 10.0  # longer than the host takes to issue a forward (a warning says if not)
 
@@ -174,4 +174,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

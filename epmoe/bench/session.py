@@ -31,6 +31,7 @@ import tarfile
 import textwrap
 import time
 from pathlib import Path
+from epmoe.outputs import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 PY = (sys.executable, "-m")
@@ -234,4 +235,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -26,6 +26,7 @@ import sys
 import time
 
 from epmoe.plan.figures import HOST_PREFIX
+from epmoe.outputs import run_main
 
 CASES = (("symm-ht", 128, "fp8_block"), ("symm-ht", 4096, "fp8_block"),
          ("symm-ht", 4096, "bf16"), ("symm-ll", 128, "fp8_block"), ("symm-ll", 1, "fp8_block"))
@@ -174,4 +175,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

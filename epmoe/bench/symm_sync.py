@@ -24,7 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm import sync as S  # noqa: E402
-from epmoe.outputs import writable_file  # noqa: E402
+from epmoe.outputs import run_main, writable_file  # noqa: E402
 
 W = 2
 W_C = tl.constexpr(W)
@@ -134,4 +134,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 FLASH = dict(experts=256, top_k=6, shapes=(("GEMM1", 4096, 4096), ("GEMM2", 4096, 2048)))
 SMALL = dict(experts=16, top_k=6, shapes=(("GEMM1", 512, 512), ("GEMM2", 512, 256)))
@@ -138,4 +138,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -1,3 +1,4 @@
 from epmoe.hf_config.cli import main
+from epmoe.outputs import run_main
 
-raise SystemExit(main())
+run_main(main)

@@ -1,5 +1,4 @@
-import sys
-
 from epmoe.launch.cli import main
+from epmoe.outputs import run_main
 
-sys.exit(main())
+run_main(main)

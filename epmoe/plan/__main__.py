@@ -19,7 +19,7 @@ from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
 from epmoe.plan.topology import LINK_SPECS, Topology
-from epmoe.outputs import writable_file
+from epmoe.outputs import run_main, writable_file
 
 
 def parser() -> argparse.ArgumentParser:
@@ -140,4 +140,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

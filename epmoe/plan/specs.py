@@ -20,6 +20,7 @@ from pathlib import Path
 
 from epmoe.config import QuantConfig
 from epmoe.plan import traffic as tr
+from epmoe.outputs import run_main
 from epmoe.plan.profile import (AlphaBeta, Figure, GemmCurve, HardwareProfile, LinkFit,
                                 Provenance)
 
@@ -392,4 +393,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main, sys.argv[1:])

@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from epmoe.outputs import writable_dir
+from epmoe.outputs import run_main, writable_dir
 
 DEFAULT_SWEEP = Path(__file__).parent / "sweeps" / "deepseek-v3.toml"
 
@@ -132,4 +132,4 @@ def _measure_options(args, sweep):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
