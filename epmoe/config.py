@@ -276,5 +276,9 @@ def get_preset(name: str) -> MoEConfig:
         from epmoe.hf_config import read_hf_config
 
         return read_hf_config(name).cfg
+    if os.sep in name or name.endswith(".json"):  # meant as a path
+        raise ValueError(f"model {name!r}: no such file or folder (a Hugging Face config.json, "
+                         f"or the checkpoint folder holding it; presets: "
+                         f"{', '.join(sorted(PRESETS))})")
     raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}, "
                      f"or give a Hugging Face config.json (or the folder holding it)")

@@ -62,6 +62,9 @@ def test_top_k_above_num_experts_raises():
 def test_unknown_preset_raises():
     with pytest.raises(ValueError, match=r"unknown preset 'nope'; choose one of: .*deepseek-v3"):
         get_preset("nope")
+    for path in ("/no/such/config.json", "ckpt/missing", "my.json"):
+        with pytest.raises(ValueError, match=r"no such file or folder .*presets: .*deepseek-v3"):
+            get_preset(path)
 
 
 def test_bad_recipe_raises():
