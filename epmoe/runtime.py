@@ -80,7 +80,8 @@ class Runtime:
             world=self.world, group=group, device=self.device, forms=run.forms,
             own_tokens=run.own_tokens, token_offset=self.token_offset,
             options=RebalanceOptions(enabled=run.eplb, window=run.eplb_window,
-                                     migration=run.eplb_migration, link_gbps=run.eplb_link_gbps),
+                                     migration=run.eplb_migration, link_gbps=run.eplb_link_gbps,
+                                     links=run.eplb_links),
             make_experts=self._make_experts, timer=self.timer)
         self.layers = [self._build_layer(l, self.rebalancer.phy2log[l])
                        for l in range(run.num_layers)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.eplb.decision import NVLINK_GBPS, RDMA_GBPS, decide
+from epmoe.eplb.decision import NVLINK_GBPS, RDMA_GBPS, MigrationLinks, decide
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer, token_bytes
 from epmoe.eplb.topology import Topology, discover, local_node_id
 from epmoe.launch.eplb_run import _stalls
@@ -46,7 +46,36 @@ def test_decision_no_gain_and_link_override():
     assert not d.rebalance and d.reason.startswith("no predicted gain")
     d = decide(100.0, 4.0, 2.0, 1, [0], [1e9], "sync", link_gbps=1000.0)
     assert d.intra_gbps == d.inter_gbps == 1000.0 and d.move_ms == pytest.approx(1.0)
-    assert d.summary()["decision"] == "rebalance"
+
+
+def test_the_run_links_cost_the_move_and_one_given_figure_overrides_them():
+    links = MigrationLinks(0.5, 0.25, "profile cpu on 1x2 cpu")
+    d = decide(6.0, 4.0, 2.0, 1, [1e6, 0], [0, 1e6], "sync", links=links)
+    assert d.move_ms == pytest.approx(4.0)  # 1 MB at 0.25 GB/s across nodes
+    assert (d.intra_gbps, d.inter_gbps) == (0.5, 0.25) and not d.rebalance  # gain 3 < 4 ms
+    assert d.summary()["links_source"] == "profile cpu on 1x2 cpu" and "0.5/0.25 GB/s" in d.reason
+    d = decide(6.0, 4.0, 2.0, 1, [1e6, 0], [0, 1e6], "sync", link_gbps=100.0, links=links)
+    assert d.move_ms == pytest.approx(0.01) and "given" in d.links_source and d.rebalance
+    with pytest.raises(ValueError, match=r"intra_gbps \(0\) must be a finite GB/s > 0"):
+        MigrationLinks(0, 1.0)
+
+
+def test_migration_links_come_from_the_profile_on_the_topology():
+    """The all_to_all fit of each link class, scaled to the topology's link: an H800's NVLink
+    (200 GB/s) moves less than an H200's (450) under the same fit; a class the profile has no
+    fit for (RDMA between CPU nodes) takes the topology's spec figure."""
+    from epmoe.plan.comm_cost import migration_links
+    from epmoe.plan.profile import load_profile
+    from epmoe.plan.topology import Topology
+
+    h200 = migration_links(load_profile("h200"), Topology.parse("2x8", "h200"))
+    h800 = migration_links(load_profile("h800"), Topology.parse("2x8", "h800"))
+    fit = load_profile("h200").collective("all_to_all", "nvlink")
+    assert h200.intra_gbps == pytest.approx(fit.bandwidth_GBps(450.0))
+    assert h800.intra_gbps == pytest.approx(h200.intra_gbps * 200 / 450)
+    assert 0 < h200.inter_gbps < h200.intra_gbps and "all_to_all fit" in h200.source
+    cpu = migration_links(load_profile("cpu"), Topology.parse("2x2", "cpu"))
+    assert cpu.intra_gbps < 5 and cpu.inter_gbps == 1.25 and "rdma 1.25 GB/s (spec)" in cpu.source
 
 
 # ---------------------------------------------------------------------------------- topology

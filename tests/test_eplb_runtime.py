@@ -322,6 +322,9 @@ def test_cli_eplb_run_on_8_ranks_rebalances_async(tmp_path):
     assert e["rebalances"] == sum(ev["decision"] == "rebalance" for ev in e["events"]) >= 1
     first = e["events"][0]
     assert first["decision"] == "rebalance" and first["reason"].startswith("gain"), first
+    # the move is costed at this run's links: the cpu profile's gloo all_to_all, not NVLink
+    assert first["links_source"].startswith("profile cpu on 1x8 cpu"), first
+    assert first["intra_gbps"] < 5 and f"{first['intra_gbps']:.3g}/" in first["reason"], first
     assert first["switch"]["step"] >= 3 and first["switch"]["steps_waited"] >= 0, first
     assert first["stall_ms"] > 0 and e["baseline_step_ms"] > 0
     assert len(e["step_wall_ms"]) == 7  # steps 1..7

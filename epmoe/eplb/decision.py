@@ -28,6 +28,23 @@ RDMA_GBPS = 40.0  # inter-node: one 400 Gb/s NIC per GPU (~50 GB/s line rate, ~4
 
 
 @dataclass(frozen=True)
+class MigrationLinks:
+    """What the moved weights run at, GB/s per direction: inside a node / between nodes, and
+    where the figures came from (the launcher: its profile's all_to_all fits on the run's
+    topology; else DeepEP-class defaults)."""
+
+    intra_gbps: float = NVLINK_GBPS
+    inter_gbps: float = RDMA_GBPS
+    source: str = "default figures (H800-class NVLink, one 400 Gb/s NIC)"
+
+    def __post_init__(self):
+        for name in ("intra_gbps", "inter_gbps"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"migration links: {name} ({v!r}) must be a finite GB/s > 0")
+
+
+@dataclass(frozen=True)
 class Decision:
     """Whether to apply a new placement, and the numbers behind it."""
 
@@ -38,20 +55,25 @@ class Decision:
     bytes_moved: int  # the most bytes any rank receives
     intra_gbps: float
     inter_gbps: float
+    links_source: str = ""  # where intra_gbps / inter_gbps came from
 
     def summary(self) -> dict:
         return dict(decision="rebalance" if self.rebalance else "skip", reason=self.reason,
                     gain_ms=self.gain_ms, move_ms=self.move_ms, bytes_moved=self.bytes_moved,
-                    intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps)
+                    intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps,
+                    links_source=self.links_source)
 
 
 def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_next: int,
            recv_intra_bytes: list[int], recv_inter_bytes: list[int], migration: str,
-           link_gbps: float | None = None) -> Decision:
+           link_gbps: float | None = None, links: MigrationLinks | None = None) -> Decision:
     """inv_bal_*: sum over layers of 1 / balancedness; recv_*_bytes: per rank, bytes it
-    receives from its own node / from other nodes; link_gbps overrides both defaults."""
-    intra = NVLINK_GBPS if link_gbps is None else link_gbps
-    inter = RDMA_GBPS if link_gbps is None else link_gbps
+    receives from its own node / from other nodes; links: the run's link figures (None: the
+    defaults); link_gbps (one figure for both) overrides them."""
+    links = links or MigrationLinks()
+    intra = links.intra_gbps if link_gbps is None else link_gbps
+    inter = links.inter_gbps if link_gbps is None else link_gbps
+    source = links.source if link_gbps is None else "one figure given (eplb_link_gbps)"
     move_ms = max((a / intra + b / inter) / 1e6 for a, b in zip(recv_intra_bytes,
                                                                recv_inter_bytes))
     moved = max(a + b for a, b in zip(recv_intra_bytes, recv_inter_bytes))
@@ -63,12 +85,12 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
     else:
         gain = per_step * steps_until_next
         horizon = f"{steps_until_next} steps"
-    link = (f"{moved / 1e6:.2f} MB at {intra:g}/{inter:g} GB/s intra/inter node = "
+    link = (f"{moved / 1e6:.2f} MB at {intra:.3g}/{inter:.3g} GB/s intra/inter node = "
             f"{move_ms:.3f} ms")
     if per_step <= 0:
         return Decision(False, f"no predicted gain (balancedness would not improve); move "
-                               f"{link}", gain, move_ms, moved, intra, inter)
+                               f"{link}", gain, move_ms, moved, intra, inter, source)
     ok = gain > move_ms
     why = (f"gain {per_step:.3f} ms/step x {horizon} = {gain:.3f} ms "
            f"{'>' if ok else '<='} move {link}")
-    return Decision(ok, why, gain, move_ms, moved, intra, inter)
+    return Decision(ok, why, gain, move_ms, moved, intra, inter, source)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.eplb.background import BackgroundMigration
-from epmoe.eplb.decision import decide
+from epmoe.eplb.decision import MigrationLinks, decide
 from epmoe.eplb.incremental import rebalance_incremental
 from epmoe.eplb.migrate import apply_staged, migrate_layer, plan_migration, slot_tensors
 from epmoe.eplb.placement import Placement
@@ -48,9 +48,10 @@ MIGRATIONS = ("sync", "async")
 @dataclass(frozen=True)
 class RebalanceOptions:
     """enabled: record load and allow rebalance(); window: steps of load history; migration:
-    sync | async; mode: None = `choose_mode`'s default; link_gbps: one bandwidth for every
-    link (None = NVLink inside a node, RDMA between nodes); incremental_slack: keep the
-    incremental placement when its balancedness is within this of the full one's."""
+    sync | async; mode: None = `choose_mode`'s default; links: the run's link figures for the
+    move (None: decision.py's defaults); link_gbps: one bandwidth for every link, over links;
+    incremental_slack: keep the incremental placement when its balancedness is within this of
+    the full one's."""
 
     enabled: bool = False
     window: int = 8
@@ -58,6 +59,7 @@ class RebalanceOptions:
     mode: str | None = None
     link_gbps: float | None = None
     incremental_slack: float = 0.02
+    links: MigrationLinks | None = None
 
     def __post_init__(self):
         if self.window < 1:
@@ -245,7 +247,8 @@ class Rebalancer:
         intra, inter, slots = self._bytes_to_move(layers, new_LR)
         horizon = self.options.window if steps_until_next is None else steps_until_next
         dec = decide(float(step), float((1 / bal_old).sum()), float((1 / bal_new).sum()),
-                     horizon, intra, inter, self.options.migration, self.options.link_gbps)
+                     horizon, intra, inter, self.options.migration, self.options.link_gbps,
+                     self.options.links)
         t_decide = time.perf_counter()
         ev["timing_ms"] = dict(load=(t_load - t0) * 1e3, placement=(t_place - t_load) * 1e3,
                                decision=(t_decide - t_place) * 1e3)

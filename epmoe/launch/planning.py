@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from epmoe.config import DEFAULT_PRESET
 from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile, plan_stack
+from epmoe.plan.comm_cost import migration_links
 from epmoe.plan.planner import rule_violation
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
@@ -123,6 +124,13 @@ def _where_cores(where: list[dict]) -> int:
     return min(int(w.get("cpus") or local_cores()) for w in where)
 
 
+def _with_links(run: RunConfig, planning: "Planning") -> RunConfig:
+    """An EPLB run's migration links: its profile's figures on its topology."""
+    if not run.eplb:
+        return run
+    return run.replace(eplb_links=migration_links(planning.profile, planning.topology))
+
+
 # ---------------------------------------------------------------------------- the launch's plan
 @dataclass(frozen=True)
 class Planning:
@@ -157,7 +165,7 @@ class PlannedLaunch:
     start and their build (the run may be re-planned there), `attach` the report's."""
 
     def __init__(self, run: RunConfig, planning: Planning):
-        self.run, self.planning = run, planning
+        self.run, self.planning = _with_links(run, planning), planning
 
     def at_where(self, where: list[dict]) -> RunConfig:
         """The ranks' node ids and device -> topology and profile; re-plan if they changed."""
@@ -193,6 +201,7 @@ class PlannedLaunch:
             notes.append(f"re-planned for {topo.describe()}")
             self.run = planned_run(self.run, plan, p.tokens)
         self.planning = replace(p, topology=topo, profile=prof, plan=plan, notes=tuple(notes))
+        self.run = _with_links(self.run, self.planning)
         return self.run
 
     def attach(self, summary: dict, run: RunConfig, reports: list[dict]) -> None:

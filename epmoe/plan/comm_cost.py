@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from epmoe.config import MoEConfig, QuantConfig
+from epmoe.eplb.decision import NVLINK_GBPS, MigrationLinks
 from epmoe.plan.figures import HOST_PREFIX
 from epmoe.plan.profile import HardwareProfile
 from epmoe.plan.routing import RoutingStats, finite_max
@@ -334,3 +335,25 @@ def collective_us(c: CommCase, kind: str, nbytes: float) -> tuple[float, dict]:
         fit = c.prof.collective(kind, cls)
         worst = max(worst, fit.alpha_us + b / (fit.bandwidth_GBps(topo.link(cls).GBps) * 1e3))
     return worst, per_class
+
+
+def migration_links(prof: HardwareProfile, topo: Topology) -> MigrationLinks:
+    """The bandwidth EPLB's weight moves get (batched point-to-point sends, NCCL or gloo): the
+    profile's all_to_all fit on each link class of the topology; a class without a fit takes
+    the topology's spec figure for it (RDMA between CPU nodes, say)."""
+    got, said = {}, []
+    for key, cls in (("intra", topo.intra), ("inter", "rdma")):
+        try:
+            fit = prof.collective("all_to_all", cls)
+        except KeyError:
+            fit = None
+        try:
+            link = topo.link(cls).GBps
+        except ValueError:  # no such class on this topology
+            continue
+        got[key] = fit.bandwidth_GBps(link) if fit is not None else link
+        said.append(f"{cls} {got[key]:.3g} GB/s" + (" (all_to_all fit)" if fit is not None
+                                                       else " (spec)"))
+    intra = got.get("intra", NVLINK_GBPS)
+    return MigrationLinks(intra, got.get("inter", intra),
+                          f"profile {prof.name} on {topo.describe()}: {', '.join(said)}")

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from epmoe.config import MoEConfig, QuantConfig, get_preset
+from epmoe.eplb.decision import MigrationLinks
 from epmoe.plan.forms import LayerPlan, LayerSpec
 
 
@@ -55,7 +56,8 @@ class RunConfig:
     # is kept busy while the host issues the step (a device sleep first), so the step and
     # its stages are GPU time, and the host's issue time is reported beside them
     timing: str = "launched"
-    eplb_link_gbps: float | None = None  # rebalance cost model; None: NVLink / RDMA figures
+    eplb_link_gbps: float | None = None  # rebalance cost model: one figure for every link
+    eplb_links: MigrationLinks | None = None  # the launcher's, from its profile and topology
     # ranks sharing each GPU (> 1: time-sliced by the driver, a gloo process group, symm-*
     # only): a check of a multi-rank run on fewer GPUs, never a speed
     ranks_per_gpu: int = 1
