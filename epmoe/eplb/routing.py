@@ -88,6 +88,8 @@ def load_trace(path) -> torch.Tensor:
             d = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt, empty, a pickle of something else (some are ValueErrors)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "weights_only" in first or "Weights only load failed" in first:  # torch's advice
+            first = "not a torch.save file of tensors"  # (weights_only=False) is not ours
         raise ValueError(f"trace file {str(p)!r} cannot be read ({type(e).__name__}: {first}); "
                          f"write it with epmoe.eplb.routing.save_trace: a .pt or .safetensors "
                          f"file holding 'topk_ids' [steps, layers, tokens, top_k]") from None
