@@ -60,6 +60,15 @@ def test_the_run_links_cost_the_move_and_one_given_figure_overrides_them():
         MigrationLinks(0, 1.0)
 
 
+def test_a_measured_move_scale_costs_the_move():
+    d = decide(10.0, 4.0, 2.0, 1, [1e6], [0], "sync", links=MigrationLinks(1.0, 1.0, "x"),
+               move_scale=8.0)
+    assert d.link_ms == pytest.approx(1.0) and d.move_ms == pytest.approx(8.0)
+    assert not d.rebalance and "= 1.000 ms x 8 (the last move, measured) = 8.000 ms" in d.reason
+    plain = decide(10.0, 4.0, 2.0, 1, [1e6], [0], "sync", links=MigrationLinks(1.0, 1.0, "x"))
+    assert plain.move_ms == plain.link_ms == pytest.approx(1.0) and plain.rebalance
+
+
 def test_migration_links_come_from_the_profile_on_the_topology():
     """The all_to_all fit of each link class, scaled to the topology's link: an H800's NVLink
     (200 GB/s) moves less than an H200's (450) under the same fit; a class the profile has no

@@ -91,9 +91,11 @@ def _sync_case(rank, group, run, topology=None):
     same_step = rt.report()["last"]
     for s in range(2, 4):
         rt.step(s)
-    return dict(rank=rank, before=before_last, same_step=same_step, after=rt.report()["last"],
-                res=res, window_before=window_before, window_after=rt.window_balancedness(),
-                phy_before=phy_before, phy_after=_phy(rt))
+    out = dict(rank=rank, before=before_last, same_step=same_step, after=rt.report()["last"],
+               res=res, window_before=window_before, window_after=rt.window_balancedness(),
+               phy_before=phy_before, phy_after=_phy(rt), scale=rt.rebalancer._move_scale)
+    out["res2"] = rt.rebalance(3)  # costs its move with the slowest rank's measured scale
+    return out
 
 
 def _async_case(rank, group, run, fail: bool):
@@ -294,6 +296,28 @@ def test_rebalance_without_eplb_is_refused():
     rt = Runtime(RunConfig(tokens=4, layers=1))
     with pytest.raises(RuntimeError, match=r"rebalance needs RunConfig\(eplb=True\)"):
         rt.rebalance()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_the_next_move_is_costed_as_the_last_one_took(rebalanced):
+    """After a sync move, each rank's scale = its measured migration / the move's link time;
+    the next decision costs its move at the slowest rank's scale (all-reduced: every rank
+    decides alike) and says so."""
+    ranks = [r["all2all"] for r in rebalanced]
+    for r in ranks:
+        res = r["res"]
+        assert res["decision"] == "rebalance" and res["link_ms"] > 0, res
+        assert r["scale"] == pytest.approx(res["timing_ms"]["migration"] / res["link_ms"],
+                                           rel=0.05), r["scale"]
+    worst = max(r["scale"] for r in ranks)
+    for r in ranks:
+        nxt = r["res2"]
+        assert nxt["move_scale"] == pytest.approx(worst), nxt
+        assert nxt["move_ms"] == pytest.approx(nxt["link_ms"] * worst)
+        # (the reason says so unless the placement did not change at all: test_eplb_rebalancer)
+        assert "(the last move, measured)" in nxt["reason"] or nxt["slots_moved"] == 0, nxt
+    assert len({r["res2"]["decision"] for r in ranks}) == 1
 
 
 # ---------------------------------------------------------------------------------- CLI run

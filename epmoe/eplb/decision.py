@@ -15,6 +15,9 @@ stall that long, in async mode the steps keep the old placement until the bytes 
     async: gain per step x (steps until the next rebalance - steps to land)   > move_ms
 
 (in async mode the move still borrows move_ms of link time from the steps' dispatch/combine).
+The link figures leave out what a move also costs (checksumming every slot, the collectives'
+fixed costs, a loaded host), so once a run has moved weights the next move is costed at
+move_ms x (the last move's measured time / its link time): the run's own figure.
 """
 
 from __future__ import annotations
@@ -56,26 +59,31 @@ class Decision:
     intra_gbps: float
     inter_gbps: float
     links_source: str = ""  # where intra_gbps / inter_gbps came from
+    link_ms: float = 0.0  # the move's time on the links alone (move_ms / the move scale)
 
     def summary(self) -> dict:
         return dict(decision="rebalance" if self.rebalance else "skip", reason=self.reason,
                     gain_ms=self.gain_ms, move_ms=self.move_ms, bytes_moved=self.bytes_moved,
                     intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps,
-                    links_source=self.links_source)
+                    links_source=self.links_source, link_ms=self.link_ms)
 
 
 def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_next: int,
            recv_intra_bytes: list[int], recv_inter_bytes: list[int], migration: str,
-           link_gbps: float | None = None, links: MigrationLinks | None = None) -> Decision:
+           link_gbps: float | None = None, links: MigrationLinks | None = None,
+           move_scale: float | None = None) -> Decision:
     """inv_bal_*: sum over layers of 1 / balancedness; recv_*_bytes: per rank, bytes it
     receives from its own node / from other nodes; links: the run's link figures (None: the
-    defaults); link_gbps (one figure for both) overrides them."""
+    defaults); link_gbps (one figure for both) overrides them; move_scale: how much longer
+    than its link time the run's last move took (its checksums, collectives' fixed costs, a
+    loaded host: measured, so the next move is costed as moves cost here; None: 1)."""
     links = links or MigrationLinks()
     intra = links.intra_gbps if link_gbps is None else link_gbps
     inter = links.inter_gbps if link_gbps is None else link_gbps
     source = links.source if link_gbps is None else "one figure given (eplb_link_gbps)"
-    move_ms = max((a / intra + b / inter) / 1e6 for a, b in zip(recv_intra_bytes,
+    link_ms = max((a / intra + b / inter) / 1e6 for a, b in zip(recv_intra_bytes,
                                                                recv_inter_bytes))
+    move_ms = link_ms * (move_scale or 1.0)
     moved = max(a + b for a, b in zip(recv_intra_bytes, recv_inter_bytes))
     per_step = step_ms * (1 - inv_bal_new / inv_bal_old) if inv_bal_old > 0 else 0.0
     if migration == "async":
@@ -86,11 +94,13 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
         gain = per_step * steps_until_next
         horizon = f"{steps_until_next} steps"
     link = (f"{moved / 1e6:.2f} MB at {intra:.3g}/{inter:.3g} GB/s intra/inter node = "
-            f"{move_ms:.3f} ms")
+            f"{link_ms:.3f} ms")
+    if move_scale:
+        link += f" x {move_scale:.3g} (the last move, measured) = {move_ms:.3f} ms"
     if per_step <= 0:
         return Decision(False, f"no predicted gain (balancedness would not improve); move "
-                               f"{link}", gain, move_ms, moved, intra, inter, source)
+                               f"{link}", gain, move_ms, moved, intra, inter, source, link_ms)
     ok = gain > move_ms
     why = (f"gain {per_step:.3f} ms/step x {horizon} = {gain:.3f} ms "
            f"{'>' if ok else '<='} move {link}")
-    return Decision(ok, why, gain, move_ms, moved, intra, inter, source)
+    return Decision(ok, why, gain, move_ms, moved, intra, inter, source, link_ms)

@@ -118,6 +118,10 @@ class Rebalancer:
         self._ids: list[torch.Tensor | None] = [None] * num_layers
         self._pending: BackgroundMigration | None = None
         self._pending_since = 0
+        # the last move's measured time / its link time (decision.py), and the link time of
+        # the move under way
+        self._move_scale: float | None = None
+        self._pending_link_ms = 0.0
         self.step_index = 0
         self.last_switch: dict | None = None
 
@@ -185,6 +189,12 @@ class Rebalancer:
         self._pending = None
         self.last_switch = dict(step=next_step, steps_waited=next_step - self._pending_since,
                                 stage_ms=p.stage_ms, switch_ms=(time.perf_counter() - t0) * 1e3)
+        self._learn_move(p.stage_ms + self.last_switch["switch_ms"])
+
+    def _learn_move(self, measured_ms: float) -> None:
+        """The move scale of the next decision: this move's measured time / its link time."""
+        if self._pending_link_ms > 0 and measured_ms > 0:
+            self._move_scale = measured_ms / self._pending_link_ms
 
     def finish(self, layers) -> None:
         """Wait for a pending migration and switch (collective: every rank calls it)."""
@@ -232,8 +242,9 @@ class Rebalancer:
             if float(incr.balancedness(weight_LE).mean()) >= \
                     float(new.balancedness(weight_LE).mean()) - self.options.incremental_slack:
                 new, kind = incr, "incremental"
-        new_gpu, step = new.phy2log.clone(), torch.tensor([_median(step_ms)], dtype=torch.float64)
-        if self.grouped:  # rank 0's placement; the slowest rank's step time
+        new_gpu = new.phy2log.clone()
+        step = torch.tensor([_median(step_ms), self._move_scale or 0.0], dtype=torch.float64)
+        if self.grouped:  # rank 0's placement; the slowest rank's step time and move scale
             new_gpu = new_gpu.to(self.device)
             dist.broadcast(new_gpu, 0, group=self.group)
             step = step.to(self.device)
@@ -246,15 +257,17 @@ class Rebalancer:
         traffic = self._traffic([old, new], weight_LE, nodes)
         intra, inter, slots = self._bytes_to_move(layers, new_LR)
         horizon = self.options.window if steps_until_next is None else steps_until_next
-        dec = decide(float(step), float((1 / bal_old).sum()), float((1 / bal_new).sum()),
+        scale = float(step[1]) or None  # the same on every rank (all-reduced)
+        dec = decide(float(step[0]), float((1 / bal_old).sum()), float((1 / bal_new).sum()),
                      horizon, intra, inter, self.options.migration, self.options.link_gbps,
-                     self.options.links)
+                     self.options.links, scale)
         t_decide = time.perf_counter()
         ev["timing_ms"] = dict(load=(t_load - t0) * 1e3, placement=(t_place - t_load) * 1e3,
                                decision=(t_decide - t_place) * 1e3)
         ev.update(kind=kind, balancedness_before=float(balancedness_per_layer(
             load, self.world).mean()), balancedness_old_predicted=float(bal_old.mean()),
-            balancedness_predicted=float(bal_new.mean()), step_ms=float(step), **dec.summary())
+            balancedness_predicted=float(bal_new.mean()), step_ms=float(step[0]), move_scale=scale,
+            **dec.summary())
         if traffic is not None:
             ev.update(traffic_before=traffic[0].summary(), traffic_after=traffic[1].summary(),
                       tradeoff=tradeoff(float(bal_old.mean()), float(bal_new.mean()),
@@ -264,6 +277,7 @@ class Rebalancer:
         if ev["decision"] == "skip":
             return dict(ev, slots_moved=0, balancedness_predicted=float(bal_old.mean()),
                         rebalance_ms=(time.perf_counter() - t0) * 1e3)
+        self._pending_link_ms = dec.link_ms
         if self.options.migration == "async":
             self._pending = BackgroundMigration([ly.weights.experts for ly in layers],
                                                 self.phy2log, new_LR, self.rank, self.world,
@@ -278,6 +292,7 @@ class Rebalancer:
                                   self.world, self.group if self.grouped else None)
                     self._switch_layer(layer, l, new_LR[l])
             self.recorder.clear()
+            self._learn_move((time.perf_counter() - t_decide) * 1e3)
         ev["timing_ms"]["migration"] = (time.perf_counter() - t_decide) * 1e3
         return dict(ev, slots_moved=slots, rebalance_ms=(time.perf_counter() - t0) * 1e3)
 
