@@ -3,6 +3,7 @@ to the float64 oracle (before and after the weights migrate), and a CPU `--eplb`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,6 +82,8 @@ def _sync_case(rank, group, run, topology=None):
     rt = Runtime(run, rank=rank, group=group, device="cpu")  # gloo ranks: CPU tensors
     if topology is not None:
         _with_topology(rt, topology)
+    rb = rt.rebalancer  # learn from the first move too (the default skips it as warm-up)
+    rb.options = dataclasses.replace(rb.options, warmup_moves=0)
     phy_before = _phy(rt)
     for s in range(2):
         rt.step(s)
@@ -318,6 +321,20 @@ def test_the_next_move_is_costed_as_the_last_one_took(rebalanced):
         # (the reason says so unless the placement did not change at all: test_eplb_rebalancer)
         assert "(the last move, measured)" in nxt["reason"] or nxt["slots_moved"] == 0, nxt
     assert len({r["res2"]["decision"] for r in ranks}) == 1
+
+
+def test_the_first_move_is_warm_up_and_later_ones_set_the_scale():
+    rt = Runtime(RunConfig(tokens=4, layers=1, eplb=True))
+    rb = rt.rebalancer
+    assert rb.options.warmup_moves == 1
+    rb._pending_link_ms = 2.0
+    rb._learn_move(50.0)  # the first: one-off costs, not learnt from
+    assert rb._move_scale is None
+    rb._learn_move(20.0)
+    assert rb._move_scale == pytest.approx(10.0)
+    rb._pending_link_ms = 0.0  # a move with no link time (all local) says nothing
+    rb._learn_move(5.0)
+    assert rb._move_scale == pytest.approx(10.0)
 
 
 # ---------------------------------------------------------------------------------- CLI run

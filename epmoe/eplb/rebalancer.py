@@ -51,7 +51,7 @@ class RebalanceOptions:
     sync | async; mode: None = `choose_mode`'s default; links: the run's link figures for the
     move (None: decision.py's defaults); link_gbps: one bandwidth for every link, over links;
     incremental_slack: keep the incremental placement when its balancedness is within this of
-    the full one's."""
+    the full one's; warmup_moves: how many first moves the move scale ignores."""
 
     enabled: bool = False
     window: int = 8
@@ -60,6 +60,8 @@ class RebalanceOptions:
     link_gbps: float | None = None
     incremental_slack: float = 0.02
     links: MigrationLinks | None = None
+    warmup_moves: int = 1  # moves not learnt from: the first pays one-off costs (NCCL's lazy
+    #                        point-to-point connections, kernels built for the new layout)
 
     def __post_init__(self):
         if self.window < 1:
@@ -70,6 +72,8 @@ class RebalanceOptions:
             raise ValueError(f"eplb mode ({self.mode!r}) must be one of {MODES} or None")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ValueError(f"link_gbps ({self.link_gbps}) must be > 0 GB/s")
+        if self.warmup_moves < 0:
+            raise ValueError(f"warmup_moves ({self.warmup_moves}) must be >= 0")
 
 
 def token_bytes(hidden: int, quant: QuantConfig) -> int:
@@ -122,6 +126,7 @@ class Rebalancer:
         # the move under way
         self._move_scale: float | None = None
         self._pending_link_ms = 0.0
+        self._moves = 0  # moves measured so far
         self.step_index = 0
         self.last_switch: dict | None = None
 
@@ -192,8 +197,11 @@ class Rebalancer:
         self._learn_move(p.stage_ms + self.last_switch["switch_ms"])
 
     def _learn_move(self, measured_ms: float) -> None:
-        """The move scale of the next decision: this move's measured time / its link time."""
-        if self._pending_link_ms > 0 and measured_ms > 0:
+        """The move scale of the next decision: this move's measured time / its link time
+        (after the warm-up moves)."""
+        self._moves += 1
+        if self._moves > self.options.warmup_moves and self._pending_link_ms > 0 \
+                and measured_ms > 0:
             self._move_scale = measured_ms / self._pending_link_ms
 
     def finish(self, layers) -> None:
