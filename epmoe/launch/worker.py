@@ -76,7 +76,7 @@ class Worker:
             failed_in = self.runtime.timer.failed_in if self.runtime is not None else None
             where = dataclasses.replace(hb, stage=failed_in or hb.stage).where
             first = (str(e).strip().splitlines() or [""])[0]
-            raise RankFailure(self.rank, where, is_collective_error(e),
+            raise RankFailure(self.rank, where, self._gave_up,
                               f"{type(e).__name__}: {first}".rstrip(": ")) from None
         finally:
             self._busy = False

@@ -20,9 +20,8 @@ gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink dom
 
 from __future__ import annotations
 
-import textwrap
-
 import os
+import textwrap
 from dataclasses import dataclass, field
 
 from epmoe.config import PRESETS, QuantConfig, get_preset
