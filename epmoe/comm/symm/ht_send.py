@@ -21,8 +21,8 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import HT_DISPATCH  # noqa: E402
 from epmoe.comm.symm.sync import (C_DONE_SEND, C_READY, C_SEQ_SEND,  # noqa: E402
-                                  arrive_last, ctrl_ptr, fence_release, no_error, peer_ptr,
-                                  publish, signal, wait_acks)
+                                  arrive_last, ctrl_ptr, fence_release, no_error, peer_bases,
+                                  peer_ptr, publish, signal, wait_acks)
 
 OP_D = tl.constexpr(HT_DISPATCH)
 ALL_ROUNDS = tl.constexpr(0x7FFFFFFF)  # the low half of a progress word: every round landed
@@ -38,13 +38,12 @@ def progress(e, rounds):
 def _publish_round(arena_ptr, delta_ptr, PROG: tl.constexpr, GMAX: tl.constexpr, value, me,
                    c, W: tl.constexpr):
     """Release this CTA's progress word at every peer (after a CTA barrier, one fence)."""
+    peers, dd = peer_bases(arena_ptr, delta_ptr, W)
     tl.debug_barrier()
     if no_error(arena_ptr) != 0:
         fence_release()
-        for d in tl.static_range(W):
-            if d != me:
-                peer = peer_ptr(arena_ptr, delta_ptr, d)
-                signal((peer + PROG).to(tl.pointer_type(tl.int64)) + me * GMAX + c, value)
+        signal((peers + PROG).to(tl.pointer_type(tl.int64)) + me * GMAX + c, value,
+               (dd < W) & (dd != me))
 
 
 @triton.jit

@@ -54,6 +54,16 @@ def peer_ptr(arena_ptr, peer_delta_ptr, d):
 
 
 @triton.jit
+def peer_bases(arena_ptr, peer_delta_ptr, W: tl.constexpr):
+    """(uint8 pointers to every rank's arena base as one vector of next_power_of_2(W) lanes,
+    the lanes): one load for all peers. A loop of `peer_ptr` loads after stores would take a
+    memory round trip per peer, since no load is hoisted above a store."""
+    dd = tl.arange(0, triton.next_power_of_2(W))
+    delta = tl.load(peer_delta_ptr + dd, mask=dd < W, other=0)
+    return arena_ptr + (delta // 128) * 128, dd  # (x // 128) * 128: known aligned
+
+
+@triton.jit
 def ld_acquire(p):
     return tl.atomic_add(p, 0, sem="acquire", scope="sys")
 
@@ -68,9 +78,10 @@ def fence_release():
 
 
 @triton.jit
-def signal(p, value):
-    """A relaxed system-scope store of `value` (strong: after `fence_release`, a release)."""
-    tl.atomic_xchg(p, value, sem="relaxed", scope="sys")
+def signal(p, value, mask):
+    """A relaxed system-scope store of `value` where `mask` (strong: after `fence_release`, a
+    release); p may be a vector of pointers (one store per lane, all in flight together)."""
+    tl.atomic_xchg(p, value, mask=mask, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -131,13 +142,30 @@ def wait_geq(flag, target, arena_ptr, phase, peer, limit, USE_TIMER: tl.constexp
 
 
 @triton.jit
+def ld_acquire_all(p):
+    """Acquire loads at system scope of a vector of int32 pointers, in every thread that holds
+    a lane (inline PTX; a tensor atomic would run in one thread per lane and leave the others
+    without its value). On GPU only."""
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [p],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_all(arena_ptr, first_word, target, phase, limit, W: tl.constexpr,
              USE_TIMER: tl.constexpr):
-    """wait_geq on W consecutive control words (one per peer). -> 1 if all reached."""
-    ok = tl.full((), 1, dtype=tl.int32)
-    for d in tl.static_range(W):
-        ok = ok & wait_geq(ctrl_ptr(arena_ptr, first_word + d), target, arena_ptr, phase, d,
-                           limit, USE_TIMER)
+    """wait_geq on W consecutive control words (one per peer). -> 1 if all reached. On GPU
+    one vector of acquire loads first: when every word is there already (a send's acks, as
+    a rule), one memory round trip instead of W in a chain."""
+    ok = tl.full((), 0, dtype=tl.int32)
+    if ON_GPU:
+        dd = tl.arange(0, triton.next_power_of_2(W))  # lanes past W read word W-1 again
+        v = ld_acquire_all(ctrl_ptr(arena_ptr, first_word) + tl.minimum(dd, W - 1))
+        ok = tl.min(tl.where(dd < W, v >= target, True).to(tl.int32), axis=0)
+    if ok == 0:
+        ok = tl.full((), 1, dtype=tl.int32)
+        for d in tl.static_range(W):
+            ok = ok & wait_geq(ctrl_ptr(arena_ptr, first_word + d), target, arena_ptr, phase,
+                               d, limit, USE_TIMER)
     return ok
 
 
@@ -179,21 +207,20 @@ def wait_ready(arena_ptr, OP: tl.constexpr, target, limit, W: tl.constexpr,
 def publish(arena_ptr, delta_ptr, word, value, W: tl.constexpr):
     """Release `value` into control word `word` of every rank (after the caller's CTA
     barrier; skipped after a timeout: the peers then time out too, naming this rank)."""
+    peers, dd = peer_bases(arena_ptr, delta_ptr, W)  # in flight with no_error's load
     if no_error(arena_ptr) != 0:
         fence_release()
-        for d in tl.static_range(W):
-            signal(ctrl_ptr(peer_ptr(arena_ptr, delta_ptr, d), word), value)
+        signal(ctrl_ptr(peers, word), value, dd < W)
 
 
 @triton.jit
 def publish2(arena_ptr, delta_ptr, word_a, value_a, word_b, value_b, W: tl.constexpr):
     """`publish` of two words under one fence (neither needs to be seen before the other)."""
+    peers, dd = peer_bases(arena_ptr, delta_ptr, W)
     if no_error(arena_ptr) != 0:
         fence_release()
-        for d in tl.static_range(W):
-            peer = peer_ptr(arena_ptr, delta_ptr, d)
-            signal(ctrl_ptr(peer, word_a), value_a)
-            signal(ctrl_ptr(peer, word_b), value_b)
+        signal(ctrl_ptr(peers, word_a), value_a, dd < W)
+        signal(ctrl_ptr(peers, word_b), value_b, dd < W)
 
 
 @triton.jit
@@ -257,5 +284,5 @@ __all__ = ["epoch", "wait_acks", "wait_ready", "publish", "publish2", "fence_rel
            "send_epoch",
            "take_role",
            "no_error", "C_SEQ", "C_DONE_SEND", "C_DONE_RECV", "C_ERR", "C_READY", "ctrl_ptr",
-           "peer_ptr", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
+           "peer_ptr", "peer_bases", "ld_acquire", "signal", "wait_geq", "wait_all", "arrive_last",
            "USE_TIMER"]
