@@ -46,12 +46,14 @@ def _combine_send_kernel(arena_ptr, delta_ptr, y_ptr, me, limit, SLOTS: tl.const
     e_d = send_epoch(arena_ptr, OP_D) - 1  # the dispatch this combine answers
     e = epoch(arena_ptr, OP_C)
     buf = e % 2
+    ss = tl.arange(0, WP)
+    # the sources' token counts, in flight with the wait (they came with the dispatch that
+    # this rank's receive already waited for)
+    ntok = tl.minimum(tl.load((arena_ptr + NTOK).to(tl.pointer_type(tl.int32)) + ss,
+                              mask=ss < W, other=0), TMAX)
     ok = wait_acks(arena_ptr, OP_C, e - 2, limit, W, USE_TIMER)
     if ok != 0:
         msg = (arena_ptr + MSG).to(tl.pointer_type(tl.int32))
-        ss = tl.arange(0, WP)
-        ntok = tl.minimum(tl.load((arena_ptr + NTOK).to(tl.pointer_type(tl.int32)) + ss,
-                                  mask=ss < W, other=0), TMAX)
         nblk = tl.sum((ntok + BT - 1) // BT, axis=0)  # the sources' token blocks in turn
         for it in range(pid, nblk * NC, G):
             src, t, nm = source_block(it // NC, ntok, ss, W, BT)
