@@ -213,7 +213,7 @@ def test_a_fixed_cost_per_peer_grows_with_the_world():
     assert LinkFit(10.0, 300.0, 450.0, Provenance("estimate", "t")).alpha_at(8) == 10.0
     shipped = load_profile("h200")
     fit = shipped.comm_fit("symm-ll", "nvlink", "dispatch")
-    assert fit.peer_us >= 0.0 and "per further peer" in fit.prov.note
+    assert fit.peer_us >= 0.0 and "per peer beyond one" in fit.prov.note
     assert shipped.comm_fit("deepep-ll", "nvlink", "dispatch").peer_us == 0.0
     fit = replace(fit, peer_us=0.5)  # the arithmetic below, whatever was measured
     prof = shipped.replace(comm={**shipped.comm, "symm-ll": {"nvlink": {
@@ -246,7 +246,8 @@ def test_the_per_peer_slope_is_fitted_and_never_negative(monkeypatch):
     fits = specs.build_profiles()["h200"].comm["symm-ll"]["nvlink"]
     assert abs(fits["dispatch"].peer_us - 0.5) < 1e-12 and "+ 0.50 us per peer" in \
         fits["dispatch"].prov.note
-    assert fits["combine"].peer_us == 0.0 and "per further peer" in fits["combine"].prov.note
+    assert fits["combine"].peer_us == 0.0 and "+ 0.00 us per peer beyond one" in \
+        fits["combine"].prov.note and "slope over 2, 4, 8 ranks <= 0" in fits["combine"].prov.note
 
 
 def test_the_v4_flash_calibration_holds_measured_w4a8_curves_at_its_shapes():

@@ -278,10 +278,9 @@ def _symm_comm(comm: dict) -> dict:
             alpha, inv = _fit_line(xs, ys)
             f = theirs[k]
             peer = _peer_us(k) if ours == "symm-ll" else 0.0
-            per = ("; per-peer cost not measured (0)" if ours != "symm-ll" else
-                   f"; + {peer:.2f} us per peer beyond one ({SYMM_PEERS_SRC})" if peer else
-                   f"; no fixed cost per further peer (slope <= 0 over 2, 4, 8 ranks: "
-                   f"{SYMM_PEERS_SRC})")
+            flat = "" if peer else ", the slope over 2, 4, 8 ranks <= 0"
+            per = (f"; + {peer:.2f} us per peer beyond one ({SYMM_PEERS_SRC}{flat})"
+                   if ours == "symm-ll" else "; per-peer cost not measured (0)")
             prov = P("derived", f"{SYMM_SRC}: {ours} {k} at {len(points)} points (bf16, fp8) -> "
                                 f"alpha {alpha:.1f} us, {1 / inv:.1f} GB/s per CTA ({sms} "
                                 f"CTAs) over the rows the SMs move; link efficiency assumed "
