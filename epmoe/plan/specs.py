@@ -217,7 +217,7 @@ SYMM_LOOPBACK = {  # backend: (CTAs the send halves take, points)
 # matter, so what grows is the fixed cost per peer): {direction: {recipe: [us at 2, 4, 8
 # ranks]}}. Since the vector publishes and acquires (BENCHMARKS 24) nothing grows: the
 # slope is <= 0. Measured on a lent H100 (no H200 was lent); the tree before that change, in
-# the same call, gave section 21's H200 figures within 1.3 us (the kernels' fixed cost is
+# the same call, gave section 21's H200 figures within 1.6 us (the kernels' fixed cost is
 # latency, not HBM).
 SYMM_PEERS_SRC = ("lent H100, BENCHMARKS.md section 25 (2026-12-05): python -m "
                   "epmoe.bench.comm --world 2|4|8 --only ll --ll-tokens 1,128, loopback, mean "
