@@ -84,8 +84,9 @@ def test_h200_is_measured_and_others_derived():
 
 def test_h20_is_a_hopper_with_a_seventh_of_the_compute():
     """H20: the H100's NVLink and SM architecture, 78 SMs, 296 / 148 dense FP8 / BF16 TFLOPS
-    and 4 TB/s: its GEMM curves run at <= 296/1979 of the H200's (measured; the H100's peaks) and never above its own HBM
-    roofline; the bandwidth kernels run faster than the H100's (more HBM)."""
+    and 4 TB/s: its GEMM curves run at <= 296/1979 of the H200's (measured; the H100's peaks)
+    and never above its own HBM roofline; the bandwidth kernels run faster than the H100's
+    (more HBM)."""
     h20, h100, h200 = load_profile("h20"), load_profile("h100"), load_profile("h200")
     assert (h20.fig("sm_arch"), h20.fig("sms"), h20.fig("peak_tflops_fp8")) == (90, 78, 296)
     assert h20.fig("hbm_GBps") > h100.fig("hbm_GBps")
