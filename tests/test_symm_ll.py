@@ -215,3 +215,20 @@ def test_comm_options_reach_a_symm_layer_and_only_symm_layers():
     assert comm.options.ll_dedup and comm.options.num_sms == 2 and comm._dispatch.staged
     plain = make_comm("local", CFG, quant, emap, None, SymmOptions(ll_dedup=True))
     assert not hasattr(plain, "options")
+
+
+def test_the_direct_send_refuses_an_arena_its_destination_words_cannot_address():
+    """One int64 word per slot holds the peer's base // 128 and row + 1 (24 bits): an arena
+    past either bound is refused at construction, naming both limits."""
+    from types import SimpleNamespace
+
+    from epmoe.comm.symm.ll_dispatch import _check_dest_words
+
+    def arena(*deltas):
+        return SimpleNamespace(peer_delta_W=torch.tensor(deltas, dtype=torch.int64))
+
+    _check_dest_words(arena(0, -(2 ** 45 - 128), 2 ** 44), 2 ** 24 - 2)
+    with pytest.raises(ValueError, match=r"2\^45"):
+        _check_dest_words(arena(0, 2 ** 45), 10)
+    with pytest.raises(ValueError, match="at most 16777214"):
+        _check_dest_words(arena(0, 128), 2 ** 24 - 1)

@@ -118,7 +118,7 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
               E_L=local_experts, EP=next_pow2(local_experts), D=hidden, CK=ck, BT=16,
               PRE_ROUND=False, USE_TIMER=USE_TIMER), False),
         *[(f"ll dispatch_send ({name})", ll_send._dispatch_send_kernel,
-           dict(**ARENA, x_ptr="*bf16", ids_ptr="*i32", w_ptr="*fp32", slot_ptr="*i32",
+           dict(**ARENA, x_ptr="*bf16", ids_ptr="*i32", w_ptr="*fp32", dest_ptr="*i64",
                 msg_ptr="*i32", counts_ptr="*i32", T="i32", me="i32", limit="i64"),
            dict(ll, STAGED=staged, POW2=False, PRE_ROUND=False, BT=1, SA=16), True)
           for name, staged in (("direct", False), ("staged", True))],

@@ -53,7 +53,7 @@ import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm.arena import LL_DISPATCH, ArenaLayout, RankArena  # noqa: E402
 from epmoe.comm.symm.options import LL_SMS, SymmOptions, grid  # noqa: E402
-from epmoe.comm.symm.ll_send import _dispatch_send_kernel  # noqa: E402
+from epmoe.comm.symm.ll_send import ROW_SPAN, _dispatch_send_kernel  # noqa: E402
 from epmoe.comm.symm.sync import USE_TIMER, send_epoch, wait_ready  # noqa: E402
 from epmoe.comm.symm.tiles import row_cols, source_block, span  # noqa: E402
 from epmoe.config import QuantConfig  # noqa: E402
@@ -186,6 +186,17 @@ def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, DAT
         tl.store(counts_ptr + ee, tl.where(ok != 0, tl.minimum(cnt, C), 0), mask=ee < E_L)
 
 
+def _check_dest_words(arena: RankArena, rows: int) -> None:
+    """The direct send keeps each slot's destination in one int64 word (`ll_send._dest`):
+    its rank's base // 128 in the high 40 bits, row + 1 in the low 24."""
+    span = int(ROW_SPAN.value)
+    far = int(arena.peer_delta_W.abs().max())
+    if rows >= span - 1 or far >= 2 ** 45:
+        raise ValueError(f"symm-ll's direct send cannot address this arena: {rows} masked rows "
+                         f"(at most {span - 2}) and peers {far} bytes apart (at most 2^45); "
+                         f"lower max_tokens_per_rank or use ll_dedup")
+
+
 # --------------------------------------------------------------------------------------------
 class LLDispatch:
     """The dispatch's two kernels with their constants bound once, and the masked batch's
@@ -197,6 +208,8 @@ class LLDispatch:
         self.arena, self.shape = arena, shape
         e_l, c = shape.num_local_experts, shape.capacity
         self.staged = bool(opts.ll_dedup)
+        if not self.staged:
+            _check_dest_words(arena, e_l * c)
         common = dict(SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
                       SCALE=lay.offset("ll_scale"), META=lay.offset("ll_meta"),
                       MSG=lay.offset("ll_msg"), MW=shape.msg_words,
@@ -242,10 +255,10 @@ class LLDispatch:
         dev = x_TD.device
         msg = torch.empty((t, shape.world), dtype=torch.int32, device=dev)
         counts = torch.empty(shape.num_local_experts, dtype=torch.int32, device=dev)
-        slot = msg if self.staged else torch.empty((t, shape.top_k), dtype=torch.int32,
-                                                     device=dev)
+        dest = msg if self.staged else torch.empty((t, shape.top_k), dtype=torch.int64,
+                                                     device=dev)  # the rows taken (direct)
         self.send(self.send_grid, arena.base, arena.peer_delta_W, x_TD.contiguous(),
-                  topk_ids_TK.contiguous(), topk_weights_TK.float().contiguous(), slot, msg,
+                  topk_ids_TK.contiguous(), topk_weights_TK.float().contiguous(), dest, msg,
                   counts, t, arena.rank, opts.spin_limit)
         return msg, counts
 
