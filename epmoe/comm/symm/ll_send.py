@@ -50,7 +50,8 @@ def _quantize_rows(x, P: tl.constexpr, CH: tl.constexpr, POW2: tl.constexpr,
     return tl.reshape(q, (P, CH)), s
 
 
-ROW_SPAN = tl.constexpr(1 << 24)  # a destination word: rank base // 128 * ROW_SPAN + row + 1
+ROW_BITS = tl.constexpr(24)  # a destination word: rank base // 128 << ROW_BITS | row + 1
+ROW_SPAN = tl.constexpr(1 << ROW_BITS.value)
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _dest(word):
     (le * C + slot), taken): one load per slot in the send's loop instead of a slot's row
     and then its rank's base, a second memory round trip after the previous slot's stores."""
     low = word & (ROW_SPAN - 1)
-    return (word >> 24) * 128, (low - 1).to(tl.int32), low != 0
+    return (word >> ROW_BITS) * 128, (low - 1).to(tl.int32), low != 0
 
 
 @triton.jit
