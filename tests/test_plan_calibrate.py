@@ -248,3 +248,60 @@ def test_parts_comm_puts_the_inherited_layer_at_this_hosts_speed(tmp_path):
     fit = prof.kernels["layer"]["issue.torch"]
     assert fit.alpha_us == pytest.approx(400.0 * here / 50.0)
     assert fit.prov.source == "inherited"
+
+
+class _Layer:
+    """A layer whose memory grows with the size it was built for: its forward runs out of
+    device memory when that size is above `room`."""
+
+    def __init__(self, built_tokens: int, room: int):
+        self.built_tokens, self.room, self.calls = built_tokens, room, []
+
+    def forward(self, x, routing):
+        if self.built_tokens > self.room:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        self.calls.append(x.shape[0])
+
+
+def _fake_build(build_room: int, forward_room: int, built: list):
+    def build(model, quant, experts, tokens, dev):
+        built.append(tokens)
+        if tokens > build_room:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return object(), _Layer(tokens, forward_room), experts
+    return build
+
+
+def test_the_layer_is_built_for_the_largest_size_that_fits(monkeypatch):
+    from epmoe.bench import calibrate_layer as cl
+    from epmoe.bench.calibrate import Clock
+    from epmoe.config import QuantConfig, get_preset
+
+    cfg, built = get_preset("deepseek-v3-tiny"), []
+    monkeypatch.setattr(cl, "_build", _fake_build(300, 200, built))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    clock = Clock([], 100.0, "test")
+    rt, layer, name, ns = cl._build_fitting("deepseek-v3-tiny", cfg, QuantConfig("bf16"),
+                                            "triton", [10, 100, 250, 400, 1000],
+                                            torch.device("cpu"), clock)
+    # 1000 and 400 do not build; 250 builds but its warm-up does not fit; 100 fits both
+    assert built == [1000, 400, 250, 100]
+    assert ns == [10, 100] and layer.built_tokens == 100 and layer.calls == [100]
+    assert name == "triton"
+    assert clock.skipped == [f"triton/bf16 tokens>={n}: out of device memory"
+                             for n in (1000, 400, 250)]
+
+
+def test_a_layer_whose_smallest_size_does_not_fit_is_not_measured(monkeypatch):
+    from epmoe.bench import calibrate_layer as cl
+    from epmoe.bench.calibrate import Clock
+    from epmoe.config import QuantConfig, get_preset
+
+    built = []
+    monkeypatch.setattr(cl, "_build", _fake_build(5, 5, built))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cl._build_fitting("deepseek-v3-tiny", get_preset("deepseek-v3-tiny"),
+                          QuantConfig("bf16"), "torch", [10, 100], torch.device("cpu"),
+                          Clock([], 100.0, "test"))
+    assert built == [100, 10]

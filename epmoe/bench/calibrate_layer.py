@@ -169,6 +169,36 @@ def _build(model: str, quant, experts: str, tokens: int, dev):
     return rt, layer, layer.experts.name
 
 
+def _build_fitting(model: str, cfg, quant, experts: str, ns: list[int], dev, clock):
+    """`_build` for the largest of the sizes `ns` that fits the device's memory (an 80 GB GPU
+    does not hold DeepSeek-V3's largest calibration size in every backend), then a warm-up
+    forward at the middle size (Triton's autotuner picks its config at the first call): on
+    out-of-memory in either, the largest size is dropped (named in clock.skipped) and both
+    are tried again; -> (rt, layer, built, the sizes kept). Raises when even the smallest
+    size does not fit."""
+    import gc
+
+    import torch
+
+    for keep in range(len(ns), 0, -1):
+        if keep < len(ns):
+            gc.collect()
+            torch.cuda.empty_cache()
+        try:
+            rt, layer, built = _build(model, quant, experts, ns[keep - 1], dev)
+            mid = ns[:keep][keep // 2]
+            x_mid = torch.randn(mid, cfg.hidden, device=dev, dtype=torch.bfloat16)
+            layer.forward(x_mid, balanced_routing(mid, cfg, dev))
+            return rt, layer, built, ns[:keep]
+        except torch.cuda.OutOfMemoryError:
+            rt = layer = None
+            if keep == 1 or clock.left() < 0:
+                raise
+            clock.skipped.append(f"{experts}/{quant.recipe} tokens>={ns[keep - 1]}: out of "
+                                 f"device memory")
+    raise ValueError("no calibration sizes")
+
+
 def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerFits,
                   quick: bool, reps: int, timing: str = "launched",
                   beside_shared: bool | None = None) -> None:
@@ -182,7 +212,7 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
 
     kind = dev.type
     ns = token_counts(cfg, ROWS_PER_EXPERT[(kind, quick)])
-    rt, layer, built = _build(model, quant, experts, max(ns), dev)
+    rt, layer, built, ns = _build_fitting(model, cfg, quant, experts, ns, dev, clock)
     hold = DeviceSleep(dev) if timing == "device" and kind == "cuda" else None
     if built != experts:
         raise RuntimeError(f"asked for experts {experts!r}, the runtime built {built!r}")
@@ -194,10 +224,6 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     if beside_shared is None:
         beside_shared = kind == "cuda"
     modes = (False, True) if beside_shared and layer.shared_experts is not None else (False,)
-    # warm-up at the middle size first: Triton's autotuner picks its config at the first call
-    mid = ns[len(ns) // 2]
-    x_mid = torch.randn(mid, d, device=dev, dtype=torch.bfloat16)
-    layer.forward(x_mid, balanced_routing(mid, cfg, dev))
     gemm = {(g, side): {} for g, _, _ in GEMMS for side in modes}
     shared = {(m, False): [] for m in modes}  # (overlapped, queued) -> points
     # launched timing on CUDA: the host-bound stages again behind a device hold, as a
@@ -209,30 +235,34 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         if clock.left() < 0:
             clock.skipped.append(f"{experts}/{quant.recipe} tokens>={n}: time budget")
             break
-        x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-        routing = balanced_routing(n, cfg, dev)
-        size = _Size.of(routing.topk_ids_TK, e, align, experts)
-        # the routed stages alone, then (CUDA, a shared MLP) beside the shared MLP on its side
-        # stream, as a launch runs them by default: contention slows what overlaps it
-        for side in modes:
-            st = _forward_stages(layer, x, routing, dev, reps, side, hold)
-            if not side and st.get("shared"):
-                shared[(False, False)].append((float(n), st["shared"]))
-            _routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
-        # the stages a launch's host and queue shape (small GPU work behind the router's):
-        # timed in forwards that run the layer's own router, as a launch does by default;
-        # so is the shared MLP on its side stream: what it overlaps is the launch's path
-        for q in (False, True) if queue is not None else (False,):
-            st = _forward_stages(layer, x, None, dev, reps, modes[-1], queue if q else hold)
-            if modes[-1] and st.get("shared"):
-                shared[(True, q)].append((float(n), st["shared"]))
-            _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
-            if q:  # the routed stages too, as a later layer runs them (the router's rows)
-                size_r = _Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
-                _kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
-        # the host's speed as it issued these forwards (hosts drift within a machine's lease;
-        # the issue time's fit and the profile's host_op_us must come from the same host)
-        fits.host_op_us.append(host_op_us(dev))
+        try:
+            x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+            routing = balanced_routing(n, cfg, dev)
+            size = _Size.of(routing.topk_ids_TK, e, align, experts)
+            # the routed stages alone, then (CUDA, a shared MLP) beside the shared MLP on its side
+            # stream, as a launch runs them by default: contention slows what overlaps it
+            for side in modes:
+                st = _forward_stages(layer, x, routing, dev, reps, side, hold)
+                if not side and st.get("shared"):
+                    shared[(False, False)].append((float(n), st["shared"]))
+                _routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
+            # the stages a launch's host and queue shape (small GPU work behind the router's):
+            # timed in forwards that run the layer's own router, as a launch does by default;
+            # so is the shared MLP on its side stream: what it overlaps is the launch's path
+            for q in (False, True) if queue is not None else (False,):
+                st = _forward_stages(layer, x, None, dev, reps, modes[-1], queue if q else hold)
+                if modes[-1] and st.get("shared"):
+                    shared[(True, q)].append((float(n), st["shared"]))
+                _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
+                if q:  # the routed stages too, as a later layer runs them (the router's rows)
+                    size_r = _Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
+                    _kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
+            # the host's speed as it issued these forwards (hosts drift within a machine's lease;
+            # the issue time's fit and the profile's host_op_us must come from the same host)
+            fits.host_op_us.append(host_op_us(dev))
+        except torch.cuda.OutOfMemoryError:  # what this size measured before stays
+            clock.skipped.append(f"{experts}/{quant.recipe} tokens>={n}: out of device memory")
+            break
     for (g, side), pts in gemm.items():
         nn, kk = (2 * inter, d) if g == "gemm1" else (d, inter)
         pts = tuple(sorted((m, t) for m, (_, t) in pts.items()))
