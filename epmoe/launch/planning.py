@@ -64,7 +64,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 # setups nobody measured (README "Planning")
 MEASURED_PROFILES = {("h200", 1, "launched"): "h200-calibrated",
                      ("h200", 1, "device"): "h200-device-timed",
-                     ("h200", 2, "launched"): "h200x2-calibrated"}
+                     ("h200", 2, "launched"): "h200x2-calibrated",
+                     ("h100", 1, "device"): "h100-device-timed"}
 
 
 def profile_for_device(device: str, sm_arch: int = 0, ranks: int = 0, nodes: int = 1,
