@@ -18,7 +18,7 @@ def test_a_measured_profile_where_one_ships_for_the_setup():
     assert profile_for_device(h200, 90, 8)[0] == "h200"
     assert profile_for_device(h200, 90, 2, timing="device")[0] == "h200"
     h100 = "NVIDIA H100 80GB HBM3"
-    assert profile_for_device(h100, 90, 1)[0] == "h100"  # launched timing: none measured
+    assert profile_for_device(h100, 90, 1)[0] == "h100-calibrated"
     assert profile_for_device(h100, 90, 1, timing="device")[0] == "h100-device-timed"
     assert profile_for_device(h100, 90, 2, timing="device")[0] == "h100"
     assert profile_for_device("cpu", 0, 1) == ("cpu", None)

@@ -65,6 +65,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 MEASURED_PROFILES = {("h200", 1, "launched"): "h200-calibrated",
                      ("h200", 1, "device"): "h200-device-timed",
                      ("h200", 2, "launched"): "h200x2-calibrated",
+                     ("h100", 1, "launched"): "h100-calibrated",
                      ("h100", 1, "device"): "h100-device-timed"}
 
 
