@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from epmoe.config import QuantConfig
 from epmoe.plan.cost import _gemm_us
+from epmoe.plan.grouped import expert_us
 from epmoe.plan.profile import AlphaBeta, GemmCurve, Provenance, from_dict, to_dict
 from epmoe.plan.synthetic import SYN, synthetic_profile
 from epmoe.plan import traffic as tr
@@ -49,19 +51,22 @@ def _with_curve(points):
 def test_below_one_aligned_group_per_expert_the_curve_is_read_at_the_real_rows():
     prof = _with_curve(((4.0, 100.0), (128.0, 800.0), (512.0, 1000.0)))
     q, e, n, k = QuantConfig("fp8_block"), 8, 256, 512
-    rows = e * 128  # every expert one 128-row group
-    flops_us = tr.gemm_flops(rows, n, k) / 1e6
-    # 4 real rows per expert: the point measured at m = 4 (100 TFLOPS), not the full tile's
-    small = _gemm_us(prof, "triton", q, "contiguous", rows, e, n, k, real_rows=4 * e, align=128)
-    assert small == pytest.approx(flops_us / 100.0)
+    curve = prof.curve("triton", "fp8_block", "contiguous", n, k)
+    flops_us = tr.gemm_flops(128, n, k) / 1e6  # one expert, one 128-row group
+    # 4 real rows: the point measured at m = 4 (100 TFLOPS), not the full tile's
+    assert expert_us(curve, q, 128, 4.0, n, k, 1e9) == pytest.approx(flops_us / 100.0)
     # the same aligned rows, full: 800 TFLOPS
-    full = _gemm_us(prof, "triton", q, "contiguous", rows, e, n, k, real_rows=128 * e, align=128)
-    assert full == pytest.approx(flops_us / 800.0)
-    # above one group: the aligned rows per expert, as before (300 real -> 384 aligned)
-    big = _gemm_us(prof, "triton", q, "contiguous", 384 * e, e, n, k, real_rows=300 * e,
-                   align=128)
-    want = prof.curve("triton", "fp8_block", "contiguous", n, k).tflops(384.0)
-    assert big == pytest.approx(tr.gemm_flops(384 * e, n, k) / 1e6 / want)
+    assert expert_us(curve, q, 128, 128.0, n, k, 1e9) == pytest.approx(flops_us / 800.0)
+    # above one group: the aligned rows (300 real -> 384 aligned)
+    assert expert_us(curve, q, 384, 384.0, n, k, 1e9) == pytest.approx(
+        3 * flops_us / curve.tflops(384.0))
+    # in a step, 4 expected rows per expert: each count x ~ Poisson(4) read at its own rows,
+    # near the m = 4 point; an expert with no row (e^-4 of the steps) costs nothing
+    pmf = [math.exp(-4.0) * 4.0 ** x / math.factorial(x) for x in range(60)]
+    want = e * sum(pmf[x] * flops_us / curve.tflops(float(x)) for x in range(1, 60))
+    step = _gemm_us(prof, "triton", q, "contiguous", [4.0] * e, n, k, align=128)
+    assert step == pytest.approx(want, rel=1e-6)
+    assert want < e * (1 - pmf[0]) * flops_us / 100.0  # above 4 rows the curve runs faster
 
 
 def test_calibration_fits_take_the_fastest_size_as_their_floor():

@@ -13,8 +13,9 @@ entering a layer whose form differs from the previous one's) depends on the prev
 rank's batch (the data-parallel batch); the global batch is tokens x ranks, which the
 replicated forms (tp, ep) process on every rank.
 
-Experts: GEMM time = max(FLOPs / TFLOPS(rows per expert), bytes / HBM) with the profile's
-measured curve (rows per expert rounded up to the GEMM's alignment, a Poisson expectation);
+Experts: GEMM time = the sum over the experts of max(FLOPs / TFLOPS(rows), bytes / HBM) at
+each expert's own rows (rounded up to the GEMM's alignment; a Poisson count around its
+expected rows, grouped.py), read off the profile's measured curve;
 permute / gather / act_quant / quantize are alpha-beta fits on byte counts (traffic.py).
 Under ep / ep_dp the hottest rank (routing skew + the finite-batch maximum) sets the time.
 """
@@ -28,6 +29,7 @@ from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import blend
 from epmoe.plan.forms import FORMS, LayerPlan
+from epmoe.plan.grouped import expert_us, grouped_gemm_us
 from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY, CommCase,
                                   collective_us, combine_cost, dispatch_cost, launch_us)
 from epmoe.plan.profile import OVERLAPPED, HardwareProfile
@@ -258,24 +260,17 @@ def _aligned(m: float, a: int) -> float:
     return total
 
 
-def _gemm_us(prof, backend, quant, layout, rows, num_experts, n, k, real_rows=None,
-             align: int = 1, overlapped: bool = False) -> float:
-    """FLOPs over the aligned rows at the curve's TFLOPS, at least the weights' read time.
-    num_experts: the experts with a row (the kernels skip the tiles of empty ones and never
-    read their weights). The curve's x is the aligned rows per such expert, except below one
-    aligned group per expert (decode sizes), where it is the real rows per expert: a tile
-    whose rows are mostly padding need not run at a full one's rate (the calibration measures
-    those sizes and keys them the same way)."""
-    if rows <= 0:
-        return 0.0
+def _gemm_curve(prof, backend, quant, layout, n, k, overlapped=False):
     recipe = "bf16" if backend == "torch" else quant.recipe  # torch computes in fp32
-    curve = prof.curve(backend, recipe, layout, n, k, overlapped)
-    e = max(num_experts, 1)
-    m_real = (rows if real_rows is None else real_rows) / e
-    tflops = curve.tflops(m_real if m_real < align else rows / e)
-    flops_us = tr.gemm_flops(rows, n, k) / (tflops * 1e6)
-    mem_us = tr.gemm_bytes(rows, num_experts, n, k, quant) / (prof.fig("hbm_GBps") * 1e3)
-    return max(flops_us, mem_us)
+    return prof.curve(backend, recipe, layout, n, k, overlapped)
+
+
+def _gemm_us(prof, backend, quant, layout, slot_rows, n, k, align: int = 1,
+             overlapped: bool = False) -> float:
+    """The grouped GEMM over the experts' expected rows in a step (grouped.py: each expert at
+    its own rows, a Poisson count, read off the curve)."""
+    return grouped_gemm_us(_gemm_curve(prof, backend, quant, layout, n, k, overlapped), quant,
+                           slot_rows, n, k, align, prof.fig("hbm_GBps"))
 
 
 def _kernel_us(prof, experts: str, names: tuple[str, ...], overlapped: bool,
@@ -299,17 +294,13 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     stream (the calibration times them both ways: contention slows them; beside.py's
     timeline decides which stages run so)."""
     d = cfg.hidden
-    e_local = len(slot_rows)
     align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
     rows = sum(_aligned(m, align) for m in slot_rows)
     layout = "masked" if kind == "masked" else "contiguous"
-    real = sum(slot_rows)
-    hit = sum(1 - math.exp(-m) for m in slot_rows if m > 0)  # experts with a row: the GEMMs
-    hit = min(e_local, max(hit, 1.0))  # skip the others' tiles and never read their weights
-    s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, rows, hit, 2 * inter, d,
-                                   real, align, overlapped),
-         "experts.gemm2": _gemm_us(prof, experts, quant, layout, rows, hit, d, inter,
-                                   real, align, overlapped)}
+    s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, slot_rows, 2 * inter, d,
+                                   align, overlapped),
+         "experts.gemm2": _gemm_us(prof, experts, quant, layout, slot_rows, d, inter, align,
+                                   overlapped)}
     # act+quant computes each expert's rows in whole blocks and skips padding (either layout)
     aq_rows = rows if experts == "torch" else sum(_aligned(m, tr.ACT_BLOCK_ROWS)
                                                    for m in slot_rows)
@@ -347,8 +338,9 @@ def _shared_us(cand, cfg, quant, prof, plan, n, overlapped: bool) -> float:
     if curve is not None:
         return curve.time_us(n, width, d)
     layout = "masked" if cand.experts == "triton" else "contiguous"
-    us = _gemm_us(prof, cand.experts, quant, layout, n, 1, 2 * width, d)
-    us += _gemm_us(prof, cand.experts, quant, layout, n, 1, d, width)
+    hbm = prof.fig("hbm_GBps")  # one dense GEMM over every row: one "expert" at n rows
+    us = sum(expert_us(_gemm_curve(prof, cand.experts, quant, layout, nn, kk), quant, n, n,
+                       nn, kk, hbm) for nn, kk in ((2 * width, d), (d, width)))
     us += prof.kernel(cand.experts, "act_quant").time_us(tr.act_quant_bytes(n, width, quant))
     if cand.experts == "torch":
         us = max(us, launch_us(prof, sum(TORCH_OPS.values())))
