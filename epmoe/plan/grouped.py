@@ -83,7 +83,10 @@ def _cdf(z: float) -> float:
 
 def _normal_buckets(m: float, align: int) -> list[tuple[float, float, float]]:
     s = math.sqrt(m)
-    z = lambda rows: (rows + 0.5 - m) / s  # noqa: E731  P(X <= rows) = _cdf(z(rows))
+
+    def z(rows: float) -> float:  # P(X <= rows) = _cdf(z(rows))
+        return (rows + 0.5 - m) / s
+
     lo = max(1, int((m - SIGMAS * s) // align))
     hi = max(lo, int(-(-(m + SIGMAS * s) // align)))
     out = []
