@@ -27,6 +27,8 @@ def _check(path):
     assert prof.host_op_us > 0 and "after each size's forwards: the median of 3" in \
         prof.device["host_op_us"].prov.note
     assert "python -m epmoe.bench.calibrate" in prof.device["hbm_GBps"].prov.note
+    slice_ = prof.device["sched_slice_us"]  # what time-slicing CPU ranks run unpreempted
+    assert slice_.prov.source == "measured" and 100.0 < slice_.value < 1e6
     curve = prof.curve("torch", "bf16", "contiguous", 256, 256)
     assert curve.prov.source == "measured" and len(curve.points) >= 2
     for name in ("permute", "gather", "act_quant"):  # pooled, and per recipe

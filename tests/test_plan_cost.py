@@ -211,17 +211,36 @@ def test_finite_max_and_memory():
     assert m2.weights > m4.weights and m4.buffers > 0
 
 
-def test_cpu_ranks_outnumbering_cores_stretch_every_stage():
-    """Eight ranks time-slicing two cores: each stage takes 4x its one-rank-per-core time."""
+def test_cpu_ranks_outnumbering_cores_time_slice_them():
+    """Eight ranks time-slicing two cores: the layer takes 4x its one-rank-per-core time; with
+    a slice longer than any stretch of compute the compute stages keep their own times and
+    the collectives (dispatch, combine) take the rest; with a tiny slice every compute stage
+    nears 4x."""
+    from dataclasses import replace
+
+    from epmoe.plan.figures import Figure
+    from epmoe.plan.profile import SCHED_SLICE
+
     cpu = lambda cores: Topology(1, 8, "cpu", "tcp", cores_per_node=cores)  # noqa: E731
-    prof = synthetic_profile(gpu="cpu", launch_us=3.0)
+    base = synthetic_profile(gpu="cpu", launch_us=3.0)
+    slice_of = lambda us: replace(base, device={**base.device,  # noqa: E731
+                                                SCHED_SLICE: Figure(us, base.device["sms"].prov)})
     w = Workload(CFG, BF16, 64)
     cand = Candidate("ep_dp", "all2all", "torch")
-    free, shared = (predict_layer(cand, w, cpu(c), prof) for c in (8, 2))
-    assert shared.notes["oversubscription"] == 4.0 and "oversubscription" not in free.notes
-    for s, us in free.stages_us.items():
-        assert shared.stages_us[s] == pytest.approx(4 * us), s
-    assert shared.total_us == pytest.approx(4 * free.total_us)
+    free = predict_layer(cand, w, cpu(8), base)
+    long, tiny = (predict_layer(cand, w, cpu(2), slice_of(us)) for us in (1e9, 1e-9))
+    assert long.notes["oversubscription"] == 4.0 and "oversubscription" not in free.notes
+    for p in (long, tiny):
+        assert p.total_us == pytest.approx(4 * free.total_us)
+    compute = [s for s in STAGES if s not in ("dispatch", "dispatch.quantize", "combine")
+               and free.stages_us[s] > 0]
+    assert "experts.gemm1" in compute and "router" in compute
+    for s in compute:
+        assert long.stages_us[s] == pytest.approx(free.stages_us[s]), s
+        assert tiny.stages_us[s] == pytest.approx(4 * free.stages_us[s], rel=1e-3), s
+    for s in ("dispatch", "combine"):
+        assert long.stages_us[s] > 4 * free.stages_us[s]
+        assert tiny.stages_us[s] == pytest.approx(4 * free.stages_us[s], rel=1e-3)
 
 
 def test_experts_no_token_picks_are_never_sampled_and_raise_no_warning():

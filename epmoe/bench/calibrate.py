@@ -4,7 +4,8 @@ write a hardware profile (epmoe.plan.profile) for the planner.
 What it measures, through the runtime's own code (the StageTimer stage names the cost model
 predicts), each figure marked `measured` with the machine, date and command:
 - device: SMs / cores, compute capability, memory, HBM (or RAM) copy bandwidth, the host cost
-  of one eager op and of a host sync; on CPU also the fp32 matmul rate;
+  of one eager op and of a host sync; on CPU also the fp32 matmul rate and the scheduler's
+  slice (sched_slice.py);
 - the layer at one rank (calibrate_layer.py): for every available experts backend (torch;
   triton and deepgemm on CUDA) and recipe, a one-layer Runtime's MoELayer.forward at several
   token counts: GEMM1/GEMM2 TFLOPS vs rows per expert (-> curves), permute / gather /
@@ -34,8 +35,9 @@ import sys
 import time
 
 from epmoe.plan import traffic as tr
-from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
-                                Provenance, load_profile)
+from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, SCHED_SLICE, AlphaBeta, Figure,
+                                HardwareProfile, Provenance, load_profile)
+from epmoe.bench.sched_slice import measure_slice_us
 from epmoe.outputs import run_main, writable_file
 from epmoe.plan.topology import gpu_kind_of
 
@@ -180,6 +182,8 @@ def measure_device(dev, clock: Clock, base: HardwareProfile, timing: str = "laun
         for name in ("peak_tflops_fp8", "peak_tflops_bf16"):
             figs[name] = Figure(tf, Provenance("derived", f"{what}: torch experts compute in "
                                                           f"fp32 on CPU"))
+        figs[SCHED_SLICE] = Figure(measure_slice_us(), clock.prov(
+            "the scheduler's slice: median run of two busy processes on one CPU"))
     return figs
 
 

@@ -32,8 +32,9 @@ from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.grouped import expert_us, grouped_gemm_us
 from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY, CommCase,
                                   collective_us, combine_cost, dispatch_cost, launch_us)
-from epmoe.plan.profile import OVERLAPPED, HardwareProfile
+from epmoe.plan.profile import OVERLAPPED, SCHED_SLICE, HardwareProfile
 from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, routing_stats
+from epmoe.plan.timeslice import base_slice_us, time_sliced
 from epmoe.plan.topology import Topology
 
 EXPERTS = ("torch", "triton", "deepgemm")
@@ -206,11 +207,15 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
         notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
                      imbalance=stats.imbalance)
     mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
-    f = topo.oversubscription  # CPU ranks sharing cores: every stage stretches
+    stages, tail = {s: st.get(s, 0.0) for s in STAGES}, _tail_us(cfg, prof, n_rep, cand.experts)
+    f = topo.oversubscription  # CPU ranks sharing cores: time-sliced (timeslice.py)
     if f > 1:
         notes["oversubscription"] = f
-    return LayerPrediction(cand, {s: st.get(s, 0.0) * f for s in STAGES}, link, mem, notes,
-                           overlap, _tail_us(cfg, prof, n_rep, cand.experts) * f)
+        blocking = {"all_reduce"} | ({"dispatch", "combine"} if plan.backend != "local" else set())
+        q = prof.device[SCHED_SLICE].value if SCHED_SLICE in prof.device else 0.0
+        stages, tail = time_sliced(stages, tail, f, q or base_slice_us(topo.cores_per_node),
+                                   blocking)
+    return LayerPrediction(cand, stages, link, mem, notes, overlap, tail)
 
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:

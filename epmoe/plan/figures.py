@@ -17,6 +17,7 @@ OVERLAPPED = ".overlapped"  # a kernel fit's name suffix: timed beside the share
 DEVICE_FIGURES = ("sm_arch", "sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
                   "peak_tflops_fp32", "launch_us", "sync_us")
 HOST_OP = "host_op_us"  # optional device figure: the host's time per tiny eager op (host speed)
+SCHED_SLICE = "sched_slice_us"  # optional (CPU): the scheduler's slice (plan/timeslice.py)
 HOST_PREFIX = "host."  # a kernel fit's name prefix: the host's time to issue a call (alpha only)
 KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
 LOCAL_KERNELS = ("dispatch", "combine")  # kernels["local"]: the local comm backend's own work

@@ -39,13 +39,14 @@ from typing import Mapping
 
 from epmoe.docfile import read_doc
 from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, HOST_OP, HOST_PREFIX, KERNELS,
-                                LOCAL_KERNELS, OVERLAPPED, QUEUED, SCHEMA, SOURCES, AlphaBeta,
-                                Figure, GemmCurve, LinkFit, MlpCurve, Provenance, Source)
+                                LOCAL_KERNELS, OVERLAPPED, QUEUED, SCHED_SLICE, SCHEMA, SOURCES,
+                                AlphaBeta, Figure, GemmCurve, LinkFit, MlpCurve, Provenance,
+                                Source)
 
 __all__ = ["COLLECTIVES", "DEVICE_FIGURES", "HOST_OP", "KERNELS", "LOCAL_KERNELS", "OVERLAPPED",
-           "QUEUED", "SCHEMA", "SOURCES", "AlphaBeta", "Figure", "GemmCurve", "HardwareProfile",
-           "LinkFit", "MlpCurve", "Provenance", "Source", "from_dict", "load_profile",
-           "shipped_profiles", "to_dict"]
+           "QUEUED", "SCHED_SLICE", "SCHEMA", "SOURCES", "AlphaBeta", "Figure", "GemmCurve",
+           "HardwareProfile", "LinkFit", "MlpCurve", "Provenance", "Source", "from_dict",
+           "load_profile", "shipped_profiles", "to_dict"]
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,8 @@ class Topology:
     @property
     def oversubscription(self) -> float:
         """Ranks per core of a node (>= 1): CPU ranks that outnumber the node's cores share
-        them, and every stage stretches by this factor; 1 for a device per rank."""
+        them, and a layer takes this factor times as long (plan/timeslice.py: which stages show
+        it); 1 for a device per rank."""
         return max(1.0, self.gpus_per_node / self.cores_per_node) if self.cores_per_node else 1.0
 
     @property
