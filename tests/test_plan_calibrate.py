@@ -34,6 +34,9 @@ def _check(path):
     for name in ("permute", "gather", "act_quant"):  # pooled, and per recipe
         assert prof.kernel("torch", name).prov.source == "measured"
         assert prof.kernel("torch", f"{name}.bf16").prov.source == "measured"
+    # torch's act+quant runs its ops once per busy expert: all 16 of deepseek-v3-tiny's here
+    assert prof.kernel("torch", "act_quant").calls == 16.0
+    assert prof.kernel("torch", "permute").calls == 0.0  # one call for all the rows
     # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
     for table, name in (("local", "dispatch"), ("local", "combine"),
                         ("router", "sigmoid_grouped"), ("layer", "tail"), ("layer", "issue")):

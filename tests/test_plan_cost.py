@@ -13,7 +13,7 @@ from epmoe.plan.comm_cost import CommCase, dispatch_cost
 from epmoe.plan.cost import STAGES, Candidate, Workload, _aligned, predict_layer
 from epmoe.plan.routing import (RoutingSpec, SlotMap, finite_max, hit_probability_uniform,
                                 routing_stats)
-from epmoe.plan.synthetic import synthetic_profile
+from epmoe.plan.synthetic import SYN as SYN_PROV, synthetic_profile
 from epmoe.plan.topology import Link, Topology
 
 CFG = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4,
@@ -241,6 +241,31 @@ def test_cpu_ranks_outnumbering_cores_time_slice_them():
     for s in ("dispatch", "combine"):
         assert long.stages_us[s] > 4 * free.stages_us[s]
         assert tiny.stages_us[s] == pytest.approx(4 * free.stages_us[s], rel=1e-3)
+
+
+def test_a_fit_measured_per_busy_expert_scales_with_the_local_experts():
+    """The torch experts run act+quant's ops once per busy expert: a fit measured with its 16
+    experts busy (calls 16) costs a quarter of its fixed cost (and floor) on a rank holding 4,
+    and the whole of it where the profile measured it per call (calls 0)."""
+    from dataclasses import replace
+
+    from epmoe.plan.figures import AlphaBeta
+
+    ab = AlphaBeta(1000.0, 1e9, SYN_PROV, floor_us=800.0, calls=16.0)
+    assert ab.time_us(0.0, 4.0) == pytest.approx(250.0)
+    low = replace(ab, alpha_us=500.0)  # the floor scales too: max(800, 500) / 16
+    assert low.time_us(0.0, 1.0) == pytest.approx(50.0)
+    assert ab.time_us(0.0) == replace(ab, calls=0.0).time_us(0.0, 4.0) == pytest.approx(1000.0)
+    base = synthetic_profile()
+    prof = lambda calls: replace(base, kernels={  # noqa: E731
+        **base.kernels, "torch": {**base.kernels["torch"],
+                                  "act_quant": AlphaBeta(1000.0, 1e9, SYN_PROV, calls=calls)}})
+    w = Workload(CFG, BF16, 4096)  # 16 experts: 4 on each of 4 ranks, every one busy
+    cand = Candidate("ep_dp", "all2all", "torch")
+    per_expert, per_call = (predict_layer(cand, w, topo(1, 4), prof(c)).stages_us
+                            for c in (16.0, 0.0))
+    assert per_expert["experts.act_quant"] == pytest.approx(250.0, rel=1e-3)
+    assert per_call["experts.act_quant"] == pytest.approx(1000.0, rel=1e-3)
 
 
 def test_experts_no_token_picks_are_never_sampled_and_raise_no_warning():

@@ -73,11 +73,15 @@ class LayerFits:
     kernels: dict = field(default_factory=dict)
     mlp: list = field(default_factory=list)
     points: dict = field(default_factory=dict)  # (table, name) -> [(bytes, us)], pooled
+    calls: dict = field(default_factory=dict)  # (table, name) -> [busy experts], per point
     host_op_us: list = field(default_factory=list)  # the host's speed beside each issue time
 
-    def add_point(self, table: str, name: str, nbytes: float, us: float | None) -> None:
+    def add_point(self, table: str, name: str, nbytes: float, us: float | None,
+                  calls: int = 0) -> None:
+        """calls: the stage's calls in this forward when it makes one per busy expert."""
         if us and nbytes > 0:
             self.points.setdefault((table, name), []).append((nbytes, us))
+            self.calls.setdefault((table, name), []).append(calls)
 
 
 def token_counts(cfg, rows_per_expert) -> list[int]:
@@ -287,13 +291,14 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
 @dataclass(frozen=True)
 class _Size:
     """One calibration size: tokens, (token, expert) pairs, the layout's alignment, aligned
-    GEMM rows, act+quant rows."""
+    GEMM rows, act+quant rows, experts given rows."""
 
     tokens: int
     real: int
     align: int
     rows: int
     aq_rows: int
+    busy: int = 0
 
     @staticmethod
     def of(ids, e: int, align: int, experts: str) -> "_Size":
@@ -304,7 +309,8 @@ class _Size:
         real = ids.numel()
         return _Size(ids.shape[0], real, align, sum(-(-c // align) * align for c in counts),
                      real if experts == "torch" else sum(  # the rows act+quant computes
-                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts))
+                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts),
+                     sum(c > 0 for c in counts))
 
 
 def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quant,
@@ -339,8 +345,9 @@ def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: 
                        st.get("experts.permute"))
         fits.add_point(experts, f"gather{r}{sfx}", tr.gather_bytes(n, size.real, d),
                        st.get("experts.gather"))
-        fits.add_point(experts, f"act_quant{r}{sfx}",
-                       tr.act_quant_bytes(size.aq_rows, inter, quant), st.get("experts.act_quant"))
+        fits.add_point(experts, f"act_quant{r}{sfx}",  # torch: its ops once per busy expert
+                       tr.act_quant_bytes(size.aq_rows, inter, quant), st.get("experts.act_quant"),
+                       size.busy if experts == "torch" else 0)
 
 
 def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
@@ -383,7 +390,9 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
         if name.endswith(QUEUED):
             note += ", behind a device hold (queued)"
         floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
+        calls = fits.calls.get((table, name), [0])
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
-            floor if table != "layer" and not name.endswith(OVERLAPPED) else 0.0)
+            floor if table != "layer" and not name.endswith(OVERLAPPED) else 0.0,
+            statistics.fmean(calls) if all(calls) else 0.0)
     return out

@@ -279,18 +279,19 @@ def _gemm_us(prof, backend, quant, layout, slot_rows, n, k, align: int = 1,
 
 
 def _kernel_us(prof, experts: str, names: tuple[str, ...], overlapped: bool,
-               nbytes: float) -> float:
-    """The stage's time from the most specific fit of `names` (most specific first).
+               nbytes: float, calls: float = 0.0) -> float:
+    """The stage's time from the most specific fit of `names` (most specific first), its
+    fixed cost per call where the fit was measured per call (AlphaBeta.calls).
     Beside the shared MLP the fits timed so (".overlapped") are read, but never below the
     fit timed alone: contention only slows a stage, and an overlapped fit comes from the
     sizes that ran entirely beside the shared MLP (often the largest), extrapolated below."""
     alone = prof.most_specific(experts, *names)
     if alone is None:
         raise KeyError(f"profile {prof.name!r} has no {names[-1]!r} kernel fit for {experts!r}")
-    us = alone.time_us(nbytes)
+    us = alone.time_us(nbytes, calls)
     beside = prof.most_specific(experts, *(n + OVERLAPPED for n in names)) if overlapped \
         else None
-    return max(us, beside.time_us(nbytes)) if beside is not None else us
+    return max(us, beside.time_us(nbytes, calls)) if beside is not None else us
 
 
 def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, inter,
@@ -310,8 +311,10 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     aq_rows = rows if experts == "torch" else sum(_aligned(m, tr.ACT_BLOCK_ROWS)
                                                    for m in slot_rows)
     recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
+    busy = sum(1 - math.exp(-m) for m in slot_rows)  # experts given a row (Poisson)
     s["experts.act_quant"] = _kernel_us(prof, experts, (f"act_quant.{recipe}", "act_quant"),
-                                        overlapped, tr.act_quant_bytes(aq_rows, inter, quant))
+                                        overlapped, tr.act_quant_bytes(aq_rows, inter, quant),
+                                        busy if experts == "torch" else 0.0)
     if kind == "tokens":  # per recipe where calibrated so, else pooled over recipes
         s["experts.permute"] = _kernel_us(prof, experts, (f"permute.{recipe}", "permute"),
                                           overlapped, tr.permute_bytes(n_in, pairs, d, quant))
@@ -319,7 +322,6 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
                                          overlapped, tr.gather_bytes(n_in, pairs, d))
     extra = 0.0
     if experts == "torch":  # Python loop over non-empty experts, two host syncs, dequantize
-        busy = sum(1 - math.exp(-m) for m in slot_rows)
         for stage, ops in TORCH_OPS.items():
             s[stage] = max(s[stage], launch_us(prof, ops) * busy)
         extra = 2 * prof.fig("sync_us") + rows * 6.0 * d / (prof.fig("hbm_GBps") * 1e3)

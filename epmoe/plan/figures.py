@@ -53,15 +53,19 @@ class AlphaBeta:
     """t_us = max(floor_us, alpha_us + bytes / (beta_GBps * 1e3)). floor_us: the fastest a
     calibration measured the kernel at any size (a small call costs its launch or one wave of
     CTAs however few bytes it moves, which a straight line through all sizes under-predicts);
-    0 where nothing was measured."""
+    0 where nothing was measured. calls: the calls a stage made where alpha and floor were
+    measured, when it makes one per busy expert (the torch experts run each expert's ops on
+    their own): `time_us(nbytes, calls)` then scales both by calls / this; 0: one call."""
 
     alpha_us: float
     beta_GBps: float
     prov: Provenance
     floor_us: float = 0.0
+    calls: float = 0.0
 
-    def time_us(self, nbytes: float) -> float:
-        return max(self.floor_us, self.alpha_us + nbytes / (self.beta_GBps * 1e3))
+    def time_us(self, nbytes: float, calls: float = 0.0) -> float:
+        s = calls / self.calls if self.calls > 0 and calls > 0 else 1.0
+        return max(self.floor_us * s, self.alpha_us * s + nbytes / (self.beta_GBps * 1e3))
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class HardwareProfile:
 
         def scaled(fit: AlphaBeta, twin: AlphaBeta | None) -> AlphaBeta:
             floor = max(fit.floor_us * factor, twin.floor_us if twin else 0.0)
-            return AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor, fit.prov, floor)
+            return AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor, fit.prov, floor,
+                             fit.calls)
 
         kern = {}
         for b, t in self.kernels.items():
@@ -261,7 +262,8 @@ def from_dict(d: Mapping) -> HardwareProfile:
                                  _prov(c["prov"]), bool(c.get("overlapped", False)))
                  for c in d.get("gemm", ())),
             kernels={b: {k: AlphaBeta(float(v["alpha_us"]), float(v["beta_GBps"]),
-                                      _prov(v["prov"]), float(v.get("floor_us", 0.0)))
+                                      _prov(v["prov"]), float(v.get("floor_us", 0.0)),
+                                      float(v.get("calls", 0.0)))
                          for k, v in t.items()}
                      for b, t in d.get("kernels", {}).items()},
             comm={b: {l: {dr: _linkfit(f) for dr, f in t.items()} for l, t in lt.items()}
