@@ -182,8 +182,10 @@ def measure_device(dev, clock: Clock, base: HardwareProfile, timing: str = "laun
         for name in ("peak_tflops_fp8", "peak_tflops_bf16"):
             figs[name] = Figure(tf, Provenance("derived", f"{what}: torch experts compute in "
                                                           f"fp32 on CPU"))
-        figs[SCHED_SLICE] = Figure(measure_slice_us(), clock.prov(
-            "the scheduler's slice: median run of two busy processes on one CPU"))
+        slice_us = measure_slice_us()  # 0: nothing preempted (the model takes Linux's default)
+        if slice_us > 0:
+            figs[SCHED_SLICE] = Figure(slice_us, clock.prov(
+                "the scheduler's slice: median run of two busy processes on one CPU"))
     return figs
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 
@@ -41,9 +42,14 @@ def measure_slice_us(seconds: float = 0.5) -> float:
     procs = [ctx.Process(target=_spin, args=(cpu, seconds, out), daemon=True) for _ in range(2)]
     for p in procs:
         p.start()
-    runs = [r for _ in procs for r in out.get(timeout=seconds + 30)]
+    try:
+        runs = [r for _ in procs for r in out.get(timeout=seconds + 30)]
+    except queue.Empty:  # a process died or never got the CPU: not measured
+        runs = []
     for p in procs:
         p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
     return statistics.median(runs) * 1e6 if runs else 0.0
 
 
