@@ -3,9 +3,9 @@ write a hardware profile (epmoe.plan.profile) for the planner.
 
 What it measures, through the runtime's own code (the StageTimer stage names the cost model
 predicts), each figure marked `measured` with the machine, date and command:
-- device: SMs / cores, compute capability, memory, HBM (or RAM) copy bandwidth, the host cost
-  of one eager op and of a host sync; on CPU also the fp32 matmul rate and the scheduler's
-  slice (sched_slice.py);
+- device (calibrate_device.py): SMs / cores, compute capability, memory, HBM (or RAM) copy
+  bandwidth, the host cost of one eager op and of a host sync; on CPU also the fp32 matmul
+  rate and the scheduler's slice (sched_slice.py);
 - the layer at one rank (calibrate_layer.py): for every available experts backend (torch;
   triton and deepgemm on CUDA) and recipe, a one-layer Runtime's MoELayer.forward at several
   token counts: GEMM1/GEMM2 TFLOPS vs rows per expert (-> curves), permute / gather /
@@ -34,11 +34,11 @@ import statistics
 import sys
 import time
 
-from epmoe.plan import traffic as tr
-from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, SCHED_SLICE, AlphaBeta, Figure,
-                                HardwareProfile, Provenance, load_profile)
-from epmoe.bench.sched_slice import measure_slice_us
+from epmoe.bench.calibrate_device import measure_device, time_us
 from epmoe.outputs import run_main, writable_file
+from epmoe.plan import traffic as tr
+from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
+                                Provenance, load_profile)
 from epmoe.plan.topology import gpu_kind_of
 
 DEFAULT_MODEL = {"cpu": "deepseek-v3-tiny", "cuda": "deepseek-v3"}
@@ -59,25 +59,6 @@ class Clock:
 
     def prov(self, what: str = "") -> Provenance:
         return Provenance("measured", f"{self.note}{': ' + what if what else ''}")
-
-
-def time_us(fn, dev, reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in us (CUDA: synchronized around each call)."""
-    import torch
-
-    cuda = dev.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(dev)
-        out.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(out)
 
 
 UNBOUNDED_GBPS = 1e9  # beta of a fit whose time does not grow with bytes: a fixed cost
@@ -106,87 +87,6 @@ def fit_ab(points) -> tuple[float, float]:
         b, t = max(pts)
         return 0.0, b / t / 1e3
     return alpha, 1.0 / slope / 1e3
-
-
-# ------------------------------------------------------------------------------ device
-def measure_device(dev, clock: Clock, base: HardwareProfile, timing: str = "launched") -> dict:
-    import torch
-
-    cuda = dev.type == "cuda"
-    figs = {}
-    if cuda:
-        p = torch.cuda.get_device_properties(dev)
-        figs["sm_arch"] = Figure(p.major * 10 + p.minor, clock.prov(p.name))
-        figs["sms"] = Figure(p.multi_processor_count, clock.prov(p.name))
-        figs["hbm_GiB"] = Figure(round(p.total_memory / 2**30, 1), clock.prov(p.name))
-        n = 1 << 28
-    else:
-        figs["sm_arch"] = Figure(0, clock.prov("CPU"))
-        figs["sms"] = Figure(os.cpu_count() or 1, clock.prov("logical CPUs"))
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        figs["hbm_GiB"] = Figure(round(ram / 2**30, 1), clock.prov("RAM"))
-        n = 1 << 23
-    a = torch.empty(n, dtype=torch.float32, device=dev)
-    b = torch.empty_like(a)
-    us = time_us(lambda: b.copy_(a), dev, reps=10)
-    figs["hbm_GBps"] = Figure(2 * a.numel() * 4 / us / 1e3,
-                              clock.prov(f"copy of {a.numel() * 4 >> 20} MiB, read+write"))
-    one = torch.zeros(1, device=dev)
-    n_ops = 200
-
-    def ops():
-        for _ in range(n_ops):
-            one.add_(1)
-
-    if cuda:
-        ops()  # the first launches load kernels
-        torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        ops()
-        launch = (time.perf_counter() - t) * 1e6 / n_ops
-        torch.cuda.synchronize(dev)
-        sync = time_us(lambda: (one.add_(1), torch.cuda.synchronize(dev)), dev, reps=20) - launch
-        if timing == "device":  # what a tiny op costs the GPU, the host issuing ahead of it
-            from epmoe.timing import DeviceSleep
-
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            DeviceSleep(dev).hold(2 * launch * n_ops / 1e3 + 1.0)
-            a.record()
-            ops()
-            b.record()
-            b.synchronize()
-            launch = a.elapsed_time(b) * 1e3 / n_ops
-    else:
-        launch = time_us(ops, dev, reps=5) / n_ops
-        sync = 0.0
-    figs["launch_us"] = Figure(launch, clock.prov(f"{n_ops} tiny eager ops ({timing} timing: "
-                                                  f"{'GPU' if timing == 'device' else 'host'} "
-                                                  f"time per op)"))
-    from epmoe.timing import HOST_OPS, HOST_REPS, host_op_us
-
-    figs[HOST_OP] = Figure(host_op_us(dev), clock.prov(
-        f"{HOST_OPS} tiny eager ops, median of {HOST_REPS} (epmoe.timing.host_op_us: the "
-        f"host's time per op{', issued behind a device hold' if cuda else ''})"))
-    figs["sync_us"] = Figure(max(sync, 0.0), clock.prov("tiny kernel + synchronize" if cuda
-                                                       else "no device to synchronize"))
-    for name in ("peak_tflops_fp8", "peak_tflops_bf16", "peak_tflops_fp32"):
-        if cuda:  # peaks are data-sheet figures: keep the base profile's
-            f = base.device[name]
-            figs[name] = Figure(f.value, f.prov.inherit(base.name))
-    if not cuda:
-        x = torch.randn(512, 512)
-        us = time_us(lambda: x @ x, dev, reps=5)
-        tf = 2 * 512**3 / us / 1e6
-        what = f"fp32 matmul 512^3 on {torch.get_num_threads()} threads"
-        figs["peak_tflops_fp32"] = Figure(tf, clock.prov(what))
-        for name in ("peak_tflops_fp8", "peak_tflops_bf16"):
-            figs[name] = Figure(tf, Provenance("derived", f"{what}: torch experts compute in "
-                                                          f"fp32 on CPU"))
-        slice_us = measure_slice_us()  # 0: nothing preempted (the model takes Linux's default)
-        if slice_us > 0:
-            figs[SCHED_SLICE] = Figure(slice_us, clock.prov(
-                "the scheduler's slice: median run of two busy processes on one CPU"))
-    return figs
 
 
 # ------------------------------------------------------------------------------ experts
