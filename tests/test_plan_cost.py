@@ -152,6 +152,27 @@ def test_sms_also_copy_the_ranks_own_rows(ranks):
     assert cost.link_bytes["nvlink"] == pytest.approx(all_rows * row * (ranks - 1) / ranks)
 
 
+def test_across_nodes_the_sms_also_stage_a_row_per_token_and_node():
+    """Two nodes, DeepEP's two hops: the SMs that take the rows off NVLink also fill the RDMA
+    buffers with one row per (token, destination node), the own node's included; one node:
+    only the rows sent and received."""
+    tokens, row = 256, 2 * CFG.hidden + CFG.top_k * 8
+    prof = synthetic_profile(per_sm_GBps=10.0, sms=4)
+    sm = {}
+    for nodes in (1, 2):
+        t = topo(nodes, 4, nvl=1e6, rdma=1e6)  # links that never bind
+        st = routing_stats(CFG, RoutingSpec(), t.world, 4)
+        cost = dispatch_cost("deepep-ht", CommCase(CFG, BF16, t, prof, st, tokens, tokens,
+                                                   reuse_layout=True))
+        sm[nodes] = (cost.notes["dispatch.sm_bytes"], st, cost)
+    one, (two, st2, cost2) = sm[1][0], sm[2]
+    staged = tokens * sum(st2.hit_node) * row
+    assert 1.5 * tokens * row <= staged <= 2 * tokens * row  # ~2 nodes per token of 2
+    moved = max(tokens * sum(st2.hit_rank), 8 * tokens * max(st2.hit_rank)) * row
+    assert two == pytest.approx(moved + staged, rel=0.05)  # (+ the finite-batch maximum)
+    assert two > one and cost2.kernel_us == pytest.approx(two / 40e3)
+
+
 def test_gemm_time_is_flops_over_the_curve():
     prof = synthetic_profile(tflops={"torch": 100.0})  # the reference: no row alignment
     w = Workload(CFG, BF16, 512)

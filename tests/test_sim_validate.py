@@ -1,6 +1,6 @@
 """The simulator against published tables (predicted from the spec profiles): DeepEP's own
-H800 tables and third parties' DeepEP runs on 8xH100, 8xH200 and 8xB200, and the table-file
-format."""
+H800 tables and third parties' DeepEP runs on 8xH100, 8xH200, 2x8 H200 and 8xB200, and the
+table-file format."""
 
 import json
 
@@ -68,6 +68,18 @@ def test_held_out_b200_rows_are_bound_by_the_sms_and_the_dispatch_within_20_perc
         assert res.limit == "sm", (r.name, res.limit)
         if r.direction == "dispatch":
             assert abs(res.error) < 0.20, (r.name, res.predicted, r.published)
+
+
+def test_held_out_two_node_h200_rows_are_bound_by_the_sms():
+    """A user's DeepEP run on 2x8 H200 (DeepEP issue #493; nothing in the h200 profile came
+    from it): with NVLink 4 the internode rows fall to the SM term, which counts the RDMA
+    buffers' rows; the model still runs 60-90% high there (BENCHMARKS.md section 30: the
+    internode kernels move fewer rows per SM than the intranode ones we measured)."""
+    rows = _rows("deepep-v1-h200-2node")
+    assert {(r.ep, r.direction, r.dispatch) for r in rows} == {
+        (16, "dispatch", "fp8_block"), (16, "dispatch", "bf16"), (16, "combine", "fp8_block")}
+    for r in rows:
+        assert predict(r).limit == "sm", r.name
 
 
 @pytest.mark.parametrize("name", ["deepep-v1-h100-tilescale", "deepep-v1-h200-p5en",
