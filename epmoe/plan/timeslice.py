@@ -17,9 +17,11 @@ releases them all:
 - a collective's own work is done by every rank at once: f times its time alone.
 
 Every stretch thus costs f w in all and the layer f times its time alone, as before; what
-changes is which stages the time-slicing shows in. Linux's scheduler (EEVDF) gives a task a
-base slice of 0.75 ms x (1 + log2(min(cpus, 8))) (kernel/sched/fair.c, `sysctl_sched_base_slice`
-scaled by `get_update_sysctl_factor`): 1.5 ms on 2 CPUs, 3 ms from 8.
+changes is which stages the time-slicing shows in. The slice is the profile's measured one
+(`sched_slice_us`, `python -m epmoe.bench.sched_slice`: 4 ms on the development box, its
+tick); without one, Linux's default: EEVDF's base slice, 0.75 ms x (1 + log2(min(cpus, 8)))
+(kernel/sched/fair.c, `sysctl_sched_base_slice` scaled by `get_update_sysctl_factor`), 1.5 ms
+on 2 CPUs, 3 ms from 8, which a kernel rounds up to its tick.
 """
 
 from __future__ import annotations
