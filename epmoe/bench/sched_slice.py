@@ -19,7 +19,11 @@ GAP_S = 50e-6
 
 
 def _spin(cpu: int, seconds: float, out) -> None:
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:  # not allowed here: nothing to measure
+        out.put([])
+        return
     runs = []
     t0 = last = start = time.perf_counter()
     while last - t0 < seconds:
