@@ -73,3 +73,19 @@ def test_gpt_oss_mxfp8_is_priced_from_its_own_curves(capsys):
         assert "priced from" not in cap.err
         ms[q] = Plan.from_dict(json.loads(cap.out)).step_us(4096)
     assert ms["mxfp8"] > ms["bf16"]
+
+
+def test_the_default_recipe_is_the_first_whose_groups_tile_the_model(capsys):
+    """No --quant: fp8_block where the widths tile its 128-wide groups (DeepSeek-V3), else
+    mxfp8 (gpt-oss's hidden 2880 = 90 x 32), said in a note; a --quant is taken as given."""
+    argv = ["--topology", "1x8", "--tokens", "128", "--layers", "1"]
+    assert main(["--model", "deepseek-v3", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: deepseek-v3 fp8_block") and "note:" not in out
+    assert main(["--model", "gpt-oss-120b", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: gpt-oss-120b mxfp8")
+    assert "note: fp8_block does not fit (hidden (2880)" in out and "planned as mxfp8" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert main(["--model", "gpt-oss-120b", *argv, "--quant", "fp8_block"]) == 2
+    assert "must be a multiple" in capsys.readouterr().err

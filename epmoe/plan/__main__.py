@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from epmoe.config import PRESETS, RECIPES, SCALE_FMTS, QuantConfig, get_preset
 from epmoe.plan.forms import FORMS
@@ -20,6 +21,8 @@ from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
 from epmoe.plan.topology import LINK_SPECS, Topology
 from epmoe.outputs import run_main, writable_file
+
+DEFAULT_RECIPES = ("fp8_block", "mxfp8", "bf16")  # --quant's default: the first that fits
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
                    help="token buckets, tokens per rank, comma separated (default 128,4096)")
     p.add_argument("--profile", default="h200",
                    help=f"shipped profile ({', '.join(shipped_profiles())}) or a JSON file")
-    p.add_argument("--quant", default="fp8_block", help=f"recipe: {', '.join(RECIPES)}")
+    p.add_argument("--quant", default=None,
+                   help=f"recipe: {', '.join(RECIPES)} (default: the first of "
+                        f"{', '.join(DEFAULT_RECIPES)} whose groups tile the model's widths)")
     p.add_argument("--scale-fmt", default=None,
                    help=f"{', '.join(SCALE_FMTS)} (default: ue8m0_fp32 on SM100, else fp32)")
     p.add_argument("--routing", default="uniform", help="uniform | zipf:S")
@@ -52,16 +57,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build(args) -> Plan:
+def default_recipe(cfg) -> tuple[str, str | None]:
+    """The first of DEFAULT_RECIPES whose quant groups tile the model's widths, and why not
+    the first (None when it is)."""
+    why = None
+    for r in DEFAULT_RECIPES:
+        try:
+            QuantConfig(r).check_shapes(cfg)
+            return r, why
+        except ValueError as exc:
+            why = why or f"{r} does not fit ({str(exc).split(';')[0]})"
+    raise AssertionError("bf16 fits every model")  # unreachable: bf16 has no groups
+
+
+def build(args) -> tuple[Plan, list[str]]:
+    """The plan, and notes on what was chosen for the user (the recipe when not given)."""
     cfg = get_preset(args.model)
     if args.layers is not None:
         if args.layers < 1:
             raise ValueError(f"--layers ({args.layers}) must be >= 1")
         cfg = cfg.replace(num_moe_layers=args.layers)
     prof = load_profile(args.profile)
-    fmt = args.scale_fmt or ("ue8m0_fp32" if args.quant == "fp8_block"
+    recipe, why = (args.quant, None) if args.quant else default_recipe(cfg)
+    notes = textwrap.wrap(f"note: {why}; planned as {recipe} (--quant to choose)", 80,
+                          subsequent_indent="  ") if why else []
+    fmt = args.scale_fmt or ("ue8m0_fp32" if recipe == "fp8_block"
                              and prof.fig("sm_arch") >= 100 else "fp32")
-    quant = QuantConfig(args.quant, fmt)
+    quant = QuantConfig(recipe, fmt)
     gpu = prof.gpu if prof.gpu in LINK_SPECS else "h200"
     topo = Topology.resolve(args.topology, gpu)
     try:
@@ -78,7 +100,7 @@ def build(args) -> Plan:
         raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0 (GiB per rank)")
     return plan_stack(cfg, quant, topo, prof, buckets, routing=args.routing,
                       redundant_experts=args.redundant_experts, scope=args.scope, forms=forms,
-                      memory_GiB=args.memory_gib, model=args.model)
+                      memory_GiB=args.memory_gib, model=args.model), notes
 
 
 def render(plan: Plan, buckets=None) -> str:
@@ -123,13 +145,13 @@ def profile_notes(plan: Plan, prof) -> list[str]:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        plan = build(args)
+        plan, notes = build(args)
     except (ValueError, KeyError) as exc:
         print(f"error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
     if args.out:
         plan.save(args.out)
-    notes = profile_notes(plan, load_profile(args.profile))
+    notes += profile_notes(plan, load_profile(args.profile))
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         if notes:  # stdout stays one JSON document
