@@ -193,6 +193,23 @@ class QuantConfig:
                    f"multiples of the {rows}-row weight block of {self.recipe}")
 
 
+# A planner's default recipe: the first of these whose quant groups tile the model's widths.
+DEFAULT_RECIPES = ("fp8_block", "mxfp8", "bf16")
+
+
+def fitting_recipe(cfg: MoEConfig) -> tuple[str, str | None]:
+    """The first of DEFAULT_RECIPES whose groups tile cfg's widths, and why the first does not
+    (None when it does)."""
+    why = None
+    for r in DEFAULT_RECIPES:
+        try:
+            QuantConfig(r).check_shapes(cfg)
+            return r, why
+        except ValueError as exc:
+            why = why or f"{r} does not fit ({str(exc).split(';')[0]})"
+    raise AssertionError("bf16 has no groups: it fits every model")
+
+
 # --------------------------------------------------------------------------------------------
 # Presets. Numbers from each model's config.json on the Hugging Face hub.
 

@@ -123,3 +123,25 @@ def test_a_point_where_nothing_fits_is_a_row_with_the_reason(tmp_path, capsys):
     assert bad["step_ms"] is None and "GiB per rank" in bad["reason"]
     assert "infeasible" in text and "h800 ep 8, 128 tokens: no feasible candidate" in text
     assert (out / "step_time.png").stat().st_size > 5000
+
+
+def test_a_sweep_without_a_recipe_takes_the_first_that_tiles_the_model(tmp_path, capsys):
+    """gpt-oss's hidden 2880 does not tile fp8_block's 128-wide groups: a sweep file without
+    `quant` plans it as mxfp8 and says so under the table (stderr beside --json); DeepSeek-V3
+    stays fp8_block; a file's `quant` is taken as given."""
+    from epmoe.config import fitting_recipe, get_preset
+
+    assert fitting_recipe(get_preset("deepseek-v3")) == ("fp8_block", None)
+    assert fitting_recipe(get_preset("gpt-oss-120b"))[0] == "mxfp8"
+    f = tmp_path / "oss.toml"
+    f.write_text('model = "gpt-oss-120b"\ngpus = ["h200"]\nep = [8]\ntokens = [128]\n')
+    assert main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "infeasible" not in out and "planned as mxfp8" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert main([str(f), "--json"]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["recipe"] == "mxfp8" and doc["sweep"]["quant"] is None
+    assert "planned as mxfp8" in cap.err
+    assert Sweep.from_dict({"model": "gpt-oss-120b", "quant": "bf16"}).recipe() == ("bf16", None)

@@ -14,15 +14,14 @@ import json
 import sys
 import textwrap
 
-from epmoe.config import PRESETS, RECIPES, SCALE_FMTS, QuantConfig, get_preset
+from epmoe.config import (DEFAULT_RECIPES, PRESETS, RECIPES, SCALE_FMTS, QuantConfig,
+                          fitting_recipe, get_preset)
 from epmoe.plan.forms import FORMS
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
 from epmoe.plan.topology import LINK_SPECS, Topology
 from epmoe.outputs import run_main, writable_file
-
-DEFAULT_RECIPES = ("fp8_block", "mxfp8", "bf16")  # --quant's default: the first that fits
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,19 +56,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_recipe(cfg) -> tuple[str, str | None]:
-    """The first of DEFAULT_RECIPES whose quant groups tile the model's widths, and why not
-    the first (None when it is)."""
-    why = None
-    for r in DEFAULT_RECIPES:
-        try:
-            QuantConfig(r).check_shapes(cfg)
-            return r, why
-        except ValueError as exc:
-            why = why or f"{r} does not fit ({str(exc).split(';')[0]})"
-    raise AssertionError("bf16 fits every model")  # unreachable: bf16 has no groups
-
-
 def build(args) -> tuple[Plan, list[str]]:
     """The plan, and notes on what was chosen for the user (the recipe when not given)."""
     cfg = get_preset(args.model)
@@ -78,7 +64,7 @@ def build(args) -> tuple[Plan, list[str]]:
             raise ValueError(f"--layers ({args.layers}) must be >= 1")
         cfg = cfg.replace(num_moe_layers=args.layers)
     prof = load_profile(args.profile)
-    recipe, why = (args.quant, None) if args.quant else default_recipe(cfg)
+    recipe, why = (args.quant, None) if args.quant else fitting_recipe(cfg)
     notes = textwrap.wrap(f"note: {why}; planned as {recipe} (--quant to choose)", 80,
                           subsequent_indent="  ") if why else []
     fmt = args.scale_fmt or ("ue8m0_fp32" if recipe == "fp8_block"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -92,7 +93,10 @@ def main(argv=None) -> int:
             except KeyboardInterrupt:  # the launch under way is killed; its reaper cleans up
                 return stop.exit()
         code = measure.exit_code(rows)
-    doc = {"sweep": asdict(sweep), "rows": rows,
+    recipe, why = sweep.recipe()
+    note = textwrap.fill(f"note: {why}; planned as {recipe} (quant = ... in the sweep file to "
+                         f"choose)", 80, subsequent_indent="  ") if why else ""
+    doc = {"sweep": asdict(sweep), "recipe": recipe, "rows": rows,
            "note": "step_ms etc. predicted by epmoe.plan.cost from the named profiles; "
                    "rows[].measured (with --run) measured by python -m epmoe.launch"}
     if args.out:
@@ -106,8 +110,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))
+        if note:  # stdout stays one JSON document
+            print(note, file=sys.stderr)
     else:
-        print(table(rows))
+        print(table(rows) + (f"\n{note}" if note else ""))
         if opts is not None:
             print("\n" + measure.table(rows))
     return code

@@ -48,7 +48,7 @@ def launch_argv(row: dict, sweep, opts: MeasureOptions) -> list[str]:
 
     form, backend, experts = row["choice"].split("/")
     layers = sweep.layers or get_preset(sweep.model).num_moe_layers
-    argv = ["--model", sweep.model, "--quant", sweep.quant, "--ep", str(row["ep"]),
+    argv = ["--model", sweep.model, "--quant", sweep.recipe()[0], "--ep", str(row["ep"]),
             "--tokens", str(row["tokens"]), "--layers", str(layers), "--steps",
             str(opts.steps), "--routing", row["routing"], "--plan", form, "--backend",
             backend, "--experts", experts, "--profile", opts.gpu, "--device", opts.device,

@@ -1,7 +1,7 @@
 """A scaling sweep: a file (JSON or TOML) -> rows of predicted step time, comm share and bytes.
 
     model = "deepseek-v3"            # preset, or a Hugging Face config.json (beside this file)
-    quant = "fp8_block"
+    quant = "fp8_block"              # default: the first of fp8_block, mxfp8, bf16 that fits
     gpus = ["h800", "h200", "b200"]  # shipped profiles (or profile JSON files)
     ep = [8, 16, 32, 64, 128, 256]   # ranks
     gpus_per_node = 8                # or a table per GPU: {gb200 = 72, default = 8}
@@ -24,7 +24,7 @@ import os
 import textwrap
 from dataclasses import dataclass, field
 
-from epmoe.config import PRESETS, QuantConfig, get_preset
+from epmoe.config import PRESETS, QuantConfig, fitting_recipe, get_preset
 from epmoe.docfile import read_doc
 from epmoe.plan.backlog import Backlog
 from epmoe.plan.cost import Candidate, Workload, predict_layer
@@ -41,7 +41,7 @@ KEYS = {"name", "model", "quant", "scale_fmt", "gpus", "ep", "gpus_per_node", "t
 class Sweep:
     name: str = "sweep"
     model: str = "deepseek-v3"
-    quant: str = "fp8_block"
+    quant: str | None = None  # None: the first recipe whose groups tile the model (recipe())
     scale_fmt: str | None = None
     gpus: tuple = ("h800", "h200", "b200")
     ep: tuple = (8, 16, 32, 64, 128, 256)
@@ -98,6 +98,11 @@ class Sweep:
             raise ValueError(f"sweep cores_per_node ({self.cores_per_node!r}) must be an int "
                              f">= 0 (0: this machine's cores)")
 
+    def recipe(self) -> tuple[str, str | None]:
+        """The recipe the rows are planned with, and why it is not fp8_block when the file
+        left it to the model (epmoe.config.fitting_recipe)."""
+        return (self.quant, None) if self.quant else fitting_recipe(get_preset(self.model))
+
     def node_size(self, gpu: str, ep: int) -> int:
         cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
         return max(d for d in range(1, min(cap, ep) + 1) if ep % d == 0)
@@ -134,9 +139,10 @@ def run(sweep: Sweep) -> list[dict]:
     rows = []
     for gpu in sweep.gpus:
         prof = load_profile(gpu)
-        fmt = sweep.scale_fmt or ("ue8m0_fp32" if sweep.quant == "fp8_block"
+        recipe = sweep.recipe()[0]
+        fmt = sweep.scale_fmt or ("ue8m0_fp32" if recipe == "fp8_block"
                                   and prof.fig("sm_arch") >= 100 else "fp32")
-        quant = QuantConfig(sweep.quant, fmt)
+        quant = QuantConfig(recipe, fmt)
         for ep in sweep.ep:
             g = sweep.node_size(prof.gpu, ep)
             cores = {"cores_per_node": sweep.cores_per_node or local_cores()} \
