@@ -10,6 +10,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import signal  # noqa: E402
+
+# A shell that starts the suite in the background (`make test &` in a script) passes SIGINT
+# on as ignored, and Python then never turns it into KeyboardInterrupt, here or in the launches
+# the tests start; the tests of Ctrl-C need it, so the suite restores it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 INTERPRETER_SKIP = ("Triton kernels on CPU tensors need Triton's interpreter, which is off "
                     "where CUDA is (the GPU tests run these kernels compiled); run these with "
