@@ -193,6 +193,12 @@ class QuantConfig:
                    f"multiples of the {rows}-row weight block of {self.recipe}")
 
 
+def default_scale_fmt(recipe: str, sm_arch: int) -> str:
+    """The scale format a recipe is planned / calibrated with on a GPU of compute capability
+    sm_arch x 10: UE8M0 for fp8_block on SM100 (DeepGEMM reads it there), else fp32."""
+    return "ue8m0_fp32" if recipe == "fp8_block" and sm_arch >= 100 else "fp32"
+
+
 # A planner's default recipe: the first of these whose quant groups tile the model's widths.
 DEFAULT_RECIPES = ("fp8_block", "mxfp8", "bf16")
 

@@ -197,7 +197,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
         if kind == "cpu" else ""
     clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
     from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
-    from epmoe.config import QuantConfig, get_preset
+    from epmoe.config import QuantConfig, default_scale_fmt, get_preset
 
     model = args.model or DEFAULT_MODEL[kind]
     cfg = get_preset(model)
@@ -218,8 +218,7 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
                 continue
             if name == "torch" and recipe != recipes[0]:
                 continue  # the reference computes in fp32 whatever the recipe
-            fmt = "ue8m0_fp32" if recipe == "fp8_block" and device["sm_arch"].value >= 100 \
-                else "fp32"
+            fmt = default_scale_fmt(recipe, device["sm_arch"].value)
             try:
                 measure_layer(model, cfg, QuantConfig(recipe, fmt), name, dev, clock, fits,
                               args.quick, reps=3 if args.quick else 5, timing=args.timing)

@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 from epmoe.config import (DEFAULT_RECIPES, PRESETS, RECIPES, SCALE_FMTS, QuantConfig,
-                          fitting_recipe, get_preset)
+                          default_scale_fmt, fitting_recipe, get_preset)
 from epmoe.plan.forms import FORMS
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
@@ -67,9 +67,7 @@ def build(args) -> tuple[Plan, list[str]]:
     recipe, why = (args.quant, None) if args.quant else fitting_recipe(cfg)
     notes = textwrap.wrap(f"note: {why}; planned as {recipe} (--quant to choose)", 80,
                           subsequent_indent="  ") if why else []
-    fmt = args.scale_fmt or ("ue8m0_fp32" if recipe == "fp8_block"
-                             and prof.fig("sm_arch") >= 100 else "fp32")
-    quant = QuantConfig(recipe, fmt)
+    quant = QuantConfig(recipe, args.scale_fmt or default_scale_fmt(recipe, prof.fig("sm_arch")))
     gpu = prof.gpu if prof.gpu in LINK_SPECS else "h200"
     topo = Topology.resolve(args.topology, gpu)
     try:

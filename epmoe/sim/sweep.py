@@ -24,7 +24,7 @@ import os
 import textwrap
 from dataclasses import dataclass, field
 
-from epmoe.config import PRESETS, QuantConfig, fitting_recipe, get_preset
+from epmoe.config import PRESETS, QuantConfig, default_scale_fmt, fitting_recipe, get_preset
 from epmoe.docfile import read_doc
 from epmoe.plan.backlog import Backlog
 from epmoe.plan.cost import Candidate, Workload, predict_layer
@@ -137,12 +137,11 @@ def run(sweep: Sweep) -> list[dict]:
     base = get_preset(sweep.model)
     cfg = base if sweep.layers is None else base.replace(num_moe_layers=sweep.layers)
     rows = []
+    recipe = sweep.recipe()[0]
     for gpu in sweep.gpus:
         prof = load_profile(gpu)
-        recipe = sweep.recipe()[0]
-        fmt = sweep.scale_fmt or ("ue8m0_fp32" if recipe == "fp8_block"
-                                  and prof.fig("sm_arch") >= 100 else "fp32")
-        quant = QuantConfig(recipe, fmt)
+        quant = QuantConfig(recipe, sweep.scale_fmt or default_scale_fmt(recipe,
+                                                                         prof.fig("sm_arch")))
         for ep in sweep.ep:
             g = sweep.node_size(prof.gpu, ep)
             cores = {"cores_per_node": sweep.cores_per_node or local_cores()} \
