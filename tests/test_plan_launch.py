@@ -10,8 +10,8 @@ import re
 import pytest
 
 from epmoe.config import QuantConfig
-from epmoe.launch.cli import main, parser
-from epmoe.launch.planning import PlannedLaunch, prepare, profile_for_device
+from epmoe.launch.cli import main
+from epmoe.launch.planning import profile_for_device
 from epmoe.plan import Choice, LayerEntry, Plan, Topology
 from epmoe.plan.cost import STAGES
 from test_launch import cluster, joined  # noqa: F401  (one token-auth Ray cluster per module)
@@ -90,33 +90,6 @@ def test_plan_auto_one_rank_explains(tmp_path, capsys):
     assert Plan.from_dict(p["plan"]).stack(8)[0].form == "ep_dp"  # usable as --plan FILE
     assert_predictions(s)
     assert "the only feasible candidate" in capsys.readouterr().out
-
-
-def _args(*flags):
-    return parser().parse_args([*TINY, *flags])
-
-
-def test_at_where_replans_for_the_cluster_topology():
-    """Before the start the planner assumes one node; the ranks' node ids change that."""
-    from epmoe.launch.cli import build_run
-
-    launch = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
-                           "--profile", "h200"), build_run)
-    assert isinstance(launch, PlannedLaunch) and launch.planning.topology.num_nodes == 1
-    same = launch.at_where([dict(node_id="a", device="cpu")] * 2)
-    assert same is launch.run and launch.planning.topology.num_nodes == 1
-    run = launch.at_where([dict(node_id="a", device="cpu"), dict(node_id="b", device="cpu")])
-    topo = launch.planning.topology
-    assert (topo.num_nodes, topo.gpus_per_node, topo.node_of_rank) == (2, 1, (0, 1))
-    assert any("re-planned for 2x1" in n for n in launch.planning.notes)
-    assert launch.planning.plan.topology["num_nodes"] == 2
-    assert run.stack == launch.planning.plan.stack(8)
-    # given: the topology is kept whatever the ranks say
-    given = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
-                          "--topology", "2x1", "--profile", "h200"), build_run)
-    assert given.planning.topology.num_nodes == 2
-    given.at_where([dict(node_id="a", device="cpu")] * 2)
-    assert given.planning.topology.num_nodes == 2
 
 
 def test_profile_by_device():
@@ -310,19 +283,6 @@ def test_run_config_and_layer_plans_live_in_epmoe_plan():
                                               LayerSpec("tp", "local", "torch")))
     run.validate()
     assert run.layer_plan(1, 1, "local") == LayerPlan("tp", 1, 2, "local", "torch", 16)
-
-
-def test_ranks_sharing_a_gpu_get_no_prediction():
-    """Their times are time slices of one GPU: a predicted/measured ratio would mislead."""
-    from epmoe.launch.cli import build_run
-    from epmoe.launch.plan_report import predict_run
-
-    launch = prepare(_args("--ep", "2", "--ranks-per-gpu", "2", "--backend", "symm-ht",
-                           "--device", "cuda", "--tokens", "8", "--profile", "h200"), build_run)
-    pred = predict_run(launch.run, [{}], launch.planning)
-    assert pred["predicted_ms"] is None and pred["predicted_step_ms"] is None
-    assert pred["prediction"]["error"] == ("2 ranks share each GPU (time-sliced), which the "
-                                           "cost model does not describe")
 
 
 def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():

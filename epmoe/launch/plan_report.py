@@ -240,5 +240,7 @@ def render_plan(p: dict, console) -> None:
 
     console.print(f"plan: --plan {p['mode']}, {p['tokens_per_rank']} tokens/rank -> bucket "
                   f"{p['bucket']}", markup=False)
+    for note in p.get("notes", []):  # where the profile and topology came from, re-plans
+        console.print(f"  {note}", markup=False)
     console.print(render(Plan.from_dict(p["plan"]), buckets=[p["bucket"]]), markup=False,
                   soft_wrap=True)

@@ -226,6 +226,10 @@ def prepare(a: argparse.Namespace, build_run) -> PlannedLaunch:
                                            "backend": "auto"}))
     base = base.replace(world=world)
     ctx = context(a, base, mode, a.tokens)
+    if world == 1 and mode in ("tp", "ep"):  # one rank: the forms are one computation
+        ctx = replace(ctx, notes=ctx.notes + (f"one rank: {mode} computes what ep_dp does; "
+                                              f"planned as ep_dp",))
+        mode = "ep_dp"
     restrict = planner_scope(a, base, mode)
     if file_plan is not None:
         check_plan_file(file_plan, base, ctx, a.plan)
