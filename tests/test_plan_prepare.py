@@ -61,3 +61,13 @@ def test_ranks_sharing_a_gpu_get_no_prediction():
     assert pred["prediction"]["error"] == ("2 ranks share each GPU (time-sliced), which the "
                                            "cost model does not describe")
 
+
+@pytest.mark.parametrize("flags", [["--ep", "4"], ["--ep", "2", "--plan", "ep_dp"]])
+def test_ep_dp_with_backend_local_exits_2(flags, capsys):
+    """Each rank's own tokens with no comm: their other experts would never see them (the
+    run once passed the flags on and failed the oracle at 1.0)."""
+    from epmoe.launch.cli import main
+
+    assert main([*TINY, *flags, "--backend", "local", "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "form ep_dp gives each rank its own tokens" in err and "backend local" in err

@@ -61,8 +61,6 @@ def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: To
     world, b = topo.world, cand.backend
     if world == 1 and (cand.form != "ep_dp" or b != "local"):
         return "one rank: every form is ep_dp/local"
-    if world > 1 and cand.form == "ep_dp" and b == "local":
-        return "ep_dp moves tokens: it needs a comm backend other than local"
     try:
         LayerPlan(cand.form, 0, world, b, cand.experts, num_slots).validate(cfg, quant)
     except ValueError as exc:
