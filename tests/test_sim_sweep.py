@@ -145,3 +145,28 @@ def test_a_sweep_without_a_recipe_takes_the_first_that_tiles_the_model(tmp_path,
     assert doc["recipe"] == "mxfp8" and doc["sweep"]["quant"] is None
     assert "planned as mxfp8" in cap.err
     assert Sweep.from_dict({"model": "gpt-oss-120b", "quant": "bf16"}).recipe() == ("bf16", None)
+
+
+def test_experts_that_do_not_split_and_fixed_candidates_that_cannot_run_are_rows(tmp_path,
+                                                                                   capsys):
+    """Mixtral's 8 experts over 16 ranks: the ep forms are refused with the reason and tp is
+    picked (the sweep once stopped at the first such point); a fixed candidate that cannot
+    run at a point is an infeasible row naming it and why."""
+    f = tmp_path / "m.toml"
+    f.write_text('model = "mixtral-8x7b"\ngpus = ["h800"]\nep = [8, 16]\ntokens = [128]\n'
+                 'candidates = ["ep_dp/symm-ht/deepgemm", "ep/local/deepgemm"]\n')
+    out = tmp_path / "out"
+    assert main([str(f), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in text.splitlines())
+    rows = json.loads((out / "sim.json").read_text())["rows"]
+    got = [(r["ep"], r["kind"], r["choice"]) for r in rows]
+    assert got[:3] == [(8, "pick", rows[0]["choice"]), (8, "fixed", "ep_dp/symm-ht/deepgemm"),
+                       (8, "fixed", "ep/local/deepgemm")]
+    assert rows[3]["kind"] == "pick" and rows[3]["choice"].startswith("tp/")
+    assert rows[3]["step_ms"] > 0
+    for r, name in ((rows[4], "ep_dp/symm-ht/deepgemm"), (rows[5], "ep/local/deepgemm")):
+        assert (r["ep"], r["kind"], r["choice"], r["step_ms"]) == (16, "infeasible", name, None)
+    assert "experts (8) must be divisible by ep (16)" in rows[4]["reason"]
+    assert "experts (8) must be divisible by ep (16)" in rows[5]["reason"]
+    assert "=ep/local/deepgemm" in text and "fixed candidate ep/local/deepgemm" in text

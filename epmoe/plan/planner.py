@@ -174,11 +174,14 @@ def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num
         why = feasible(c, work.cfg, work.quant, topo, prof, work.num_slots, scope, available) \
             or tokens_rule(c, work)
         if why is None:
-            if stats is None and c.form != "tp":
-                stats = routing_stats(work.cfg, work.routing, topo.world, topo.gpus_per_node,
-                                      work.slots)
             try:
+                if stats is None and c.form != "tp":  # e.g. experts that do not split
+                    stats = routing_stats(work.cfg, work.routing, topo.world,
+                                          topo.gpus_per_node, work.slots)
                 p = predict_layer(c, work, topo, prof, stats)
+            except ValueError as exc:
+                rejected.append((c.label, str(exc)))
+                continue
             except KeyError as exc:  # the profile lacks a fit this candidate needs
                 rejected.append((c.label, str(exc).strip('"')))
                 continue

@@ -150,26 +150,35 @@ def run(sweep: Sweep) -> list[dict]:
             for rspec in sweep.routing:
                 spec = RoutingSpec.parse(rspec)
                 for rpr in sweep.redundant_per_rank:
-                    slots = None
-                    if rpr:
-                        slots = _eplb_slots(cfg, spec, ep, topo.num_nodes, rpr * ep)
-                    stats = routing_stats(cfg, spec, ep, g, slots)
+                    slots, stats = _placed(cfg, spec, ep, g, topo.num_nodes, rpr)
                     for tokens in sweep.tokens:
                         work = Workload(cfg, quant, tokens, spec, slots)
-                        ranked = rank_layer(work, topo, prof, candidates(ep), cfg.num_moe_layers,
-                                            sweep.scope, stats=stats)
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
                                      routing=spec.label(), redundant=rpr * ep,
                                      redundant_per_rank=rpr)
-                        if not ranked.preds:  # said, not dropped: e.g. it does not fit
-                            rows.append(_infeasible(point, ranked.rejected))
-                        picks = [("pick", p) for p in ranked.preds[:1]] + [
-                            ("fixed", predict_layer(_candidate(c), work, topo, prof, stats))
-                            for c in sweep.candidates]
-                        for kind, p in picks:
+                        for kind, cands in [("pick", candidates(ep))] + [
+                                ("fixed", [_candidate(c)]) for c in sweep.candidates]:
+                            # said, not dropped: e.g. it does not fit, or the experts do not
+                            # split over the ranks
+                            ranked = rank_layer(work, topo, prof, cands, cfg.num_moe_layers,
+                                                sweep.scope, stats=stats)
+                            if not ranked.preds:
+                                rows.append(_infeasible(point, ranked.rejected, kind))
+                                continue
+                            p = ranked.preds[0]
                             step = stack_us(p, work, topo, prof, stats, cfg.num_moe_layers)
                             rows.append(_row(point, kind, p, step))
     return rows
+
+
+def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int):
+    """(slots, routing stats) of a point; (None, None) when its experts do not split over the
+    ranks (the candidates then say so, one by one: tp still runs)."""
+    try:
+        slots = _eplb_slots(cfg, spec, ep, nodes, rpr * ep) if rpr else None
+        return slots, routing_stats(cfg, spec, ep, g, slots)
+    except ValueError:
+        return None, None
 
 
 def stack_us(p0, work: Workload, topo, prof, stats, layers: int) -> float:
@@ -200,13 +209,15 @@ def _row(point: dict, kind: str, p, step_us: float) -> dict:
             "imbalance": p.notes.get("imbalance", 1.0)}
 
 
-def _infeasible(point: dict, rejected) -> dict:
-    """A point where no candidate is feasible: no time, the first candidate's reason."""
+def _infeasible(point: dict, rejected, kind: str = "pick") -> dict:
+    """A point where no candidate is feasible (kind pick), or a fixed candidate that is not:
+    no time, the first candidate's reason."""
     why = f"{rejected[0][0]}: {rejected[0][1]}" if rejected else "no candidate"
-    return {**point, "kind": "infeasible", "choice": "-", "layer_us": None, "step_ms": None,
-            "comm_share": None, "nvlink_MB": None, "rdma_MB": None, "stages_us": {},
-            "imbalance": None, "reason": f"no feasible candidate ({len(rejected)} rejected, "
-                                         f"e.g. {why})"}
+    reason = (f"no feasible candidate ({len(rejected)} rejected, e.g. {why})" if kind == "pick"
+              else f"fixed candidate {why}")
+    return {**point, "kind": "infeasible", "choice": "-" if kind == "pick" else rejected[0][0],
+            "layer_us": None, "step_ms": None, "comm_share": None, "nvlink_MB": None,
+            "rdma_MB": None, "stages_us": {}, "imbalance": None, "reason": reason}
 
 
 def table(rows: list[dict]) -> str:
@@ -218,7 +229,8 @@ def table(rows: list[dict]) -> str:
         lead = (f"{r['gpu'][:6]:<6}{r['ep']:>4}{r['nodes']:>4}{r['tokens']:>5} "
                 f"{r['routing'][:9]:<9}{r['redundant']:>4} ")
         if r["kind"] == "infeasible":
-            out.append(f"{lead}{'infeasible: see below':<25}{'-':>8}{'-':>5}{'-':>8}")
+            what = "infeasible: see below" if r["choice"] == "-" else "=" + r["choice"]
+            out.append(f"{lead}{what[:25]:<25}{'-':>8}{'-':>5}{'-':>8}")
             continue
         ch = r["choice"] if r["kind"] == "pick" else "=" + r["choice"]
         out.append(f"{lead}{ch[:25]:<25}"
