@@ -257,7 +257,7 @@ def _mismatched_rank(rank: int, world: int, group):
         return None
     x, ids, w = case_inputs("uneven", 0, world)
     comm = make_comm("all2all", CFG, QuantConfig("fp8_block"),
-                     LayerPlan("ep_dp", rank, world).expert_map(CFG),
+                     LayerPlan("ep_dp", rank, world, "all2all").expert_map(CFG),
                      CommContext(group, rank, world))
     t0 = time.monotonic()
     try:

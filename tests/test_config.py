@@ -137,8 +137,8 @@ def test_hidden_not_multiple_of_quant_group_runtime():
 def test_experts_not_divisible_by_ep():
     cfg = get_preset("qwen3-moe-tiny")  # 16 experts
     with pytest.raises(ValueError, match=r"experts \(16\) must be divisible by ep \(3\)"):
-        LayerPlan(form="ep_dp", world=3).validate(cfg, QuantConfig())
-    LayerPlan(form="ep_dp", world=4).validate(cfg, QuantConfig())
+        LayerPlan(form="ep_dp", world=3, backend="all2all").validate(cfg, QuantConfig())
+    LayerPlan(form="ep_dp", world=4, backend="all2all").validate(cfg, QuantConfig())
 
 
 def test_tp_not_dividing_intermediate():
