@@ -2,7 +2,9 @@
 
 The launcher creates one `Runtime` per rank (in-process for ep=1, a Ray actor otherwise) and
 drives all of them through `call(method, *args)`. A step runs every MoE layer of the stack on
-this rank's tokens; layer l+1 takes x + out of layer l (a residual stack without attention).
+this rank's tokens: a pre-norm residual stack without attention (layer l runs on
+rms_norm(x_l), x_l+1 = x_l + its output; without the norm a SwiGLU stack's activations grow
+doubly exponentially and overflow bf16 within ~8 layers).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.comm import CommContext, make_comm
@@ -25,6 +28,15 @@ from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds
 from epmoe.timing import DeviceSleep, StageTimer, host_op_us
 from epmoe.weights import layer_weights
+
+PRE_NORM_EPS = 1e-6
+
+
+def pre_norm(x: torch.Tensor) -> torch.Tensor:
+    """A layer's input: its residual rows RMS-normalized (no weight), as a pre-norm block
+    feeds its MoE; bf16 in and out."""
+    return F.rms_norm(x, (x.shape[-1],), eps=PRE_NORM_EPS)
+
 
 # device timing (RunConfig.timing): the GPU is held for HOLD_FACTOR x the fastest issue time
 # of the steps so far (the first step: HOLD_FIRST_MS; never above HOLD_MAX_MS)
@@ -289,7 +301,8 @@ class Runtime:
             if self.world > 1 and want != gathered:
                 x, gathered = self._relayout(x, want), want
             r = routes[l]
-            out = layer.forward(x, r, token_offset=run.token_offset(l, self.rank))
+            h = pre_norm(x)
+            out = layer.forward(h, r, token_offset=run.token_offset(l, self.rank))
             self.rebalancer.record(l, layer.last_routing.topk_ids_TK, layer.last_physical_ids)
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
@@ -297,7 +310,7 @@ class Runtime:
                 # the routing the layer used (its own router's when r is None): the oracle
                 # replays it, and checks the router separately (routed=True)
                 used, by_id = layer.last_routing, isinstance(r, TokenIds)
-                keep.append(dict(x=x, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
+                keep.append(dict(x=h, out=out, ids=used.topk_ids_TK, w=used.topk_weights_TK,
                                  routed=torch.tensor(r is None or by_id),
                                  tok=r.token_ids_T if by_id else None,
                                  phys=layer.last_physical_ids))

@@ -47,14 +47,37 @@ def test_layer_matches_oracle(model, recipe, fmt, seed):
     _check(out, ref, quant, f"{model=} {recipe=} {fmt=} {seed=}")
 
 
-def test_second_layer_takes_residual(seed):
+def test_second_layer_takes_the_normalized_residual(seed):
+    """Pre-norm: layer 0 runs on rms_norm(tokens), layer 1 on rms_norm(tokens + out_0)."""
     quant = QuantConfig("fp8_block")
     rt = _runtime("deepseek-v3-tiny", quant, seed, layers=2, tokens=16)
     l0, l1 = rt.last
-    torch.testing.assert_close(l1["x"].float(), (l0["x"].float() + l0["out"].float())
-                               .to(torch.bfloat16).float())
+    x0 = rt.tokens_for(0).float()
+
+    def rms_normed(x):
+        return (x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).to(torch.bfloat16)
+
+    torch.testing.assert_close(l0["x"].float(), rms_normed(x0).float(), rtol=0.01, atol=0.01)
+    resid = (x0 + l0["out"].float()).to(torch.bfloat16).float()
+    torch.testing.assert_close(l1["x"].float(), rms_normed(resid).float(), rtol=0.01, atol=0.01)
     ref = reference_moe(l1["x"], dequantized_full_layer(rt.cfg, quant, 1, seed), rt.cfg, quant)
     _check(l1["out"], ref, quant, f"{seed=}")
+
+
+def test_a_deep_stack_stays_finite_and_passes_the_oracle(seed):
+    """A SwiGLU stack fed its raw residual overflowed bf16 by layer 8 (every later layer inf,
+    the launch's check failed for any --layers above ~8, DeepSeek-V3's 58 included); each
+    layer's input is now RMS 1 and its output finite."""
+    quant = QuantConfig("bf16")
+    rt = _runtime("deepseek-v3-tiny", quant, seed, layers=16, tokens=8)
+    for l, rec in enumerate(rt.last):
+        rms = rec["x"].float().pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.ones_like(rms), atol=0.02), l
+        assert rec["out"].float().isfinite().all(), l
+    last = rt.last[-1]
+    ref = reference_moe(last["x"], dequantized_full_layer(rt.cfg, quant, 15, seed), rt.cfg,
+                        quant)
+    _check(last["out"], ref, quant, f"layer 15 {seed=}")
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
