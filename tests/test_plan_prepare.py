@@ -71,3 +71,19 @@ def test_ep_dp_with_backend_local_exits_2(flags, capsys):
     assert main([*TINY, *flags, "--backend", "local", "--device", "cpu", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "form ep_dp gives each rank its own tokens" in err and "backend local" in err
+
+
+def test_a_gpu_profile_never_plans_cuda_work_for_cpu_ranks():
+    """--profile h100 on CPU ranks: the H100's figures rank the candidates, but only what
+    the CPU runs is planned (a symm-ht pick once failed every rank's build, exit 3); Triton's
+    interpreter only when asked for."""
+    launch = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
+                           "--profile", "h100", "--device", "cpu"), build_run)
+    r = launch.planning.restrict
+    assert r["available"] == {"local", "allgather", "all2all"} and r["experts"] == ("torch",)
+    assert {(s.backend, s.experts) for s in launch.run.stack} <= {
+        ("local", "torch"), ("allgather", "torch"), ("all2all", "torch")}
+    asked = prepare(_args("--plan", "auto", "--ep", "2", "--tokens", "8", "--layers", "2",
+                          "--profile", "h100", "--device", "cpu", "--experts", "triton"),
+                    build_run)
+    assert asked.planning.restrict["experts"] == ("triton",)

@@ -306,7 +306,7 @@ def planner_scope(a, run: RunConfig, mode: str) -> dict:
         forms, backends, experts = _capturable(mode, forms, backends, experts)
     available = None
     if getattr(a, "address", None) is None:
-        available, runnable = runnable_here(run)
+        available, runnable = runnable_here(run, getattr(a, "device", "auto"), a.experts)
         if runnable is not None:
             keep = tuple(e for e in experts or runnable if e in runnable)
             if not keep:
@@ -329,16 +329,17 @@ def _capturable(mode: str, forms, backends, experts):
             tuple(e for e in experts or CAPTURABLE_EXPERTS if e in CAPTURABLE_EXPERTS))
 
 
-def runnable_here(run: RunConfig):
-    """(comm backends, experts kernels) this machine's CUDA can run, or (None, None) without
-    CUDA (then the planner's rules alone decide)."""
+def runnable_here(run: RunConfig, device_flag: str = "auto", experts_flag: str = "auto"):
+    """(comm backends, experts kernels) the ranks of a local run can run: on this machine's
+    first GPU, or on its CPUs (--device cpu, or no CUDA: a GPU profile given with --profile
+    must not plan a CUDA backend for CPU ranks; Triton there is its interpreter, planned only
+    when --experts triton asks for it)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None, None
     from epmoe.comm import BACKENDS, backend_class
 
-    dev = torch.device("cuda", 0)
+    cuda = device_flag != "cpu" and torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     comm = {"local"}
     for name in BACKENDS:
         try:
@@ -346,11 +347,11 @@ def runnable_here(run: RunConfig):
                 comm.add(name)
         except (ImportError, OSError, RuntimeError):
             pass
-    experts = ["torch", "triton"]
+    experts = ["torch", "triton"] if cuda or experts_flag == "triton" else ["torch"]
     try:
         from epmoe.experts.deepgemm_experts import DeepGemmExperts
 
-        if DeepGemmExperts.supports(run.cfg, run.quant, dev) is None:
+        if cuda and DeepGemmExperts.supports(run.cfg, run.quant, dev) is None:
             experts.append("deepgemm")
     except (ImportError, OSError, RuntimeError):
         pass
