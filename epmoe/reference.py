@@ -205,25 +205,31 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
             raise ValueError("a hash layer routes by token id: give its routing "
                              "(reference_hash_route)")
         topk_ids_TK, topk_weights_TK = reference_route(x @ gate.T, cfg, bias)
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        xq = _fake_quant(x[n], quant, fake_quant)
-        acc = torch.zeros_like(x[n])
-        for j in range(topk_ids_TK.shape[1]):
-            e = int(topk_ids_TK[n, j])
-            if e < 0:
-                continue
+    xq_T = [_fake_quant(x[n], quant, fake_quant) for n in range(x.shape[0])]
+    # expert by expert (a lazy oracle then holds one expert's float64 weights at a time), each
+    # (token, slot)'s term kept apart, then summed per token in slot order as before
+    ids = topk_ids_TK.tolist()
+    term = x.new_zeros(x.shape[0], topk_ids_TK.shape[1], x.shape[1])
+    for e in sorted({e for row in ids for e in row if e >= 0}):
+        we13, we2, bias_e = w13[e], w2[e], _biases(b13, b2, e)
+        for n, j in ((n, j) for n, row in enumerate(ids) for j, f in enumerate(row) if f == e):
             w = float(topk_weights_TK[n, j])
             if cfg.apply_router_weight_on_input:
                 # the scaled token is an activation in the input dtype (bf16) before it is
                 # quantized, as in the layer: without that rounding the fp8 codes decorrelate
                 xw = x[n] * w
                 xw = xw.to(torch.bfloat16).double() if fake_quant else xw
-                acc += _mlp(_fake_quant(xw, quant, fake_quant), w13[e], w2[e], cfg, quant,
-                            fake_quant, *_biases(b13, b2, e))
+                term[n, j] = _mlp(_fake_quant(xw, quant, fake_quant), we13, we2, cfg, quant,
+                                  fake_quant, *bias_e)
             else:
-                acc += w * _mlp(xq, w13[e], w2[e], cfg, quant, fake_quant,
-                                *_biases(b13, b2, e))
+                term[n, j] = w * _mlp(xq_T[n], we13, we2, cfg, quant, fake_quant, *bias_e)
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        xq = xq_T[n]
+        acc = torch.zeros_like(x[n])
+        for j in range(topk_ids_TK.shape[1]):
+            if ids[n][j] >= 0:
+                acc += term[n, j]
         if shared is not None:
             y = _mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
             if shared_gate is not None:  # on the layer's input, as the model's gate sees it

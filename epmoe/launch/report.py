@@ -21,8 +21,9 @@ MAX_CHECK_TOKENS_PER_RANK = 64
 
 
 class LazyOracleLayer:
-    """The float64 oracle's weights of one layer, built per expert on first use (a full-size
-    model never materializes all of its experts)."""
+    """The float64 oracle's weights of one layer, built per expert on use and only the last
+    one kept (reference_moe goes expert by expert: a full-size model's check holds one
+    expert in float64, not every expert its tokens touch)."""
 
     def __init__(self, run: RunConfig, layer: int):
         self.run, self.layer = run, layer
@@ -52,6 +53,8 @@ class LazyOracleLayer:
     def _expert(self, e: int):
         if e not in self._cache:
             from epmoe.quant import dequantize_weight
+
+            self._cache.clear()
 
             lw = layer_weights(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
                                with_shared=False, checkpoint=self.ckpt)
