@@ -23,6 +23,7 @@ from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
+from epmoe.memory import check_rank_fits
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds
@@ -95,6 +96,7 @@ class Runtime:
                                      migration=run.eplb_migration, link_gbps=run.eplb_link_gbps,
                                      links=run.eplb_links),
             make_experts=self._make_experts, timer=self.timer)
+        check_rank_fits(run, rank, self.device)  # a clear error, not the OOM killer
         self.layers = [self._build_layer(l, self.rebalancer.phy2log[l])
                        for l in range(run.num_layers)]
         self.experts_reason = getattr(self, "_experts_reason", "")

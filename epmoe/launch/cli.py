@@ -128,6 +128,7 @@ def _main(argv) -> int:
     from epmoe.launch.checks import check_launch, check_runnable, local_device
     from epmoe.launch.errors import LaunchError
     from epmoe.launch.planning import prepare
+    from epmoe.memory import check_fits_here
 
     try:
         launch = prepare(a, build_run)  # the flags' run, or the planner's with --plan
@@ -136,6 +137,8 @@ def _main(argv) -> int:
         device = local_device(a)
         if device is not None:
             check_runnable(run, device)
+        if address is None and device is not None:  # every rank on this machine
+            check_fits_here(run, device)
     except ValueError as e:  # InputError is a ValueError
         return _error(e, EXIT_INPUT)
     from epmoe.launch.console import Phases

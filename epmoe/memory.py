@@ -1,0 +1,105 @@
+"""Will the layers' weights fit? Checked before anything starts on this machine (exit 2) and by
+each rank before it builds (a cluster's ranks: exit 3 naming the rank), instead of a process
+killed by the kernel's or Ray's out-of-memory killer halfway through the build.
+
+The estimate is a floor: the weights each rank holds in the run's recipe (its experts, the
+router, the shared MLP), nothing for activations, buffers or the process itself; a run it
+refuses cannot fit. A run it passes may still run out of memory near the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epmoe.plan.run import RunConfig
+from epmoe.plan.traffic import expert_weight_bytes, weight_bytes_per_elem
+
+GiB = 2.0**30
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the weights one rank holds, and what they are."""
+
+    total: float
+    layers: int
+    per_layer_max: float
+
+    def describe(self, run: RunConfig) -> str:
+        return (f"{self.total / GiB:.1f} GiB of weights per rank ({self.layers} layer(s) of "
+                f"{run.model} in {run.quant.recipe}, up to {self.per_layer_max / GiB:.2f} GiB "
+                f"each)")
+
+
+def rank_weight_bytes(run: RunConfig, rank: int = 0) -> WeightBytes:
+    """The weights `rank` builds: per layer its experts (all of them, intermediate split, for
+    tp; its slots for ep and ep_dp), the router (fp32) and the shared MLP."""
+    cfg, quant, world = run.cfg, run.quant, run.world
+    total, worst = 0.0, 0.0
+    for l in range(run.num_layers):
+        plan = run.layer_plan(l, rank, "auto")
+        if plan.form == "tp":
+            experts, inter = cfg.num_experts, cfg.moe_intermediate // world
+        else:
+            experts, inter = len(plan.local_slots(cfg)), cfg.moe_intermediate
+        b = expert_weight_bytes(experts, cfg.hidden, inter, quant) + cfg.num_experts * \
+            cfg.hidden * 4.0
+        if cfg.num_shared_experts:
+            b += 3.0 * cfg.shared_intermediate * cfg.hidden * weight_bytes_per_elem(quant)
+        total, worst = total + b, max(worst, b)
+    return WeightBytes(total, run.num_layers, worst)
+
+
+def mem_available_bytes() -> float | None:
+    """This host's MemAvailable (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _advice(run: RunConfig) -> str:
+    return (f"lower --layers (now {run.num_layers}), spread the experts over more ranks or "
+            f"machines, or pick a smaller recipe or model")
+
+
+def check_fits_here(run: RunConfig, device: str) -> None:
+    """Every rank of a local run on this machine: its CPUs share the host's memory; on CUDA
+    each GPU holds ranks_per_gpu ranks. ValueError (exit 2) when the weights alone exceed it."""
+    need = rank_weight_bytes(run)
+    if device == "cpu":
+        avail = mem_available_bytes()
+        if avail is not None and need.total * run.world > avail:
+            raise ValueError(f"the run does not fit this machine's memory: "
+                             f"{need.describe(run)} x {run.world} rank(s) = "
+                             f"{need.total * run.world / GiB:.1f} GiB, {avail / GiB:.1f} GiB "
+                             f"available: {_advice(run)}")
+        return
+    import torch
+
+    gpus = min(torch.cuda.device_count(), -(-run.world // run.ranks_per_gpu))
+    for i in range(gpus):
+        free = torch.cuda.mem_get_info(i)[0]
+        if need.total * run.ranks_per_gpu > free:
+            raise ValueError(f"the run does not fit GPU {i}: {need.describe(run)} x "
+                             f"{run.ranks_per_gpu} rank(s) on it, {free / GiB:.1f} GiB free: "
+                             f"{_advice(run)}")
+
+
+def check_rank_fits(run: RunConfig, rank: int, device) -> None:
+    """One rank, before it builds (on a cluster the launcher cannot see the ranks' memory):
+    ValueError naming the rank when its weights exceed its device's free memory."""
+    need = rank_weight_bytes(run, rank)
+    if device.type == "cuda":
+        import torch
+
+        free, where = torch.cuda.mem_get_info(device)[0] / run.ranks_per_gpu, "its GPU"
+    else:
+        free, where = mem_available_bytes(), "its host"
+    if free is not None and need.total > free:
+        raise ValueError(f"rank {rank}: {need.describe(run)} do not fit: {where} has "
+                         f"{free / GiB:.1f} GiB free; {_advice(run)}")
