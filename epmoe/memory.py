@@ -24,18 +24,24 @@ class WeightBytes:
     total: float
     layers: int
     per_layer_max: float
+    torch_copy: bool = False  # the torch experts' fp32 copy is counted
 
     def describe(self, run: RunConfig) -> str:
+        copy = ", with the torch experts' fp32 copy" if self.torch_copy else ""
         return (f"{self.total / GiB:.1f} GiB of weights per rank ({self.layers} layer(s) of "
-                f"{run.model} in {run.quant.recipe}, up to {self.per_layer_max / GiB:.2f} GiB "
-                f"each)")
+                f"{run.model} in {run.quant.recipe}{copy}, up to "
+                f"{self.per_layer_max / GiB:.2f} GiB each)")
 
 
-def rank_weight_bytes(run: RunConfig, rank: int = 0) -> WeightBytes:
+TORCH_COPY_BYTES = 4.0  # the torch experts keep every weight dequantized in fp32 besides
+
+
+def rank_weight_bytes(run: RunConfig, rank: int = 0, device_type: str = "cuda") -> WeightBytes:
     """The weights `rank` builds: per layer its experts (all of them, intermediate split, for
-    tp; its slots for ep and ep_dp), the router (fp32) and the shared MLP."""
+    tp; its slots for ep and ep_dp; with the torch experts, the default on CPU, their fp32
+    copy too), the router (fp32) and the shared MLP."""
     cfg, quant, world = run.cfg, run.quant, run.world
-    total, worst = 0.0, 0.0
+    total, worst, copy = 0.0, 0.0, False
     for l in range(run.num_layers):
         plan = run.layer_plan(l, rank, "auto")
         if plan.form == "tp":
@@ -44,10 +50,13 @@ def rank_weight_bytes(run: RunConfig, rank: int = 0) -> WeightBytes:
             experts, inter = len(plan.local_slots(cfg)), cfg.moe_intermediate
         b = expert_weight_bytes(experts, cfg.hidden, inter, quant) + cfg.num_experts * \
             cfg.hidden * 4.0
+        if plan.experts == "torch" or (plan.experts == "auto" and device_type == "cpu"):
+            b += experts * 3.0 * inter * cfg.hidden * TORCH_COPY_BYTES
+            copy = True
         if cfg.num_shared_experts:
             b += 3.0 * cfg.shared_intermediate * cfg.hidden * weight_bytes_per_elem(quant)
         total, worst = total + b, max(worst, b)
-    return WeightBytes(total, run.num_layers, worst)
+    return WeightBytes(total, run.num_layers, worst, copy)
 
 
 def mem_available_bytes() -> float | None:
@@ -70,7 +79,7 @@ def _advice(run: RunConfig) -> str:
 def check_fits_here(run: RunConfig, device: str) -> None:
     """Every rank of a local run on this machine: its CPUs share the host's memory; on CUDA
     each GPU holds ranks_per_gpu ranks. ValueError (exit 2) when the weights alone exceed it."""
-    need = rank_weight_bytes(run)
+    need = rank_weight_bytes(run, 0, device)
     if device == "cpu":
         avail = mem_available_bytes()
         if avail is not None and need.total * run.world > avail:
@@ -93,7 +102,7 @@ def check_fits_here(run: RunConfig, device: str) -> None:
 def check_rank_fits(run: RunConfig, rank: int, device) -> None:
     """One rank, before it builds (on a cluster the launcher cannot see the ranks' memory):
     ValueError naming the rank when its weights exceed its device's free memory."""
-    need = rank_weight_bytes(run, rank)
+    need = rank_weight_bytes(run, rank, device.type)
     if device.type == "cuda":
         import torch
 

@@ -32,6 +32,9 @@ def test_the_weights_per_rank_by_form():
     assert tp.total == pytest.approx(ep.total)  # the same bytes, split the other way
     fp8 = rank_weight_bytes(_run(quant=QuantConfig("fp8_block")))
     assert fp8.total < 0.51 * ep.total
+    cpu = rank_weight_bytes(_run(), 0, "cpu")  # auto on CPU: the torch experts, + fp32 copy
+    assert cpu.torch_copy and cpu.total == pytest.approx(ep.total + 3 * e // 2 * 3 * i * d * 4)
+    assert rank_weight_bytes(_run(experts="triton"), 0, "cpu").total == ep.total
     mixed = rank_weight_bytes(_run(stack=(LayerSpec("ep_dp", "all2all"), LayerSpec("tp"),
                                           LayerSpec("ep", "local"))))
     assert mixed.total == pytest.approx(ep.total)
@@ -43,18 +46,22 @@ def test_a_run_that_cannot_fit_this_machine_exits_2(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "does not fit this machine's memory" in err and "58 layer(s) of deepseek-v3" in err
-    assert "x 2 rank(s) = 1228.3 GiB, 20.0 GiB available" in err and "lower --layers" in err
-    # one layer: 21.1 GiB over the machine's ranks in bf16, whatever their number; fp8 fits
+    assert "with the torch experts' fp32 copy" in err and "lower --layers" in err
+    # one layer: 21.1 GiB over the machine's ranks in bf16 (+ 42 in fp32 with the torch
+    # experts), whatever their number; fp8 on Triton's kernels fits
     for world in (1, 2, 4):
-        with pytest.raises(ValueError, match="does not fit"):
-            check_fits_here(_run(layers=1, world=world), "cpu")
-        check_fits_here(_run(layers=1, world=world, quant=QuantConfig("fp8_block")), "cpu")
+        for run in (_run(layers=1, world=world), _run(layers=1, world=world, experts="triton"),
+                    _run(layers=1, world=world, quant=QuantConfig("fp8_block"))):
+            with pytest.raises(ValueError, match="does not fit"):
+                check_fits_here(run, "cpu")
+        check_fits_here(_run(layers=1, world=world, quant=QuantConfig("fp8_block"),
+                             experts="triton"), "cpu")
 
 
 def test_a_rank_that_cannot_fit_is_named(monkeypatch):
     monkeypatch.setattr("epmoe.memory.mem_available_bytes", lambda: 4 * GiB)
-    with pytest.raises(ValueError, match=r"rank 1: 31\.8 GiB of weights per rank .* do not "
-                                         r"fit: its host has 4\.0 GiB free"):
+    with pytest.raises(ValueError, match=r"rank 1: 94\.8 GiB of weights per rank .* fp32 "
+                                         r"copy, .* do not fit: its host has 4\.0 GiB free"):
         check_rank_fits(_run(), 1, torch.device("cpu"))
     check_rank_fits(_run(model="deepseek-v3-tiny"), 1, torch.device("cpu"))
 
@@ -85,3 +92,18 @@ def test_the_oracle_holds_one_expert_at_a_time(seed):
                          run.quant, ids, w)
     assert max(held) == 1 and len(set(ids.flatten().tolist())) > 1
     torch.testing.assert_close(got, full, rtol=0, atol=0)
+
+
+def test_a_rank_killed_by_rays_memory_monitor_is_one_line():
+    """Ray's OutOfMemoryError (not an actor-died error) once fell through as "an internal
+    error of the launcher" with Ray's page of text; the driver now reports the rank died,
+    in one line with the node's memory."""
+    from epmoe.launch.blame import oom_detail
+
+    page = ("1 worker(s) were killed due to the node running low on memory. Memory on the "
+            "node (IP: 127.0.0.1, ID: 92c1e42e) was 22.74GB used / 23.54GB limit (0.96)\n"
+            "OOM kill reason: ...\nObject store memory usage: [- objects spillable: 0\n")
+    line = oom_detail(page)
+    assert "\n" not in line and line.startswith("its process was killed by Ray's out-of-memory")
+    assert "(node 127.0.0.1: 22.74GB used of 23.54GB)" in line
+    assert "lower --layers" in oom_detail("no node line")
