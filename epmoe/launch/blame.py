@@ -58,6 +58,20 @@ def death_detail(message: str) -> str:
     return f"its process (pid {pid}) died" + (f" ({detail})" if detail else "")
 
 
+_NODE_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+), ID: [^)]*\) was ([0-9.]+GB) used "
+                          r"/ ([0-9.]+GB) limit")
+
+
+def oom_detail(message: str) -> str:
+    """One line out of Ray's page-long OutOfMemoryError: the rank's process was killed by
+    Ray's memory monitor, and the node's memory then."""
+    m = _NODE_MEMORY.search(_ANSI.sub("", message))
+    node = f" (node {m.group(1)}: {m.group(2)} used of {m.group(3)})" if m else ""
+    return (f"its process was killed by Ray's out-of-memory monitor{node}: the rank's "
+            f"memory (weights, activations, buffers) did not fit; lower --layers or --tokens, "
+            f"or spread the experts over more ranks")
+
+
 class RankFailure(RuntimeError):
     """What a rank raises when a call fails: its rank, where it was, whether the error came
     from a collective, and the error's first line (pickles through Ray)."""

@@ -21,7 +21,7 @@ import torch
 
 from epmoe.env import SAFETY_ENV, forwarded_env, logger
 from epmoe.launch.blame import Failure, Heartbeat, RankFailure, RankState, attribute
-from epmoe.launch.blame import death_detail, is_collective_error
+from epmoe.launch.blame import death_detail, is_collective_error, oom_detail
 from epmoe.launch.cluster import ClusterAddress, RayCluster
 from epmoe.launch.console import Phases
 from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
@@ -198,12 +198,14 @@ class RayDriver:
 
     def _outcome(self, r: int, ref, order: int) -> tuple[object, RankState | None]:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
         try:
             return ray.get(ref), None
         except RayActorError as e:
             return None, RankState(r, "died", error=death_detail(str(e)), order=order)
+        except OutOfMemoryError as e:  # (not a RayActorError: Ray's monitor killed it)
+            return None, RankState(r, "died", error=oom_detail(str(e)), order=order)
         except RayTaskError as e:
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, RankFailure):
