@@ -19,9 +19,6 @@ from epmoe.config import MoEConfig, QuantConfig
 
 Form = Literal["tp", "ep", "ep_dp"]
 FORMS = ("tp", "ep", "ep_dp")
-LOCAL_EP_DP = ("form ep_dp gives each rank its own tokens, which must travel to their experts' "
-               "ranks: backend local moves none; use another backend (auto), or form ep "
-               "(--no-dp)")
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,9 @@ class LayerPlan:
             raise ValueError(f"form {self.form!r} replicates tokens: its backend must be 'local' "
                              f"(got {self.backend!r}); use form ep_dp for {self.backend}")
         if self.form == "ep_dp" and self.backend == "local" and self.world > 1:
-            raise ValueError(LOCAL_EP_DP)
+            raise ValueError("form ep_dp gives each rank its own tokens, which must travel to "
+                             "their experts' ranks: backend local moves none; use another "
+                             "backend (auto), or form ep (--no-dp)")
 
     @property
     def needs_all_reduce(self) -> bool:

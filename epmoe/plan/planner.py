@@ -174,14 +174,15 @@ def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num
         why = feasible(c, work.cfg, work.quant, topo, prof, work.num_slots, scope, available) \
             or tokens_rule(c, work)
         if why is None:
-            try:
-                if stats is None and c.form != "tp":  # e.g. experts that do not split
+            if stats is None and c.form != "tp":
+                try:
                     stats = routing_stats(work.cfg, work.routing, topo.world,
                                           topo.gpus_per_node, work.slots)
+                except ValueError as exc:  # e.g. experts that do not split over the ranks
+                    rejected.append((c.label, str(exc)))
+                    continue
+            try:
                 p = predict_layer(c, work, topo, prof, stats)
-            except ValueError as exc:
-                rejected.append((c.label, str(exc)))
-                continue
             except KeyError as exc:  # the profile lacks a fit this candidate needs
                 rejected.append((c.label, str(exc).strip('"')))
                 continue

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from epmoe.config import MoEConfig, QuantConfig, get_preset
 from epmoe.eplb.decision import MigrationLinks
-from epmoe.plan.forms import LOCAL_EP_DP, LayerPlan, LayerSpec
+from epmoe.plan.forms import LayerPlan, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,8 @@ class RunConfig:
                 raise ValueError("--eplb places experts across EP ranks, but the plan has tp "
                                  "layers; plan those layers as ep or ep_dp")
         for l in range(n):
-            spec = self.layer_spec(l)
-            if self.world > 1 and (spec.form, spec.backend) == ("ep_dp", "local"):
-                raise ValueError(f"layer {l}: {LOCAL_EP_DP}")
-            self.layer_plan(l, 0, "auto").validate(self.cfg, self.quant)
+            # (LayerPlan's own rules too: e.g. ep_dp with a backend that moves no tokens)
+            self.layer_plan(l, 0, self.layer_spec(l).backend).validate(self.cfg, self.quant)
         if self.cuda_graph:
             self._validate_cuda_graph()
 
