@@ -13,7 +13,7 @@ from epmoe.config import QuantConfig
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import LoadRecorder, balancedness_per_layer
 from epmoe.eplb.topology import Topology
-from epmoe.launch.report import check_correctness
+from epmoe.launch.oracle import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.reference import TOLERANCE, max_rel_err
 from epmoe.runtime import Runtime

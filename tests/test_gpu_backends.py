@@ -14,7 +14,7 @@ import torch
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights
 from epmoe.experts.select import make_experts
-from epmoe.launch.report import check_correctness
+from epmoe.launch.oracle import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.quant import dequantize_weight, quantize_act, quantize_weight
 from epmoe.reference import Oracle, max_rel_err, reference_moe, tolerance

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig
-from epmoe.launch.report import check_correctness
+from epmoe.launch.oracle import check_correctness
 from epmoe.plan.run import RunConfig
 from epmoe.runtime import Runtime
 

@@ -107,7 +107,7 @@ def test_hash_layers_launch_against_the_oracle(tmp_path, extra):
 def test_the_router_check_sees_a_hash_layer_routed_by_other_token_ids():
     """The oracle's router check fails when the ids a hash layer used are not its table's
     rows for the token ids it was given."""
-    from epmoe.launch.report import check_router
+    from epmoe.launch.oracle import check_router
     from epmoe.weights import layer_to_oracle, synthetic_layer
 
     lw = synthetic_layer(CFG, QuantConfig("bf16"), 0, 3, range(16))
@@ -135,7 +135,7 @@ def test_a_mixed_stack_gives_each_hash_layer_the_token_ids_of_its_rows():
     """ep_dp -> tp -> ep_dp on 2 ranks, hash layers 1 (the gathered batch) and 2 (own rows
     again): the token ids follow the rows through both relayouts (the oracle's router check
     on each layer's rows and ids), and every layer passes the oracle."""
-    from epmoe.launch.report import check_correctness
+    from epmoe.launch.oracle import check_correctness
     from epmoe.plan.forms import LayerSpec
     from epmoe.plan.run import RunConfig
     from epmoe.ranks import run_ranks

@@ -275,7 +275,7 @@ def test_the_check_widens_fp8_tolerance_only_for_tensor_core_gemms(seed):
     import torch
 
     from epmoe.config import QuantConfig
-    from epmoe.launch.report import LazyOracleLayer, check_correctness
+    from epmoe.launch.oracle import LazyOracleLayer, check_correctness
     from epmoe.plan.run import RunConfig
     from epmoe.reference import reference_moe
     from epmoe.runtime import Runtime

@@ -69,7 +69,7 @@ def test_a_rank_that_cannot_fit_is_named(monkeypatch):
 def test_the_oracle_holds_one_expert_at_a_time(seed):
     """reference_moe goes expert by expert: the launcher's lazy oracle keeps one float64
     expert, and the result equals the full oracle's."""
-    from epmoe.launch.report import LazyOracleLayer
+    from epmoe.launch.oracle import LazyOracleLayer
 
     run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), tokens=16,
                     seed=seed)

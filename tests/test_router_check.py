@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.launch.report import ROUTER_MIN_AGREEMENT, check_router
+from epmoe.launch.oracle import ROUTER_MIN_AGREEMENT, check_router
 from epmoe.router import route_tokens
 from epmoe.weights import layer_to_oracle, synthetic_layer
 

@@ -159,7 +159,8 @@ def _main(argv) -> int:
                 (reports, where), extra = d.execute(), None
             run = d.run  # as built: at_where may re-plan for the cluster's topology
             phases("checking against the float64 oracle" if run.check else "summarizing")
-            summary = summarize(run, reports, where, extra)
+            summary = summarize(run, reports, where, extra, d.solve_checks,
+                                phases.counter("layers checked"))
             launch.attach(summary, run, reports)  # predicted vs measured (and the plan)
             summary["timing"]["launch_s"] = dict(d.seconds)
             if d.on_ray:  # while connected: Ray's metrics go through this process

@@ -28,6 +28,18 @@ class Phases:
             self.console = stderr_console()
         self.console.print(f"[{time.monotonic() - self.t0:7.1f} s] {text}", markup=False)
 
+    def counter(self, text: str, every_s: float = 5.0):
+        """A callback (done, total) that prints `text: done/total` at most every every_s
+        seconds while a long phase goes on (nothing for one that ends sooner)."""
+        last = [time.monotonic()]
+
+        def tick(done: int, total: int) -> None:
+            now = time.monotonic()
+            if done < total and now - last[0] >= every_s:
+                last[0] = now
+                self(f"{text}: {done}/{total}")
+        return tick
+
     def steps(self, total: int):
         """A transient step bar on a terminal (None otherwise: the phase line is enough)."""
         if self.quiet:

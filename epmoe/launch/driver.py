@@ -15,7 +15,7 @@ import gc
 import os
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,6 +25,7 @@ from epmoe.launch.blame import death_detail, is_collective_error, oom_detail
 from epmoe.launch.cluster import ClusterAddress, RayCluster
 from epmoe.launch.console import Phases
 from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
+from epmoe.launch.oracle import LayerCheck, LayerVerdict, check_deadline_s, solve
 from epmoe.launch.worker import PROBE_GROUP
 from epmoe.plan.run import RunConfig
 from epmoe.plan.topology import local_cores
@@ -88,6 +89,14 @@ class InProcessDriver:
 
     def execute(self) -> tuple[list[dict], list[dict]]:
         return run_steps(self)
+
+    def solve_checks(self, checks: list[LayerCheck]) -> Iterator[LayerVerdict]:
+        """The float64 check of each layer here, on the rank's device."""
+        for c in checks:
+            try:
+                yield solve(self.run, c, self.rt.device)
+            except Exception as e:
+                raise self._fail("oracle", e) from None
 
     def close(self):
         """Close the runtime and hand its device memory back before the next launch in this
@@ -282,6 +291,18 @@ class RayDriver:
     # ------------------------------------------------------------------ run
     def execute(self) -> tuple[list[dict], list[dict]]:
         return run_steps(self)
+
+    def solve_checks(self, checks: list[LayerCheck]) -> Iterator[LayerVerdict]:
+        """The float64 check of each layer on the ranks, one layer per rank at a time, each on
+        its rank's device; a round waits --timeout plus its weights' regeneration at the
+        slowest rate (`oracle.check_deadline_s`) and blames a rank that overruns it."""
+        n = len(self.actors)
+        for i in range(0, len(checks), n):
+            batch = checks[i:i + n]
+            refs = [a.check.remote(batch[r] if r < len(batch) else None)
+                    for r, a in enumerate(self.actors)]
+            out = self._wait("oracle", "oracle", refs, check_deadline_s(self.run, batch))
+            yield from (v for v in out if v is not None)
 
     def start(self) -> list[dict]:
         t0 = time.monotonic()

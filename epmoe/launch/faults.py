@@ -8,6 +8,7 @@ WHERE is a launcher stage or any timed stage of the runtime:
 | rebalance | when the rank starts an EPLB rebalance                                  |
 | migrate   | when the rebalance starts moving weights (runtime stage eplb.migrate)   |
 | measure   | when the rank measures the balancedness an EPLB placement achieved      |
+| oracle    | when the rank starts a layer's float64 check (epmoe.launch.oracle)      |
 | other     | the first entry into that runtime stage (router, dispatch, experts, ...) |
 KIND: exit (os._exit), kill (SIGKILL, as `kill -9`), raise (an exception), hang (sleeps).
 A fault fires once, at the first match. With EPMOE_FAULT_MARK=FILE the rank first appends
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 KINDS = ("exit", "kill", "raise", "hang")
 # launcher stage -> the worker call or runtime stage where it fires
 STAGES = {"start": "start", "build": "build", "step": "step", "rebalance": "rebalance",
-          "migrate": "eplb.migrate", "measure": "window_balancedness"}
+          "migrate": "eplb.migrate", "measure": "window_balancedness", "oracle": "oracle"}
 
 
 class InjectedFault(RuntimeError):

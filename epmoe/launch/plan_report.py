@@ -71,7 +71,7 @@ def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
             return spec, spec.label()
         except ValueError:  # drift / trace: replayed, modelled by the load they produced
             pass
-    from epmoe.launch.report import layer_sources
+    from epmoe.launch.oracle import layer_sources
 
     load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
     if float(load.sum()) <= 0:

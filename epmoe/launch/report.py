@@ -6,151 +6,10 @@ from __future__ import annotations
 import datetime
 import statistics
 
-import torch
-
 from epmoe import __version__
-from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.comm import SYMM
+from epmoe.launch.oracle import Solver, check_correctness, layer_sources
 from epmoe.plan.run import RunConfig
-from epmoe.reference import (Oracle, max_rel_err, reference_hash_route, reference_moe,
-                             reference_route, tolerance)
-from epmoe.weights import layer_weights
-
-# Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
-MAX_CHECK_TOKENS_PER_RANK = 64
-
-
-class LazyOracleLayer:
-    """The float64 oracle's weights of one layer, built per expert on use and only the last
-    one kept (reference_moe goes expert by expert: a full-size model's check holds one
-    expert in float64, not every expert its tokens touch)."""
-
-    def __init__(self, run: RunConfig, layer: int):
-        self.run, self.layer = run, layer
-        self.ckpt = SafetensorsCheckpoint.open(run.weights)  # None: synthetic weights
-        lw = layer_weights(run.cfg, run.quant, layer, run.seed, [], checkpoint=self.ckpt)
-        from epmoe.weights import layer_to_oracle
-
-        o = layer_to_oracle(lw)
-        self.gate, self.bias, self.shared, self.shared_gate = o.gate, o.bias, o.shared, \
-            o.shared_gate
-        self.tid2eid = o.tid2eid
-        self._cache: dict[int, tuple] = {}
-        outer = self
-
-        class _Idx:
-            def __init__(self, j):
-                self.j = j
-
-            def __getitem__(self, e):
-                return outer._expert(int(e))[self.j]
-
-        self.w13, self.w2 = _Idx(0), _Idx(1)
-        self.b13 = self.b2 = None
-        if run.cfg.expert_bias:
-            self.b13, self.b2 = _Idx(2), _Idx(3)
-
-    def _expert(self, e: int):
-        if e not in self._cache:
-            from epmoe.quant import dequantize_weight
-
-            self._cache.clear()
-
-            lw = layer_weights(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
-                               with_shared=False, checkpoint=self.ckpt)
-            ex = lw.experts
-
-            def first(t):
-                return None if t is None else t[0].double()
-            self._cache[e] = (dequantize_weight(ex.w13)[0].double(),
-                              dequantize_weight(ex.w2)[0].double(), first(ex.b13), first(ex.b2))
-        return self._cache[e]
-
-    def as_tuple(self) -> Oracle:
-        return Oracle(self.gate, self.bias, self.w13, self.w2, self.shared, self.b13, self.b2,
-                      self.shared_gate, self.tid2eid)
-
-
-def layer_sources(run: RunConfig, reports: list[dict], l: int) -> list[dict]:
-    """The reports whose layer-l rows together are the step's batch: every rank's own rows, or
-    rank 0's (a replicated layer: every rank holds the same gathered batch)."""
-    return reports if run.holds_own_rows(l) and run.own_tokens else reports[:1]
-
-
-def check_correctness(run: RunConfig, reports: list[dict]) -> dict:
-    """Compare every layer's output (last step) with the float64 oracle on the gathered tokens."""
-    # fp8 GEMMs on tensor cores (any rank's experts): the recipe's stated wider tolerance
-    fp8_mma = any(r.get("fp8_mma", False) for r in reports)
-    tol = tolerance(run.quant, fp8_mma)
-    if not run.check or not reports[0]["last"]:
-        return dict(checked=False, passed=None, max_rel_err=None, tolerance=tol)
-    per_layer, router, checked = [], [], 0
-    for l in range(run.num_layers):
-        srcs = layer_sources(run, reports, l)
-        n_check = min(run.layer_tokens(l), MAX_CHECK_TOKENS_PER_RANK)
-        recs = [r["last"][l] for r in srcs]
-        x = torch.cat([rec["x"][:n_check] for rec in recs])
-        out = torch.cat([rec["out"][:n_check] for rec in recs])
-        # the routing the layer used: the oracle replays it (the router is checked apart)
-        ids = torch.cat([rec["ids"][:n_check] for rec in recs])
-        w = torch.cat([rec["w"][:n_check] for rec in recs])
-        oracle = LazyOracleLayer(run, l).as_tuple()
-        ref = reference_moe(x, oracle, run.cfg, run.quant, ids, w)
-        per_layer.append(max_rel_err(out, ref))
-        if bool(recs[0].get("routed", False)):
-            tok = None if recs[0].get("tok") is None else \
-                torch.cat([rec["tok"][:n_check] for rec in recs])
-            router.append(check_router(x, ids, w, oracle, run.cfg, tok))
-        checked = max(checked, n_check * len(srcs))
-        if len(srcs) == 1:  # replicated tokens: every rank must hold the same output
-            for r in reports[1:]:
-                other = r["last"][l]["out"][:n_check]
-                per_layer[-1] = max(per_layer[-1], max_rel_err(other, ref))
-    worst = max(per_layer)
-    out = dict(checked=True, passed=bool(worst <= tol), max_rel_err=worst, tolerance=tol,
-               fp8_mma=fp8_mma,
-               per_layer=per_layer, tokens_checked=checked,
-               metric="max|out-ref| / max|ref| per layer, float64 oracle (replaying the "
-                      "routing each layer used)")
-    if router:
-        agree = min(r["agreement"] for r in router)
-        w_err = max(r["weight_rel_err"] for r in router)
-        ok = agree >= ROUTER_MIN_AGREEMENT and w_err <= ROUTER_WEIGHT_TOL
-        out["router"] = dict(passed=ok, agreement=agree, weight_rel_err=w_err,
-                             min_agreement=ROUTER_MIN_AGREEMENT, weight_tol=ROUTER_WEIGHT_TOL,
-                             metric="share of tokens whose top-k set equals the float64 "
-                                    "router's (worst layer); weights of those tokens")
-        out["passed"] = out["passed"] and ok
-    return out
-
-
-# The layer's router may compute logits in bf16 with fp32 accumulation (the fused GPU router):
-# tokens whose k-th and (k+1)-th scores lie within that rounding may pick the other expert, a
-# legitimate difference. The MoE output is checked against the oracle on the routing the layer
-# used; the router is checked here: nearly every token's top-k set must equal the oracle's.
-ROUTER_MIN_AGREEMENT = 0.9
-ROUTER_WEIGHT_TOL = 1e-2
-
-
-def check_router(x, ids, w, oracle, cfg, token_ids=None) -> dict:
-    """Top-k sets and weights of the layer's router against the float64 reference router (a
-    hash layer's, given the rows' token ids: its table's experts, their scores)."""
-    o = Oracle(*oracle)
-    logits = x.double() @ o.gate.T
-    if token_ids is not None:
-        ref_ids, ref_w = reference_hash_route(logits, cfg, o.tid2eid, token_ids)
-    else:
-        ref_ids, ref_w = reference_route(logits, cfg, o.bias)
-    ids_s, order = ids.long().sort(1)
-    ref_s, ref_order = ref_ids.sort(1)
-    same = (ids_s == ref_s).all(1)
-    w_err = 0.0
-    if same.any():
-        got = w.double().gather(1, order)[same]
-        want = ref_w.gather(1, ref_order)[same]
-        w_err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
-    return dict(agreement=float(same.double().mean()) if same.numel() else 1.0,
-                weight_rel_err=w_err)
 
 
 def _overlap(stages: dict, step_ms: float | None) -> float | None:
@@ -232,7 +91,10 @@ def _stage_ms_per_layer(names: list[str], reports: list[dict],
 
 
 def summarize(run: RunConfig, reports: list[dict], where: list[dict],
-              extra: dict | None = None) -> dict:
+              extra: dict | None = None, solver: Solver | None = None,
+              progress=None) -> dict:
+    """The summary of a launch; solver / progress: where the float64 check of each layer runs
+    and who hears of it (`oracle.check_correctness`)."""
     world = run.world
     steps = len(reports[0]["step_ms"])
     step_ms = [max(r["step_ms"][s] for r in reports) for s in range(steps)]
@@ -279,7 +141,7 @@ def summarize(run: RunConfig, reports: list[dict], where: list[dict],
                        b[0] in SYMM for b in reports[0].get("layer_backends", [])),
                    ranks=[dict(rank=w["rank"], host=w["host"], node=nodes.index(w["node_id"]),
                                device=w["device"]) for w in where]),
-        correctness=check_correctness(run, reports),
+        correctness=check_correctness(run, reports, solver, progress),
         timing=dict(step_ms_median=_median(timed), step_ms=step_ms, stages_ms=stages,
                     stages_ms_per_rank=stages_per_rank, stages_ms_per_layer=per_layer,
                     step_ms_median_per_rank=[_median(r["step_ms"][1:] or r["step_ms"])

@@ -42,7 +42,7 @@ def launch_summary(run: RunConfig, planning: Planning, address=None, use_gpu=Non
                     on_where=pl.at_where) as d:
         reports, where = d.execute()
         run = d.run
-    summary = summarize(run, reports, where)
+        summary = summarize(run, reports, where, solver=d.solve_checks)
     pl.attach(summary, run, reports)
     return summary
 

@@ -159,6 +159,17 @@ class Worker:
             self._metrics.step(out)
         return out
 
+    def check(self, job):
+        """One layer's float64 check (`oracle.solve`) on this rank's device; None: no job."""
+        return self._run("oracle", self._check, job)
+
+    def _check(self, job):
+        if job is None:
+            return None
+        from epmoe.launch.oracle import solve
+
+        return solve(self.runtime.run, job, self.runtime.device)
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
