@@ -181,7 +181,7 @@ def test_auto_table_takes_real_link_rows_only():
 def test_a_sweeps_knobs_reach_symm_jobs_and_only_theirs():
     """--sweep on real ranks: each knob set is a symm job of its own (the others run once),
     its knobs become the backend's SymmOptions (pipelined 2: off), rows say which set."""
-    from epmoe.bench.comm_loopback import _sweep
+    from epmoe.bench.comm_loopback import sweep_spec as _sweep
     from epmoe.bench.comm_ranks import _kwargs
 
     sets = _sweep("32:0:0:0:0:2:64,0")

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 
+from epmoe.argtypes import at_least, model_name, seconds
 from epmoe.bench.calibrate_device import measure_device, time_us
 from epmoe.outputs import run_main, writable_file
 from epmoe.plan import traffic as tr
@@ -264,10 +265,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="profile to inherit unmeasured figures from "
                                                 "(default: the shipped one of this GPU, or cpu)")
     p.add_argument("--name", default=None, help="profile name (default GPU-calibrated)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=model_name, default=None,
                    help="preset (or a Hugging Face config.json) whose shapes to measure "
                         "(default deepseek-v3 on GPU, deepseek-v3-tiny on CPU)")
-    p.add_argument("--ranks", type=int, default=None,
+    p.add_argument("--ranks", type=at_least(1), default=None,
                    help="ranks for the comm part (default: GPUs here, or 2 CPU processes)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu"))
     p.add_argument("--timing", default="launched", choices=("launched", "device"),
@@ -281,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what to measure: layer (the one-rank layer's kernels), comm "
                         "(collectives and comm backends on --ranks ranks), or both; the rest "
                         "is inherited from --base")
-    p.add_argument("--budget-s", type=float, default=170.0,
+    p.add_argument("--budget-s", type=seconds, default=170.0,
                    help="stop measuring new sizes after this many seconds (default 170)")
     return p
 

@@ -36,10 +36,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, _sweep, bench_loopback
+from epmoe.argtypes import at_least, int_list, name_list, seconds
+from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, bench_loopback, sweep_spec
 from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS, TIMINGS
 from epmoe.config import QuantConfig
 from epmoe.outputs import run_main, writable_file
+
+# the recipes whose activations the comm backends carry (bf16 rows, fp8 rows with scales)
+COMM_RECIPES = ("bf16", "fp8_block")
 
 HT_TOKENS = (512, 1024, 2048, 4096, 8192)
 LL_TOKENS = (1, 8, 32, 128, 256)
@@ -116,34 +120,37 @@ def _fmt(rows: list[Row]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.comm",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--jsonl", type=writable_file,
                    help="append each row (with its options and kernels) as a JSON "
                         "line as soon as it is measured")
     p.add_argument("--auto-table", help="write the table --backend auto reads to this file")
-    p.add_argument("--world", type=int, default=2, help="ranks (loopback ranks on one GPU)")
-    p.add_argument("--num-sms", type=int, default=0,
+    p.add_argument("--world", type=at_least(2), default=2, help="ranks (loopback ranks on one GPU)")
+    p.add_argument("--num-sms", type=at_least(0), default=0,
                    help="CTAs of symm-*'s send halves and deepep-ht's SMs (0: each backend's "
                         "default: symm-ht 24 + every SM for its local receives, symm-ll every "
                         "SM, deepep-ht 24)")
-    p.add_argument("--sweep", default="", help="knob sets num_sms:recv_sms:tile_tokens:"
+    p.add_argument("--sweep", type=sweep_spec, default="", help="knob sets num_sms:recv_sms:tile_tokens:"
                    "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup, comma-separated (0 or "
                    "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, 2: "
                    "send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: "
                    "once per expert); overrides --num-sms for symm-* (real ranks: their "
                    "jobs run once per set, the others once)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=at_least(1), default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
-    p.add_argument("--ht-tokens", help="comma-separated HT token counts (overrides --quick)")
-    p.add_argument("--ll-tokens", help="comma-separated LL token counts (overrides --quick)")
+    p.add_argument("--ht-tokens", type=int_list(1), help="comma-separated HT token counts (overrides --quick)")
+    p.add_argument("--ll-tokens", type=int_list(1), help="comma-separated LL token counts (overrides --quick)")
     p.add_argument("--breakdown", action="store_true",
                    help="per-kernel device time (torch.profiler, eager launches) per row")
     p.add_argument("--check", action="store_true", help="check each combine bit for bit "
                                                         "against torch (first run of a size)")
     p.add_argument("--only", choices=("ht", "ll"), help="one mode only")
-    p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipes")
-    p.add_argument("--backends", default=",".join(dict.fromkeys(HT_BACKENDS + LL_BACKENDS)),
+    p.add_argument("--recipes", type=name_list(COMM_RECIPES), default="bf16,fp8_block",
+                   help="comma-separated recipes")
+    p.add_argument("--backends", type=name_list(dict.fromkeys(HT_BACKENDS + LL_BACKENDS)),
+                   default=",".join(dict.fromkeys(HT_BACKENDS + LL_BACKENDS)),
                    help="real ranks: comma-separated backends (each runs in its modes)")
     p.add_argument("--device", choices=("auto", "cuda", "shared", "cpu"), default="auto",
                    help="cpu: the portable backends on gloo ranks (a harness check); shared: "
@@ -151,13 +158,14 @@ def parser() -> argparse.ArgumentParser:
                         "real-rank path; time-sliced, so not a speed)")
     p.add_argument("--loopback", action="store_true",
                    help="with >= 2 GPUs: also run symm-* in the loopback world")
-    p.add_argument("--hidden", type=int, default=HIDDEN, help="real ranks: hidden size")
-    p.add_argument("--num-experts", type=int, default=NUM_EXPERTS,
+    p.add_argument("--hidden", type=at_least(128), default=HIDDEN,
+                   help="real ranks: hidden size (a multiple of 128, the fp8 block)")
+    p.add_argument("--num-experts", type=at_least(1), default=NUM_EXPERTS,
                    help="real ranks: experts")
     p.add_argument("--timing", choices=TIMINGS, default="device",
                    help="real ranks: device = the GPU's time (host ahead, ranks' GPUs lined "
                         "up; DeepEP's convention), launched = the host's launch time included")
-    p.add_argument("--job-timeout", type=float, default=900.0,
+    p.add_argument("--job-timeout", type=seconds, default=900.0,
                    help="seconds per spawned world before its ranks are killed")
     return p
 
@@ -169,15 +177,13 @@ def main(argv=None) -> int:
         print(f"error: --device {a.device} but no CUDA device is visible", file=sys.stderr)
         return 2
     ht, ll = ((4096,), (128,)) if a.quick else (HT_TOKENS, LL_TOKENS)
-    ht = tuple(int(v) for v in a.ht_tokens.split(",")) if a.ht_tokens else ht
-    ll = tuple(int(v) for v in a.ll_tokens.split(",")) if a.ll_tokens else ll
+    ht, ll = a.ht_tokens or ht, a.ll_tokens or ll
     gpus = torch.cuda.device_count() if cuda else 0
     real = not cuda or gpus >= 2
-    backends = tuple(b for b in a.backends.split(",") if b)
-    bad = [b for b in backends if b not in HT_BACKENDS + LL_BACKENDS]
-    if bad:
-        print(f"error: --backends {bad}: choose from {sorted(set(HT_BACKENDS + LL_BACKENDS))}",
-              file=sys.stderr)
+    backends = a.backends
+    if a.hidden % 128 or a.num_experts % a.world:
+        print(f"error: --hidden ({a.hidden}) must be a multiple of 128 and --num-experts "
+              f"({a.num_experts}) a multiple of --world ({a.world})", file=sys.stderr)
         return 2
     notes = []
     if a.device == "shared":
@@ -242,15 +248,15 @@ def _shared(a, backends, ht, ll, sink) -> int:
             json.dump({"device": torch.cuda.get_device_name(), "gpus": 1, "shared": True,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
     want = sum(len(ht if b.endswith("ht") else ll) for b in ours
-               if a.only in (None, b[-2:])) * len(a.recipes.split(","))
+               if a.only in (None, b[-2:])) * len(a.recipes)
     ok = len(rows) == want and all(r.passed for r in rows)
     return 0 if ok else 1
 
 
 def _loopback_all(a, ht, ll, sink) -> list[Row]:
     rows = []
-    for knobs in _sweep(a.sweep) or [dict(num_sms=a.num_sms)]:
-        for recipe in a.recipes.split(","):
+    for knobs in a.sweep or [dict(num_sms=a.num_sms)]:
+        for recipe in a.recipes:
             new: list[Row] = []
 
             def emit(raw: dict, extra: dict) -> None:
@@ -275,12 +281,12 @@ def bench_ranks(a, backends, ht, ll, world: int, device: str, sink) -> list[Row]
               num_experts=a.num_experts, top_k=TOP_K, num_sms=a.num_sms, timing=a.timing,
               breakdown=a.breakdown)
     jobs = []
-    for n, knobs in enumerate(_sweep(a.sweep) or [{}]):  # the others run with the first set
+    for n, knobs in enumerate(a.sweep or [{}]):  # the others run with the first set
         names_n = [b for b in backends if n == 0 or b.startswith("symm")]
         for mode, tokens, names in (("ht", ht, HT_BACKENDS), ("ll", ll, LL_BACKENDS)):
             if a.only in (None, mode):
                 jobs += plan_jobs([b for b in names_n if b in names], mode,
-                                  a.recipes.split(","), tokens,
+                                  a.recipes, tokens,
                                   **dict(kw, knobs=tuple(knobs.items())))
     merged = []
     for i, job in enumerate(jobs):

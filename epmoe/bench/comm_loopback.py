@@ -7,6 +7,8 @@ time."""
 
 from __future__ import annotations
 
+import argparse
+
 import statistics
 
 import torch
@@ -223,16 +225,25 @@ KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipel
 ON_OFF = ("pipelined", "ll_dedup")  # 1: on, 2: off (0: the backend's default)
 
 
-def _sweep(spec: str) -> list[dict]:
+def sweep_spec(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
     pipelined, chunk_rows, ll_dedup}] (missing or 0: the default; pipelined 1: symm-ht's
     one-kernel dispatch and combine, ranks on their own streams; 2: two launches, send then
-    receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert)."""
+    receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert). An
+    argparse type: a malformed item is `argparse.ArgumentTypeError` naming it."""
     out = []
     for item in filter(None, spec.split(",")):
-        vals = [int(v) for v in item.split(":")]
-        if not 1 <= len(vals) <= len(KNOBS):
-            raise ValueError(f"--sweep item '{item}': 1 to {len(KNOBS)} numbers "
-                             f"({':'.join(KNOBS)})")
-        out.append(dict(zip(KNOBS, vals + [0] * (len(KNOBS) - len(vals)))))
+        try:
+            vals = [int(v) for v in item.split(":")]
+        except ValueError:
+            vals = []
+        if not 1 <= len(vals) <= len(KNOBS) or min(vals) < 0:
+            raise argparse.ArgumentTypeError(
+                f"item {item!r}: 1 to {len(KNOBS)} whole numbers >= 0 ({':'.join(KNOBS)})")
+        knobs = dict(zip(KNOBS, vals + [0] * (len(KNOBS) - len(vals))))
+        bad = [k for k in ON_OFF if knobs[k] not in (0, 1, 2)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"item {item!r}: {', '.join(bad)} must be 0 "
+                                             f"(default), 1 (on) or 2 (off)")
+        out.append(knobs)
     return out

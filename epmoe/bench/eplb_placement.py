@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from epmoe.argtypes import at_least
 from epmoe.eplb import (MODES, deepseek_rebalance, make_routing, rebalance,
                         rebalance_incremental)
 from epmoe.eplb.traffic import routing_from_loads, traffic_from_routing
@@ -89,10 +90,11 @@ def run_case(name, w, num_replicas, num_nodes, num_gpus, mode, reps, old=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m epmoe.bench.eplb_placement",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=writable_file, help="also write the rows as JSON to this file")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=10, help="timed runs per placement")
+    ap.add_argument("--threads", type=at_least(1), default=1)
+    ap.add_argument("--reps", type=at_least(1), default=10, help="timed runs per placement")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     L, E = NUM_LAYERS, NUM_EXPERTS

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from epmoe.argtypes import int_list, name_list
 from epmoe.config import QuantConfig, get_preset
 from epmoe.outputs import run_main, writable_file
 
@@ -88,20 +89,15 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.expert_bias", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="128,4096")
+    p.add_argument("--tokens", type=int_list(1), default="128,4096")
     p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--recipes", default="bf16,mxfp8")
+    p.add_argument("--recipes", type=name_list(("bf16", "mxfp8")), default="bf16,mxfp8",
+                   help="gpt-oss's hidden 2880 takes bf16 and mxfp8 (groups of 32)")
     p.add_argument("--json", default=None, type=writable_file)
     a = p.parse_args(argv)
-    try:
-        tokens = [int(t) for t in a.tokens.split(",") if t]
-    except ValueError:
-        p.error(f"--tokens ({a.tokens!r}) takes comma-separated integers")
-    recipes = [r for r in a.recipes.split(",") if r]
-    if not tokens or min(tokens) < 1 or not 1 <= a.experts <= 128:
-        p.error("--tokens must be positive and --experts in [1, 128]")
-    if bad := [r for r in recipes if r not in ("bf16", "mxfp8")]:
-        p.error(f"--recipes {bad}: gpt-oss's hidden 2880 takes bf16 and mxfp8 (groups of 32)")
+    tokens, recipes = a.tokens, a.recipes
+    if not 1 <= a.experts <= 128:
+        p.error(f"--experts ({a.experts}) must be in [1, 128]")
     if not torch.cuda.is_available():
         print("error: the expert-bias benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

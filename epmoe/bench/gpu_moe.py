@@ -27,8 +27,11 @@ import os
 
 import torch
 
+from epmoe.argtypes import name_list
 from epmoe.config import QuantConfig, get_preset
 from epmoe.outputs import run_main, writable_file
+
+CASES = ("a", "b", "t", "s", "c", "d", "e")  # the docstring's cases
 
 DSV3 = get_preset("deepseek-v3")
 FP8 = QuantConfig("fp8_block")
@@ -355,13 +358,15 @@ def _two_gpu(rank, world, port, only, out_path):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.gpu_moe",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, type=writable_file, help="write the cases here")
-    p.add_argument("--only", default="a,b,t,s,c,d,e", help="comma-separated cases")
+    p.add_argument("--only", type=name_list(CASES), default=",".join(CASES),
+                   help="comma-separated cases")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_moe needs CUDA")
-    only = set(args.only.split(","))
+    only = set(args.only)
     from epmoe.env import SAFETY_ENV
 
     for k, v in SAFETY_ENV.items():

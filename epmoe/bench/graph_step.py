@@ -20,6 +20,8 @@ import json
 import statistics
 import sys
 
+from epmoe.argtypes import at_least, int_list, model_name, name_list
+from epmoe.config import RECIPES
 from epmoe.outputs import run_main, writable_file
 
 
@@ -64,12 +66,12 @@ def table(rows: list[dict], timing: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.graph_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="deepseek-v3")
-    p.add_argument("--recipes", default="fp8_block,bf16")
+    p.add_argument("--model", type=model_name, default="deepseek-v3")
+    p.add_argument("--recipes", type=name_list(RECIPES), default="fp8_block,bf16")
     p.add_argument("--experts", default="triton", choices=("triton", "deepgemm", "auto"))
-    p.add_argument("--tokens", default="128,4096", help="tokens per step, comma separated")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=30, help="steps per mode (step 0: warm-up)")
+    p.add_argument("--tokens", type=int_list(1), default="128,4096", help="tokens per step, comma separated")
+    p.add_argument("--layers", type=at_least(1), default=1)
+    p.add_argument("--steps", type=at_least(3), default=30, help="steps per mode (step 0: warm-up)")
     p.add_argument("--timing", default="launched", choices=("launched", "device"))
     p.add_argument("--json", default=None, type=writable_file, help="write the rows here")
     return p
@@ -77,27 +79,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    try:
-        tokens = [int(t) for t in a.tokens.split(",")]
-    except ValueError:
-        print(f"error: --tokens must be comma-separated ints, got {a.tokens!r}", file=sys.stderr)
-        return 2
-    from epmoe.config import RECIPES
-
-    bad = [r for r in a.recipes.split(",") if r not in RECIPES]
-    if bad:
-        print(f"error: --recipes {bad} not among {', '.join(RECIPES)}", file=sys.stderr)
-        return 2
-    if any(t < 1 for t in tokens) or a.steps < 3 or a.layers < 1:
-        print("error: --tokens and --layers must be >= 1, --steps >= 3", file=sys.stderr)
-        return 2
+    tokens = a.tokens
     import torch
 
     if not torch.cuda.is_available():
         print("error: graph_step needs a CUDA GPU (it captures CUDA graphs)", file=sys.stderr)
         return 2
     rows = []
-    for recipe in a.recipes.split(","):
+    for recipe in a.recipes:
         for n in tokens:
             rows.append(measure(a.model, recipe, a.experts, n, a.layers, a.steps, a.timing))
             print(f"[{len(rows)}] {rows[-1]}", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 
+from epmoe.argtypes import at_least, int_list, model_name, name_list, seconds
 from epmoe.outputs import run_main, writable_dir
 
 STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch", "plan")
@@ -92,22 +93,18 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/integration", type=writable_dir,
                    help="folder for logs and summaries")
-    p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated: {','.join(STEPS)}")
-    p.add_argument("--ep", type=int, default=None, help="ranks (default: the GPU count, or 2)")
-    p.add_argument("--model", default="deepseek-v3-tiny",
+    p.add_argument("--only", type=name_list(STEPS), default=",".join(STEPS), help=f"comma-separated: {','.join(STEPS)}")
+    p.add_argument("--ep", type=at_least(1), default=None, help="ranks (default: the GPU count, or 2)")
+    p.add_argument("--model", type=model_name, default="deepseek-v3-tiny",
                    help="launch preset (the deepep-ll case switches to qwen3-30b-a3b, 1 layer, "
                         "when the preset's hidden is below DeepEP LL's 2048)")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank for the launches")
-    p.add_argument("--sweep-tokens", default=None,
+    p.add_argument("--tokens", type=at_least(1), default=128, help="tokens per rank for the launches")
+    p.add_argument("--sweep-tokens", type=int_list(1), default=None,
                    help="plan: tokens per rank of each sweep, comma separated (default "
                         "128,4096 on GPUs, --tokens on CPU)")
-    p.add_argument("--step-timeout", type=float, default=1800.0)
+    p.add_argument("--step-timeout", type=seconds, default=1800.0)
     a = p.parse_args(argv)
-    only = [s for s in a.only.split(",") if s]
-    bad = [s for s in only if s not in STEPS]
-    if bad:
-        print(f"error: unknown step(s) {bad}; choose from {', '.join(STEPS)}", file=sys.stderr)
-        return 2
+    only = a.only
     gpus = _cuda_count()
     ep = a.ep or max(gpus, 2)
     os.makedirs(a.out, exist_ok=True)
@@ -183,8 +180,7 @@ def _plan_steps(a, ep: int, gpus: int, py: str) -> list[dict]:
                a.step_timeout, a.out)
     cal["json"] = prof
     out = [cal]
-    tokens = a.sweep_tokens or ("128,4096" if gpus else str(a.tokens))
-    for t in (int(v) for v in tokens.split(",") if v):
+    for t in a.sweep_tokens or ((128, 4096) if gpus else (a.tokens,)):
         js = os.path.join(a.out, f"sweep_{t}.json")
         cmd = [py, "-m", "epmoe.launch", "--plan", "sweep", "--ep", str(ep), "--model", a.model,
                "--tokens", str(t), "--quiet", "--out", js, *dev,

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from epmoe.argtypes import at_least, int_list, seconds
 from epmoe.bench import kernels as kb
 from epmoe.kernels.gate_topk import RouterConfig
 from epmoe.kernels.gemm_tma import GemmConfig
@@ -317,23 +318,24 @@ def picks_to_configs(best: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.kernel_tune",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", type=writable_dir)
-    p.add_argument("--workers", type=int, default=12)
-    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--workers", type=at_least(1), default=12)
+    p.add_argument("--tokens", type=int_list(1), default="4096,16384")
     p.add_argument("--phase", choices=("compile", "tune", "all"), default="all",
                    help="compile: fill the cache only; tune: use DIR/compile.json")
-    p.add_argument("--compile-timeout", type=float, default=240.0)
+    p.add_argument("--compile-timeout", type=seconds, default=240.0)
     p.add_argument("--compile", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile:
-        return compile_main(args.compile.split(","), args.result, int(args.tokens.split(",")[0]))
+        return compile_main(args.compile.split(","), args.result, args.tokens[0])
     if not torch.cuda.is_available():
         print("kernel_tune needs a CUDA GPU", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    tokens = tuple(int(x) for x in args.tokens.split(","))
+    tokens = args.tokens
     t0 = time.time()
     status_path = os.path.join(args.out, "compile.json")
     if args.phase in ("compile", "all"):

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from epmoe.argtypes import int_list, name_list
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.outputs import run_main, writable_file
 
@@ -304,23 +305,22 @@ def run(token_counts, picks=None, json_path=None, before: bool = True,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.kernels",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="4096 tokens only")
-    p.add_argument("--tokens", default="4096,16384", help="token counts, comma-separated")
+    p.add_argument("--tokens", type=int_list(1), default="4096,16384", help="token counts, comma-separated")
     p.add_argument("--skip-before", action="store_true",
                    help="skip the previous kernels' rows (pointer GEMM, torch quantizer)")
-    p.add_argument("--only", default=",".join(GROUPS),
+    p.add_argument("--only", type=name_list(GROUPS), default=",".join(GROUPS),
                    help=f"row groups, comma-separated (default all: {','.join(GROUPS)})")
     args = p.parse_args(argv)
-    groups = tuple(g for g in args.only.split(",") if g)
-    if not groups or any(g not in GROUPS for g in groups):
-        p.error(f"--only ({args.only!r}) takes {', '.join(GROUPS)}")
+    groups = args.only
     if not torch.cuda.is_available():
         print("epmoe.bench.kernels needs a CUDA GPU (the CPU interpreter's timings mean "
               "nothing); run it on a GPU machine", file=sys.stderr)
         return 2
-    tokens = (4096,) if args.quick else tuple(int(x) for x in args.tokens.split(","))
+    tokens = (4096,) if args.quick else args.tokens
     run(tokens, json_path=args.json, before=not args.skip_before, groups=groups)
     return 0
 

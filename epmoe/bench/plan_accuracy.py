@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 
+from epmoe.argtypes import at_least, int_list, seconds
 from epmoe.outputs import run_main, writable_file
 
 WITHIN = 0.20
@@ -122,16 +123,16 @@ def parser() -> argparse.ArgumentParser:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, type=writable_file, help="write the results here")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layers", type=int, default=None, help="default: 1 on CUDA, 2 on CPU")
-    ap.add_argument("--steps", type=int, default=None, help="default: 12 on CUDA, 6 on CPU")
+    ap.add_argument("--layers", type=at_least(1), default=None, help="default: 1 on CUDA, 2 on CPU")
+    ap.add_argument("--steps", type=at_least(1), default=None, help="default: 12 on CUDA, 6 on CPU")
     ap.add_argument("--profile", default=None, help="default: by device")
-    ap.add_argument("--ep", type=int, default=1,
+    ap.add_argument("--ep", type=at_least(1), default=1,
                     help="CUDA: ranks, one GPU each (the calibration then measures the comm "
                          "backends on as many; default 1)")
-    ap.add_argument("--tokens", default=None, help="CUDA: comma-separated token counts "
+    ap.add_argument("--tokens", type=int_list(1), default=None, help="CUDA: comma-separated token counts "
                     "(default 4096 with --quick, else 128,4096); a count the calibration did "
                     "not measure checks interpolation, not a fit")
-    ap.add_argument("--budget-s", type=float, default=240.0,
+    ap.add_argument("--budget-s", type=seconds, default=240.0,
                     help="no new launch after this many seconds (default 240)")
     ap.add_argument("--timing", default="launched", choices=("launched", "device"),
                     help="how the launches (and --calibrate) time steps (see launch --timing)")
@@ -142,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
                     "'quick') and predict with that profile")
     ap.add_argument("--calibrate-out", default=None, help="where the calibrated profile goes "
                     "(default: <--json without .json>.profile.json, else a temporary file)")
-    ap.add_argument("--calibrate-budget-s", type=float, default=120.0,
+    ap.add_argument("--calibrate-budget-s", type=seconds, default=120.0,
                     help="calibration time budget (default 120)")
     return ap
 
@@ -150,14 +151,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    try:
-        tokens = tuple(int(v) for v in args.tokens.split(",")) if args.tokens else None
-    except ValueError:
-        ap.error(f"--tokens ({args.tokens}) must be comma-separated integers")
-    if tokens and min(tokens) < 1:
-        ap.error(f"--tokens ({args.tokens}) must be >= 1")
-    if args.ep < 1:
-        ap.error(f"--ep ({args.ep}) must be >= 1")
+    tokens = args.tokens
     import torch
 
     cuda = torch.cuda.is_available()

@@ -25,6 +25,8 @@ import json
 import statistics
 import sys
 
+from epmoe.argtypes import at_least, int_list, model_name
+from epmoe.config import RECIPES
 from epmoe.outputs import run_main, writable_file
 
 HOLD_MS = 10.0  # longer than the host takes to issue a forward (a warning says if not)
@@ -132,12 +134,13 @@ def table(res: dict) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.profile_layer",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="deepseek-v3")
-    p.add_argument("--recipe", default="fp8_block")
-    p.add_argument("--experts", default="triton")
-    p.add_argument("--tokens", default="128,4096", help="comma-separated token counts")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--host-top", type=int, default=0,
+    p.add_argument("--model", type=model_name, default="deepseek-v3")
+    p.add_argument("--recipe", choices=RECIPES, default="fp8_block")
+    p.add_argument("--experts", choices=("triton", "deepgemm", "torch", "auto"),
+                   default="triton")
+    p.add_argument("--tokens", type=int_list(1), default="128,4096", help="comma-separated token counts")
+    p.add_argument("--reps", type=at_least(1), default=20)
+    p.add_argument("--host-top", type=at_least(0), default=0,
                    help="list the N functions with the most host time (cProfile)")
     p.add_argument("--json", default=None, type=writable_file,
                    help="write the results here as JSON")
@@ -146,15 +149,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        print(f"error: --tokens must be comma-separated ints, got {args.tokens!r}",
-              file=sys.stderr)
-        return 2
-    if any(t < 1 for t in tokens) or args.reps < 1 or args.host_top < 0:
-        print("error: --tokens and --reps must be >= 1, --host-top >= 0", file=sys.stderr)
-        return 2
+    tokens = args.tokens
     import torch
 
     if not torch.cuda.is_available():

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 
+from epmoe.argtypes import at_least
 from epmoe.plan.figures import HOST_PREFIX
 from epmoe.outputs import run_main
 
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--profile", help="profile to add the host fits to (with --out)")
     p.add_argument("--out", help="where the profile with the host fits goes")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=at_least(1), default=10)
     a = p.parse_args(argv)
     if bool(a.profile) != bool(a.out):
         print("error: --profile and --out go together", file=sys.stderr)

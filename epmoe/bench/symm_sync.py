@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from epmoe.argtypes import at_least, int_list
 from epmoe.kernels._common import INTERPRET
 
 import triton  # noqa: E402
@@ -108,10 +109,11 @@ def time_kernel(kernel, ctas: int, warps: int, launches: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ctas", default="1,24,132", help="comma-separated grid sizes")
-    p.add_argument("--warps", type=int, default=16)
-    p.add_argument("--launches", type=int, default=200)
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.symm_sync",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--ctas", type=int_list(1), default="1,24,132", help="comma-separated grid sizes")
+    p.add_argument("--warps", type=at_least(1), default=16)
+    p.add_argument("--launches", type=at_least(1), default=200)
     p.add_argument("--json", type=writable_file, help="write the figures as JSON to this file")
     a = p.parse_args(argv)
     if INTERPRET or not torch.cuda.is_available():
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     print(f"{'CTAs':>4} " + " ".join(f"{n:>10}" for n in ("empty", "arrive", "wait",
                                                           "publish", "pub base", "send 1/2"))
           + "  publish/base")
-    for ctas in (int(c) for c in a.ctas.split(",") if c):
+    for ctas in a.ctas:
         us = {n: time_kernel(k, ctas, a.warps, a.launches) for n, k in KERNELS.items()}
         rows.append({"ctas": ctas, "warps": a.warps, "us_per_launch": us})
         extra = (us["publish"] - us["empty"]) / max(1e-9, us["publish_baseline"] - us["empty"])

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from epmoe.argtypes import int_list
 from epmoe.outputs import run_main, writable_file
 
 FLASH = dict(experts=256, top_k=6, shapes=(("GEMM1", 4096, 4096), ("GEMM2", 4096, 2048)))
@@ -118,17 +119,13 @@ def run(tokens, spec=FLASH, json_path=None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="128,512,4096", help="token counts, comma-separated")
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.w4a8_gemm",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int_list(1), default="128,512,4096", help="token counts, comma-separated")
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--small", action="store_true", help="16 experts, N=K=512: a smoke run")
     args = p.parse_args(argv)
-    try:
-        tokens = tuple(int(t) for t in args.tokens.split(","))
-    except ValueError:
-        p.error(f"--tokens ({args.tokens!r}) takes positive integers, comma-separated")
-    if not tokens or min(tokens) < 1:
-        p.error(f"--tokens ({args.tokens!r}) takes positive integers, comma-separated")
+    tokens = args.tokens
     if not torch.cuda.is_available():
         print("epmoe.bench.w4a8_gemm needs a CUDA GPU; run it on a GPU machine",
               file=sys.stderr)
