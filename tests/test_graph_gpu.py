@@ -10,7 +10,7 @@ import torch
 from epmoe.config import QuantConfig
 from epmoe.launch.oracle import check_correctness
 from epmoe.plan.run import RunConfig
-from epmoe.runtime import Runtime
+from epmoe.runtime import Runtime, pre_norm
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def test_replayed_steps_match_eager_steps_and_the_oracle(routing, recipe, micro)
     graph.step(graph.run.steps)
     last = graph.report()["last"]
     assert not any(rec["out"].isnan().any() for rec in last)
-    x0 = graph.tokens_for(graph.run.steps).cpu()
+    x0 = pre_norm(graph.tokens_for(graph.run.steps)).cpu()  # layer 0's input: the step's tokens
     assert torch.equal(last[0]["x"], x0)  # the replay ran on this step's tokens
     res = check_correctness(graph.run, [graph.report()])
     assert res["passed"], res

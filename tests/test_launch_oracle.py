@@ -156,16 +156,20 @@ def test_the_ranks_check_the_layers_and_are_blamed_when_they_fail(seed, monkeypa
 
 @pytest.mark.gpu
 def test_the_oracle_on_a_gpu_agrees_with_the_host(seed):
-    """float64 on the GPU: the same weights (generated bit-identically there), the same loops;
-    only the summation order of the float64 matmuls may differ."""
+    """float64 on the GPU: the same weights (generated bit-identically there), the same loops.
+    The oracle evaluates the activation in fp32 as the fused kernels do, and fp32 exp differs
+    by an ulp between the host and the GPU (measured on one H100: 6.4e-8 of max|ref|, bf16):
+    the two oracles agree far inside the recipes' tolerances (1-2e-2), not bit for bit; an
+    ulp that flips the activation's bf16 / fp8 rounding moves the output by at most ~1e-3."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    for quant in (QuantConfig("bf16"), QuantConfig("fp8_block")):
+    for quant, bound in ((QuantConfig("bf16"), 1e-3), (QuantConfig("fp8_block"), 5e-3)):
         run = RunConfig(model="deepseek-v3-tiny", quant=quant, experts="torch", tokens=32,
                         layers=2, steps=1, seed=seed)
         for check in layer_checks(run, _reports(run)):
             gpu, host = solve(run, check, "cuda"), solve(run, check)
             assert gpu.device == "cuda" and host.device == "cpu"
-            scale = host.ref.abs().max()
-            assert float((gpu.ref - host.ref).abs().max() / scale) < 1e-12
+            diff = float((gpu.ref - host.ref).abs().max() / host.ref.abs().max())
+            print(f"{quant.recipe} layer {check.layer}: host vs GPU oracle {diff:.1e}")
+            assert diff < bound, (quant.recipe, check.layer, diff)
             assert gpu.router["agreement"] == host.router["agreement"]

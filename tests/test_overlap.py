@@ -46,13 +46,16 @@ def test_micro_batches_match_one_batch_and_the_oracle(recipe, seed):
     two = _outputs(rt, 2)
     # Layer 0 sees the same input; the halves' sums round differently in bf16, so from layer
     # 1 on the inputs agree only within the tolerance (and the router may then break a
-    # near-tie differently): each layer is held to the oracle on its own input below.
+    # near-tie differently; with fp8 a 0.2% input difference can flip codes worth 2.4% of
+    # the output, seed 225849808): the outputs are compared where the inputs are the same,
+    # and each layer of both modes is held to the oracle on its own input.
     (x1, o1, i1, _), (x2, o2, i2, _) = one[0], two[0]
     assert torch.equal(x1, x2) and torch.equal(i1, i2)
     for l, ((x1, o1, i1, _), (x2, o2, i2, _)) in enumerate(zip(one, two)):
         assert max_rel_err(x2, x1.double()) <= TOLERANCE[recipe], f"layer {l} input"
-        if torch.equal(i1, i2):
+        if torch.equal(x1, x2) and torch.equal(i1, i2):
             assert max_rel_err(o2, o1.double()) <= TOLERANCE[recipe], f"{recipe=} {seed=} {l=}"
+    _check_against_oracle(run, one, f"micro_batches=1 {recipe=} {seed=}")
     _check_against_oracle(run, two, f"micro_batches=2 {recipe=} {seed=}")
 
 
@@ -112,7 +115,9 @@ def test_side_streams_on_gpu_match_the_plain_order(experts, seed):
     plain = _outputs(rt, 1, overlap_shared=False)
     for mb in (1, 2):
         got = _outputs(rt, mb, overlap_shared=True)
-        for l, ((_, o0, i0, _), (_, o1, i1, _)) in enumerate(zip(plain, got)):
+        for l, ((x0, o0, i0, _), (x1, o1, i1, _)) in enumerate(zip(plain, got)):
+            if not torch.equal(x0, x1):  # a later layer on inputs rounded differently: the
+                continue  # oracle below holds it (see the CPU test above)
             assert torch.equal(i0, i1), "the same router on the same rows"
             err = max_rel_err(o1.cpu(), o0.cpu().double())
             print(f"{experts=} {mb=} layer {l}: vs plain order {err:.2e}")
