@@ -38,6 +38,14 @@ BAD_FLAGS = [
     (["--model", "nope-7b"], r"unknown preset 'nope-7b'; choose one of: .*deepseek-v3-tiny"),
     (["--quant", "int3"], r"--quant 'int3' is not a recipe; choose one of bf16, fp8_block"),
     (["--redundant-experts", "4"], r"--redundant-experts needs --eplb"),
+    # these were ignored without the flag they mean something beside
+    (["--rebalance-every", "3"], r"--rebalance-every needs --eplb \(without it nothing "
+                                 r"rebalances\)"),
+    (["--eplb-window", "4", "--eplb-migration", "async"],
+     r"--eplb-window, --eplb-migration need --eplb"),
+    (["--ep", "2", "--backend", "all2all", "--ll-max-tokens", "64"],
+     r"--ll-max-tokens chooses between DeepEP's modes for --backend auto; --backend all2all "
+     r"is fixed"),
     (["--tp", "2", "--eplb"], r"--eplb places experts across EP ranks: use --ep, not --tp"),
     (["--ep", "0"], r"--ep \(0\) and --tp \(1\) must be >= 1"),
     (["--timeout", "0"], r"--timeout \(0.0\) must be a finite number of seconds > 0"),

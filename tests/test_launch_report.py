@@ -131,7 +131,8 @@ def test_help_shows_every_default():
     for flag, default in (("--timeout", "120.0"), ("--tokens", "64"), ("--steps", "4"),
                           ("--ep", "1"), ("--model", "deepseek-v3-tiny"), ("--quant", "bf16"),
                           ("--backend", "auto"), ("--rebalance-every", "2"),
-                          ("--eplb-window", "8"), ("--device", "auto")):
+                          ("--eplb-window", "8"), ("--device", "auto"),
+                          ("--ll-max-tokens", "256"), ("--eplb-migration", "sync")):
         block = text[text.index(f"\n  {flag}") + 1:]
         end = re.search(r"\n  -|\n\n", block)
         block = block[:end.start() if end else None]

@@ -66,14 +66,28 @@ def test_exit_code_and_table():
 @pytest.mark.parametrize("args,msg", [
     (["--run", "b200"], "not one of the sweep's gpus"),
     (["--address", "127.0.0.1:6379"], "--address needs --run"),
-    (["--run", "cpu", "--run-steps", "1"], "must be >= 2"),
+    (["--run-steps", "3", "--device", "cpu"], "--run-steps, --device need --run GPU"),
+    (["--run", "cpu", "--run-steps", "1"], "--run-steps: 1 must be >= 2"),
+    (["--run", "cpu", "--run-timeout", "0"], "--run-timeout: 0 must be a finite number"),
+    # options of the other mode were ignored: a sweep "predicted with --profile h100" used
+    # its file's gpus
+    (["--profile", "h100"], "--profile applies to `python -m epmoe.sim validate`"),
+    (["--table", "t.toml"], "--table applies to"),
 ])
 def test_bad_run_flags_exit_2_before_anything_runs(tmp_path, capsys, args, msg):
     f = tmp_path / "s.toml"
     f.write_text(SWEEP)
-    assert main([str(f), *args]) == 2
+    try:
+        code = main([str(f), *args])
+    except SystemExit as e:  # argparse's refusal of a value
+        code = e.code
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and msg in err
+    assert code == 2 and "error: " in err and msg in err, err
+
+
+def test_validate_refuses_the_run_options(capsys):
+    assert main(["validate", "--run", "h200"]) == 2
+    assert "--run: validate predicts the published tables" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(240)

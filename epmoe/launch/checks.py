@@ -65,12 +65,14 @@ def build_run(a: argparse.Namespace):
         raise ValueError("--redundant-experts needs --eplb (replicas are placed by EPLB)")
     if a.eplb and form == "tp":
         raise ValueError("--eplb places experts across EP ranks: use --ep, not --tp")
-    if a.ll_max_tokens < 1:
-        raise ValueError(f"--ll-max-tokens ({a.ll_max_tokens}) must be >= 1")
-    if a.eplb and a.rebalance_every < 1:
-        raise ValueError(f"--rebalance-every ({a.rebalance_every}) must be >= 1")
-    if a.eplb and a.eplb_window < 1:
-        raise ValueError(f"--eplb-window ({a.eplb_window}) must be >= 1 step (the load a "
+    _check_paired(a)
+    ll_max, window = flag(a, "ll_max_tokens"), flag(a, "eplb_window")
+    if ll_max < 1:
+        raise ValueError(f"--ll-max-tokens ({ll_max}) must be >= 1")
+    if a.eplb and flag(a, "rebalance_every") < 1:
+        raise ValueError(f"--rebalance-every ({flag(a, 'rebalance_every')}) must be >= 1")
+    if a.eplb and window < 1:
+        raise ValueError(f"--eplb-window ({window}) must be >= 1 step (the load a "
                          f"rebalance looks at)")
     slots = cfg.num_experts + a.redundant_experts
     if a.redundant_experts and form != "tp" and slots % world:
@@ -92,8 +94,8 @@ def build_run(a: argparse.Namespace):
                     experts=a.experts, tokens=a.tokens, layers=a.layers, steps=a.steps,
                     seed=a.seed, routing=a.routing, redundant_experts=a.redundant_experts,
                     timeout_s=a.timeout, start_timeout_s=start_timeout, check=a.check,
-                    ll_max_tokens=a.ll_max_tokens,
-                    eplb=a.eplb, eplb_window=a.eplb_window, eplb_migration=a.eplb_migration,
+                    ll_max_tokens=ll_max,
+                    eplb=a.eplb, eplb_window=window, eplb_migration=flag(a, "eplb_migration"),
                     micro_batches=getattr(a, "micro_batches", 1),
                     timing=getattr(a, "timing", "launched"), ranks_per_gpu=rpg,
                     cuda_graph=graph, comm_options=comm_options)
@@ -113,6 +115,30 @@ def build_run(a: argparse.Namespace):
 
 
 SHARED_GPU_BACKENDS = ("symm-ht", "symm-ll")  # NCCL and DeepEP need a GPU per rank
+
+
+# flags that mean something only beside another (None when not given) and their defaults
+EPLB_FLAGS = {"rebalance_every": 2, "eplb_window": 8, "eplb_migration": "sync"}
+AUTO_FLAGS = {"ll_max_tokens": 256}
+
+
+def flag(a: argparse.Namespace, name: str):
+    """A paired flag's value: as given, else its default."""
+    v = getattr(a, name, None)
+    return {**EPLB_FLAGS, **AUTO_FLAGS}[name] if v is None else v
+
+
+def _check_paired(a: argparse.Namespace) -> None:
+    """An EPLB flag without --eplb, or --ll-max-tokens beside a fixed --backend, is refused
+    (both were ignored)."""
+    def given(flags):
+        return ["--" + k.replace("_", "-") for k in flags if getattr(a, k, None) is not None]
+    if not a.eplb and (names := given(EPLB_FLAGS)):
+        raise ValueError(f"{', '.join(names)} need{'' if len(names) > 1 else 's'} --eplb "
+                         f"(without it nothing rebalances)")
+    if getattr(a, "backend", "auto") != "auto" and (names := given(AUTO_FLAGS)):
+        raise ValueError(f"{names[0]} chooses between DeepEP's modes for --backend auto; "
+                         f"--backend {a.backend} is fixed")
 
 
 def _comm_options(a: argparse.Namespace) -> tuple:

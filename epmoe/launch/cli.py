@@ -19,9 +19,19 @@ from epmoe.launch.checks import build_run  # noqa: F401  (the flags -> RunConfig
 EXIT_OK, EXIT_INCORRECT, EXIT_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default shown, in the help's own words where it states it (flags whose None means
+    "not given": refused beside flags they mean nothing with, see checks._defaults)."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m epmoe.launch", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m epmoe.launch", formatter_class=_Help,
         description="Run a model's MoE stack on N ranks and report correctness (vs a float64 "
                     "oracle), time and balance. One rank runs in this process; more run as Ray "
                     "actors on a private local Ray cluster (loopback only, token auth) unless "
@@ -34,9 +44,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --ep > 1: each rank its own tokens (EP+DP); --no-dp replicates "
                         "tokens and all-reduces (form ep)")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help="comm backend")
-    g.add_argument("--ll-max-tokens", type=int, default=256,
+    g.add_argument("--ll-max-tokens", type=int, default=None,
                    help="with --backend auto on CUDA: DeepEP low-latency up to this many tokens "
-                        "per rank, high-throughput above")
+                        "per rank, high-throughput above (default: 256)")
     g.add_argument("--comm-option", action="append", default=[], metavar="KNOB=VALUE",
                    help="a symm-ht / symm-ll tuning knob (SymmOptions; repeatable), e.g. "
                         "ll_dedup=1 (symm-ll sends a token once per rank), num_sms=32")
@@ -76,11 +86,12 @@ def parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("EPLB")
     e.add_argument("--eplb", action="store_true", help="record load and rebalance replicas")
     e.add_argument("--redundant-experts", type=int, default=0, help="extra physical slots")
-    e.add_argument("--rebalance-every", type=int, default=2, help="steps between rebalances")
-    e.add_argument("--eplb-window", type=int, default=8, help="load window in steps")
-    e.add_argument("--eplb-migration", default="sync", choices=("sync", "async"),
-                   help="sync: weights move while steps wait; async: staged in the background, "
-                        "all ranks switch at one step boundary")
+    e.add_argument("--rebalance-every", type=int, default=None,
+                   help="steps between rebalances (default: 2)")
+    e.add_argument("--eplb-window", type=int, default=None, help="load window in steps (default: 8)")
+    e.add_argument("--eplb-migration", default=None, choices=("sync", "async"),
+                   help="sync: weights move while steps wait; async: staged in the "
+                        "background, all ranks switch at one step boundary (default: sync)")
     r = p.add_argument_group("cluster and output")
     r.add_argument("--address", default=None,
                    help="join this Ray cluster (host:port of the head's GCS, or ray://host:port) "

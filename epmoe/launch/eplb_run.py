@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from epmoe.launch.checks import flag
 from epmoe.launch.driver import run_steps
 
 
@@ -14,7 +15,7 @@ def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:
     rebalance; while an async migration stages, ask after each step whether it switched.
     The driver's wall time of every step (the rebalance calls excluded) gives the stall."""
     events: list[dict] = []
-    every = args.rebalance_every
+    every = flag(args, "rebalance_every")
     wall: list[float] = []
     mark = [None]  # end of the previous step's hooks
 

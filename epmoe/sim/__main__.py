@@ -23,6 +23,7 @@ import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
+from epmoe.argtypes import at_least, seconds
 from epmoe.outputs import run_main, writable_dir
 
 DEFAULT_SWEEP = Path(__file__).parent / "sweeps" / "deepseek-v3.toml"
@@ -49,11 +50,12 @@ def parser() -> argparse.ArgumentParser:
                           "h200, ...) with python -m epmoe.launch and report the measurement")
     run.add_argument("--address", default=None,
                      help="the Ray cluster to launch on (default: a private one per launch)")
-    run.add_argument("--run-steps", type=int, default=4, help="steps per launch (default 4)")
-    run.add_argument("--run-timeout", type=float, default=600.0,
+    run.add_argument("--run-steps", type=at_least(2), default=None,
+                     help="steps per launch (default 4; step 0 is warm-up)")
+    run.add_argument("--run-timeout", type=seconds, default=None,
                      help="seconds per launch before it is stopped (default 600)")
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="the launches' --device")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                     help="the launches' --device (default auto)")
     return p
 
 
@@ -72,6 +74,7 @@ def _validate(args) -> int:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        _check_modes(args)
         if args.sweep == "validate":
             return _validate(args)
         from epmoe.sim.sweep import Sweep, run, table
@@ -119,11 +122,33 @@ def main(argv=None) -> int:
     return code
 
 
+RUN_ONLY = ("address", "run_steps", "run_timeout", "device")  # --run's options
+
+
+def _given(args, names) -> list[str]:
+    return ["--" + k.replace("_", "-") for k in names if getattr(args, k) is not None]
+
+
+def _check_modes(args) -> None:
+    """Options of the other mode are refused, not ignored (a sweep given --profile h100 would
+    otherwise be predicted with its file's gpus, silently)."""
+    if args.sweep == "validate":
+        if given := _given(args, ("run", *RUN_ONLY)):
+            raise ValueError(f"{', '.join(given)}: validate predicts the published tables; "
+                             f"--run and its options apply to a sweep file")
+        return
+    if given := _given(args, ("table", "profile")):
+        raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
+                         f"`python -m epmoe.sim validate`; a sweep file names its gpus "
+                         f"(profiles) itself")
+    if args.run is None and (given := _given(args, RUN_ONLY)):
+        raise ValueError(f"{', '.join(given)} need{'' if len(given) > 1 else 's'} --run GPU "
+                         f"(which sweep rows to launch)")
+
+
 def _measure_options(args, sweep):
     """--run's options, checked before anything is predicted or launched."""
     if args.run is None:
-        if args.address:
-            raise ValueError("--address needs --run GPU (which sweep rows to launch there)")
         return None
     from epmoe.sim.measure import MeasureOptions
 
@@ -133,8 +158,9 @@ def _measure_options(args, sweep):
         from epmoe.launch.cluster import parse_address
 
         parse_address(args.address)
-    return MeasureOptions(args.run, args.address, args.run_steps, args.run_timeout,
-                          args.device)
+    defaults = MeasureOptions(args.run)
+    return MeasureOptions(args.run, args.address, args.run_steps or defaults.steps,
+                          args.run_timeout or defaults.timeout_s, args.device or defaults.device)
 
 
 if __name__ == "__main__":
