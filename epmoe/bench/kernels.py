@@ -158,6 +158,24 @@ def bandwidth_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
     rows.append(mem_row("silu*up + fp8 quant", f"M={m} 2I={2 * i}", ms,
                         m * 2 * i * 2 + m * i + m * (i // 128) * 4))
     rows += _act_quant_padding_rows(t, x, ids, ws, cfg, before)
+    return rows + residual_rows(t, xb, before)
+
+
+def residual_rows(t: int, xb, before: bool) -> list[dict]:
+    """Between two layers of the runtime's stack: the pre-norm (rms_norm of the residual) and
+    the residual add (bf16 in and out, fp32 sum), outside the timed stages."""
+    from epmoe.runtime import pre_norm
+
+    d, rows = xb.shape[1], []
+    out = torch.randn_like(xb)
+    ms = bench_ms(lambda: pre_norm(xb))
+    rows.append(mem_row("pre-norm rms_norm bf16", f"T={t} D={d}", ms, 2 * t * d * 2))
+    ms = bench_ms(lambda: torch.add(xb, out).to(torch.bfloat16))
+    rows.append(mem_row("residual add bf16 (fp32 opmath)", f"T={t} D={d}", ms, 3 * t * d * 2))
+    if before:
+        ms = bench_ms(lambda: (xb.float() + out.float()).to(torch.bfloat16))
+        rows.append(mem_row("before: residual add via fp32 copies", f"T={t} D={d}", ms,
+                            3 * t * d * 2))
     return rows
 
 
