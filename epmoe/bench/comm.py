@@ -132,7 +132,8 @@ def parser() -> argparse.ArgumentParser:
                    help="CTAs of symm-*'s send halves and deepep-ht's SMs (0: each backend's "
                         "default: symm-ht 24 + every SM for its local receives, symm-ll every "
                         "SM, deepep-ht 24)")
-    p.add_argument("--sweep", type=sweep_spec, default="", help="knob sets num_sms:recv_sms:tile_tokens:"
+    p.add_argument("--sweep", type=sweep_spec, default="",
+                   help="knob sets num_sms:recv_sms:tile_tokens:"
                    "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup, comma-separated (0 or "
                    "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, 2: "
                    "send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: "
@@ -140,8 +141,10 @@ def parser() -> argparse.ArgumentParser:
                    "jobs run once per set, the others once)")
     p.add_argument("--iters", type=at_least(1), default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
-    p.add_argument("--ht-tokens", type=int_list(1), help="comma-separated HT token counts (overrides --quick)")
-    p.add_argument("--ll-tokens", type=int_list(1), help="comma-separated LL token counts (overrides --quick)")
+    p.add_argument("--ht-tokens", type=int_list(1),
+                   help="comma-separated HT token counts (overrides --quick)")
+    p.add_argument("--ll-tokens", type=int_list(1),
+                   help="comma-separated LL token counts (overrides --quick)")
     p.add_argument("--breakdown", action="store_true",
                    help="per-kernel device time (torch.profiler, eager launches) per row")
     p.add_argument("--check", action="store_true", help="check each combine bit for bit "

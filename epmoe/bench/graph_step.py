@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=model_name, default="deepseek-v3")
     p.add_argument("--recipes", type=name_list(RECIPES), default="fp8_block,bf16")
     p.add_argument("--experts", default="triton", choices=("triton", "deepgemm", "auto"))
-    p.add_argument("--tokens", type=int_list(1), default="128,4096", help="tokens per step, comma separated")
+    p.add_argument("--tokens", type=int_list(1), default="128,4096",
+                   help="tokens per step, comma separated")
     p.add_argument("--layers", type=at_least(1), default=1)
     p.add_argument("--steps", type=at_least(3), default=30, help="steps per mode (step 0: warm-up)")
     p.add_argument("--timing", default="launched", choices=("launched", "device"))

@@ -93,12 +93,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/integration", type=writable_dir,
                    help="folder for logs and summaries")
-    p.add_argument("--only", type=name_list(STEPS), default=",".join(STEPS), help=f"comma-separated: {','.join(STEPS)}")
-    p.add_argument("--ep", type=at_least(1), default=None, help="ranks (default: the GPU count, or 2)")
+    p.add_argument("--only", type=name_list(STEPS), default=",".join(STEPS),
+                   help=f"comma-separated: {','.join(STEPS)}")
+    p.add_argument("--ep", type=at_least(1), default=None,
+                   help="ranks (default: the GPU count, or 2)")
     p.add_argument("--model", type=model_name, default="deepseek-v3-tiny",
                    help="launch preset (the deepep-ll case switches to qwen3-30b-a3b, 1 layer, "
                         "when the preset's hidden is below DeepEP LL's 2048)")
-    p.add_argument("--tokens", type=at_least(1), default=128, help="tokens per rank for the launches")
+    p.add_argument("--tokens", type=at_least(1), default=128,
+                   help="tokens per rank for the launches")
     p.add_argument("--sweep-tokens", type=int_list(1), default=None,
                    help="plan: tokens per rank of each sweep, comma separated (default "
                         "128,4096 on GPUs, --tokens on CPU)")

@@ -327,7 +327,8 @@ def main(argv=None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="4096 tokens only")
-    p.add_argument("--tokens", type=int_list(1), default="4096,16384", help="token counts, comma-separated")
+    p.add_argument("--tokens", type=int_list(1), default="4096,16384",
+                   help="token counts, comma-separated")
     p.add_argument("--skip-before", action="store_true",
                    help="skip the previous kernels' rows (pointer GEMM, torch quantizer)")
     p.add_argument("--only", type=name_list(GROUPS), default=",".join(GROUPS),

@@ -129,7 +129,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep", type=at_least(1), default=1,
                     help="CUDA: ranks, one GPU each (the calibration then measures the comm "
                          "backends on as many; default 1)")
-    ap.add_argument("--tokens", type=int_list(1), default=None, help="CUDA: comma-separated token counts "
+    ap.add_argument("--tokens", type=int_list(1), default=None,
+                    help="CUDA: comma-separated token counts "
                     "(default 4096 with --quick, else 128,4096); a count the calibration did "
                     "not measure checks interpolation, not a fit")
     ap.add_argument("--budget-s", type=seconds, default=240.0,

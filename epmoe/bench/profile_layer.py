@@ -138,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=RECIPES, default="fp8_block")
     p.add_argument("--experts", choices=("triton", "deepgemm", "torch", "auto"),
                    default="triton")
-    p.add_argument("--tokens", type=int_list(1), default="128,4096", help="comma-separated token counts")
+    p.add_argument("--tokens", type=int_list(1), default="128,4096",
+                   help="comma-separated token counts")
     p.add_argument("--reps", type=at_least(1), default=20)
     p.add_argument("--host-top", type=at_least(0), default=0,
                    help="list the N functions with the most host time (cProfile)")

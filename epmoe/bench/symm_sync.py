@@ -111,7 +111,8 @@ def time_kernel(kernel, ctas: int, warps: int, launches: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.symm_sync",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--ctas", type=int_list(1), default="1,24,132", help="comma-separated grid sizes")
+    p.add_argument("--ctas", type=int_list(1), default="1,24,132",
+                   help="comma-separated grid sizes")
     p.add_argument("--warps", type=at_least(1), default=16)
     p.add_argument("--launches", type=at_least(1), default=200)
     p.add_argument("--json", type=writable_file, help="write the figures as JSON to this file")

@@ -121,7 +121,8 @@ def run(tokens, spec=FLASH, json_path=None) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.w4a8_gemm",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int_list(1), default="128,512,4096", help="token counts, comma-separated")
+    p.add_argument("--tokens", type=int_list(1), default="128,512,4096",
+                   help="token counts, comma-separated")
     p.add_argument("--json", type=writable_file, help="write the results as JSON to this file")
     p.add_argument("--small", action="store_true", help="16 experts, N=K=512: a smoke run")
     args = p.parse_args(argv)

@@ -21,7 +21,7 @@ EXIT_OK, EXIT_INCORRECT, EXIT_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Every default shown, in the help's own words where it states it (flags whose None means
-    "not given": refused beside flags they mean nothing with, see checks._defaults)."""
+    "not given": refused beside flags they mean nothing with: checks._check_paired)."""
 
     def _get_help_string(self, action):
         if "(default" in (action.help or ""):
@@ -88,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--redundant-experts", type=int, default=0, help="extra physical slots")
     e.add_argument("--rebalance-every", type=int, default=None,
                    help="steps between rebalances (default: 2)")
-    e.add_argument("--eplb-window", type=int, default=None, help="load window in steps (default: 8)")
+    e.add_argument("--eplb-window", type=int, default=None,
+                   help="load window in steps (default: 8)")
     e.add_argument("--eplb-migration", default=None, choices=("sync", "async"),
                    help="sync: weights move while steps wait; async: staged in the "
                         "background, all ranks switch at one step boundary (default: sync)")
