@@ -84,3 +84,9 @@ def model_name(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def given_flags(args: argparse.Namespace, names: Iterable[str]) -> list[str]:
+    """The flags among `names` (dest names, default None) that the command line gave, as
+    typed: ["--run-steps", ...]; for refusing flags that mean nothing without another."""
+    return ["--" + k.replace("_", "-") for k in names if getattr(args, k, None) is not None]

@@ -87,3 +87,14 @@ def test_every_benchmark_refuses_bad_values_when_parsed(module, argv, msg, capsy
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"python -m epmoe.bench.{module}: error: argument ") and msg in line, \
         line
+
+
+def test_comm_names_the_shape_it_cannot_split(capsys):
+    from epmoe.bench.comm import main
+
+    assert main(["--hidden", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "--hidden (200) must be a multiple of 128" in err and "--num-experts" not in err
+    assert main(["--num-experts", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-experts (3) must be a multiple of --world (2)" in err and "--hidden" not in err

@@ -184,9 +184,13 @@ def main(argv=None) -> int:
     gpus = torch.cuda.device_count() if cuda else 0
     real = not cuda or gpus >= 2
     backends = a.backends
-    if a.hidden % 128 or a.num_experts % a.world:
-        print(f"error: --hidden ({a.hidden}) must be a multiple of 128 and --num-experts "
-              f"({a.num_experts}) a multiple of --world ({a.world})", file=sys.stderr)
+    bad = []
+    if a.hidden % 128:
+        bad.append(f"--hidden ({a.hidden}) must be a multiple of 128 (the fp8 block)")
+    if a.num_experts % a.world:
+        bad.append(f"--num-experts ({a.num_experts}) must be a multiple of --world ({a.world})")
+    if bad:
+        print(f"error: {'; '.join(bad)}", file=sys.stderr)
         return 2
     notes = []
     if a.device == "shared":

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 
+from epmoe.argtypes import given_flags
 from epmoe.config import DEFAULT_PRESET, PRESETS, RECIPES, QuantConfig, get_preset
 from epmoe.launch.cluster import ClusterAddress, parse_address
 from epmoe.launch.errors import InputError
@@ -131,12 +132,10 @@ def flag(a: argparse.Namespace, name: str):
 def _check_paired(a: argparse.Namespace) -> None:
     """An EPLB flag without --eplb, or --ll-max-tokens beside a fixed --backend, is refused
     (both were ignored)."""
-    def given(flags):
-        return ["--" + k.replace("_", "-") for k in flags if getattr(a, k, None) is not None]
-    if not a.eplb and (names := given(EPLB_FLAGS)):
+    if not a.eplb and (names := given_flags(a, EPLB_FLAGS)):
         raise ValueError(f"{', '.join(names)} need{'' if len(names) > 1 else 's'} --eplb "
                          f"(without it nothing rebalances)")
-    if getattr(a, "backend", "auto") != "auto" and (names := given(AUTO_FLAGS)):
+    if getattr(a, "backend", "auto") != "auto" and (names := given_flags(a, AUTO_FLAGS)):
         raise ValueError(f"{names[0]} chooses between DeepEP's modes for --backend auto; "
                          f"--backend {a.backend} is fixed")
 

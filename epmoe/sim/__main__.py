@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
-from epmoe.argtypes import at_least, seconds
+from epmoe.argtypes import at_least, given_flags, seconds
 from epmoe.outputs import run_main, writable_dir
 
 DEFAULT_SWEEP = Path(__file__).parent / "sweeps" / "deepseek-v3.toml"
@@ -125,23 +125,19 @@ def main(argv=None) -> int:
 RUN_ONLY = ("address", "run_steps", "run_timeout", "device")  # --run's options
 
 
-def _given(args, names) -> list[str]:
-    return ["--" + k.replace("_", "-") for k in names if getattr(args, k) is not None]
-
-
 def _check_modes(args) -> None:
     """Options of the other mode are refused, not ignored (a sweep given --profile h100 would
     otherwise be predicted with its file's gpus, silently)."""
     if args.sweep == "validate":
-        if given := _given(args, ("run", *RUN_ONLY)):
+        if given := given_flags(args, ("run", *RUN_ONLY)):
             raise ValueError(f"{', '.join(given)}: validate predicts the published tables; "
                              f"--run and its options apply to a sweep file")
         return
-    if given := _given(args, ("table", "profile")):
+    if given := given_flags(args, ("table", "profile")):
         raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
                          f"`python -m epmoe.sim validate`; a sweep file names its gpus "
                          f"(profiles) itself")
-    if args.run is None and (given := _given(args, RUN_ONLY)):
+    if args.run is None and (given := given_flags(args, RUN_ONLY)):
         raise ValueError(f"{', '.join(given)} need{'' if len(given) > 1 else 's'} --run GPU "
                          f"(which sweep rows to launch)")
 
