@@ -39,6 +39,24 @@ def pre_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=PRE_NORM_EPS)
 
 
+def run_layer(layer, x: torch.Tensor, routing=None, token_offset: int = 0):
+    """Layer l of a step on its residual rows x -> (its input h, its output, the next layer's
+    residual rows): the pre-norm, the forward and the residual add, the two between the
+    layers timed as the layer's stages "norm" and "residual" (on the layer's timer)."""
+    with layer.timer.stage("norm"):
+        h = pre_norm(x)
+    out = layer.forward(h, routing, token_offset=token_offset)
+    with layer.timer.stage("residual"):
+        return h, out, residual_add(x, out)
+
+
+def residual_add(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The next layer's residual rows: x + the layer's output. bf16 + bf16 adds in fp32 and
+    rounds once (torch's opmath): the bits of the explicit fp32 sum, in one kernel, not four
+    (bench.kernels "residual")."""
+    return torch.add(x, out).to(torch.bfloat16)
+
+
 # device timing (RunConfig.timing): the GPU is held for HOLD_FACTOR x the fastest issue time
 # of the steps so far (the first step: HOLD_FIRST_MS; never above HOLD_MAX_MS)
 HOLD_FACTOR, HOLD_FIRST_MS, HOLD_MAX_MS = 1.5, 20.0, 500.0
@@ -303,8 +321,7 @@ class Runtime:
             if self.world > 1 and want != gathered:
                 x, gathered = self._relayout(x, want), want
             r = routes[l]
-            h = pre_norm(x)
-            out = layer.forward(h, r, token_offset=run.token_offset(l, self.rank))
+            h, out, nxt = run_layer(layer, x, r, run.token_offset(l, self.rank))
             self.rebalancer.record(l, layer.last_routing.topk_ids_TK, layer.last_physical_ids)
             count_pairs_(self.load_LS[l], layer.last_physical_ids)
             count_pairs_(self.load_LE[l], layer.last_routing.topk_ids_TK)
@@ -316,9 +333,7 @@ class Runtime:
                                  routed=torch.tensor(r is None or by_id),
                                  tok=r.token_ids_T if by_id else None,
                                  phys=layer.last_physical_ids))
-            # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the bits of the
-            # explicit fp32 sum in one kernel, not four (bench.kernels "residual")
-            x = torch.add(x, out).to(torch.bfloat16)
+            x = nxt
         self.timer.layer = None
         return keep
 

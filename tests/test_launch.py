@@ -50,9 +50,11 @@ def test_ep1_in_process_summary_fields(tmp_path):
     assert len(c["per_layer"]) == TINY["layers"]
     t = s["timing"]
     assert t["step_ms_median"] > 0 and len(t["step_ms"]) == 2
-    for stage in ("router", "dispatch", "experts", "combine"):
+    for stage in ("norm", "router", "dispatch", "experts", "combine", "residual"):
         assert t["stages_ms"][stage] >= 0, t["stages_ms"]
-    assert t["stages_ms"]["experts"] > 0
+    assert t["stages_ms"]["experts"] > 0 and t["stages_ms"]["residual"] > 0
+    # the work between the layers is a stage of each layer
+    assert len(t["stages_ms_per_layer"]["norm"]) == TINY["layers"]
     w = s["world"]
     assert (w["ep"], w["dp"], w["tp"], w["backend"], w["device"], w["nodes"]) == \
         (1, 1, 1, "local", "cpu", 1)

@@ -39,7 +39,8 @@ def _check(path):
     assert prof.kernel("torch", "permute").calls == 0.0  # one call for all the rows
     # the layer's own stages (calibrate_layer.py): the local backend, the router, shared MLP
     for table, name in (("local", "dispatch"), ("local", "combine"),
-                        ("router", "sigmoid_grouped"), ("layer", "tail"), ("layer", "issue")):
+                        ("router", "sigmoid_grouped"), ("layer", "tail"), ("layer", "issue"),
+                        ("layer", "norm"), ("layer", "residual")):
         fit = prof.kernel(table, name)
         assert fit.prov.source == "measured" and "MoELayer.forward" in fit.prov.note
     # the CPU's host issues nothing ahead: no queued figures (those are CUDA's)

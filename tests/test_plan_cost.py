@@ -10,7 +10,7 @@ import pytest
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan.comm_cost import CommCase, dispatch_cost
-from epmoe.plan.cost import STAGES, Candidate, Workload, _aligned, predict_layer
+from epmoe.plan.cost import STAGES, TOP_STAGES, Candidate, Workload, _aligned, predict_layer
 from epmoe.plan.routing import (RoutingSpec, SlotMap, finite_max, hit_probability_uniform,
                                 routing_stats)
 from epmoe.plan.synthetic import SYN as SYN_PROV, synthetic_profile
@@ -181,8 +181,7 @@ def test_gemm_time_is_flops_over_the_curve():
     assert p.stages_us["experts.gemm1"] == pytest.approx(2 * rows * 256 * 256 / 100e6)
     assert p.stages_us["experts.gemm2"] == pytest.approx(2 * rows * 256 * 128 / 100e6)
     assert p.stages_us["experts"] >= p.stages_us["experts.gemm1"] + p.stages_us["experts.gemm2"]
-    assert p.total_us == pytest.approx(sum(p.stages_us[s] for s in (
-        "router", "dispatch", "experts", "combine", "shared", "all_reduce")))
+    assert p.total_us == pytest.approx(sum(p.stages_us[s] for s in TOP_STAGES))
 
 
 def test_tp_is_immune_to_skew_and_ep_is_not():
@@ -217,7 +216,8 @@ def test_shared_mlp_overlaps_on_cuda_only():
         assert p.overlap_shared is overlap and s["shared"] > 0
         routed = s["dispatch"] + s["experts"] + s["combine"]
         body = max(routed, s["shared"]) if overlap else routed + s["shared"]
-        assert p.total_us == pytest.approx(s["router"] + body + s["all_reduce"])
+        assert p.total_us == pytest.approx(s["norm"] + s["router"] + body + s["all_reduce"]
+                                           + s["residual"])
         # two dense GEMMs at 1 TFLOPS (the bandwidth kernels are ~free here)
         assert s["shared"] == pytest.approx(2 * 256 * (2 * 256 * 256 + 256 * 256) / 1e6, rel=1e-5)
 
@@ -311,3 +311,33 @@ def test_experts_no_token_picks_are_never_sampled_and_raise_no_warning():
         ids = _sample_topk(pop / pop.sum(), 6, 1, 1, 2000, ZeroDraws())
     assert ids.shape == (2000, 6) and int(ids.max()) < 40
     assert all(len(set(row)) == 6 for row in ids.tolist())
+
+
+def test_the_work_between_layers_runs_over_the_rows_each_rank_holds():
+    """The pre-norm and the residual add (runtime.run_layer) are stages of every layer: over
+    one rank's rows under ep_dp, over every rank's under the replicated forms; from the
+    profile's fit where it has one, else their bytes at HBM bandwidth, at least a launch."""
+    import dataclasses
+
+    from epmoe.plan.figures import AlphaBeta
+    from epmoe.plan.synthetic import SYN
+
+    prof = synthetic_profile(hbm_GBps=1000.0, launch_us=0.5)  # 1e6 bytes per us
+    w, d = Workload(CFG, BF16, 256), CFG.hidden
+    dp = predict_layer(Candidate("ep_dp", "deepep-ht", "triton"), w, topo(), prof).stages_us
+    tp = predict_layer(Candidate("tp", "local", "triton"), w, topo(), prof).stages_us
+    assert dp["norm"] == pytest.approx(0.5)  # 256 rows x 256 x 4 bytes: 0.26 us, a launch
+    assert dp["residual"] == pytest.approx(0.5)  # 0.39 us: a launch too
+    assert tp["norm"] == pytest.approx(4 * 256 * d * 4 / 1e6)  # the 4 ranks' rows: 1.05 us
+    assert tp["residual"] == pytest.approx(4 * 256 * d * 6 / 1e6)
+    big = predict_layer(Candidate("ep_dp", "deepep-ht", "triton"),
+                        Workload(CFG, BF16, 8192), topo(), prof)
+    assert big.stages_us["residual"] == pytest.approx(8192 * d * 6 / 1e6)
+    assert big.total_us == pytest.approx(sum(big.stages_us[s] for s in TOP_STAGES))
+    # a calibrated fit (bench.calibrate times them as the runtime runs them) stands in
+    kern = {**prof.kernels, "layer": {"norm": AlphaBeta(5.0, 100.0, SYN),
+                                      "residual": AlphaBeta(7.0, 1e6, SYN)}}
+    cal = dataclasses.replace(prof, kernels=kern)
+    st = predict_layer(Candidate("ep_dp", "deepep-ht", "triton"), w, topo(), cal).stages_us
+    assert st["norm"] == pytest.approx(5.0 + 256 * d * 4 / 100e3)
+    assert st["residual"] == pytest.approx(7.0 + 256 * d * 6 / 1e9)

@@ -4,7 +4,7 @@ construction; feasibility from the runtime's rules; plan files and LayerPlans.""
 import pytest
 
 from epmoe.config import MoEConfig, QuantConfig, get_preset
-from epmoe.plan.cost import Candidate
+from epmoe.plan.cost import TOP_STAGES, Candidate
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import feasible, plan_stack
@@ -72,8 +72,7 @@ def test_mixed_stack_charges_the_layout_transition():
     assert run.forms == ("ep_dp", "tp", "ep_dp") and run.layer_tokens(1) == 4 * 256
     one = p.layers[1].choice(256)
     assert one.predicted_us == pytest.approx(one.transition_us + sum(
-        one.stages_us[s] for s in ("router", "dispatch", "experts", "combine", "shared",
-                                   "all_reduce")))
+        one.stages_us[s] for s in TOP_STAGES if s != "relayout"))
     # an expensive transition keeps the stack in one form
     slow = synthetic_profile(tflops={"triton": 1.0}, all_reduce_GBps=10.0, collective_GBps=1.0)
     p = plan(slow, loads_LE=[uniform, skewed, uniform], num_layers=3)
@@ -145,8 +144,7 @@ def test_plan_file_round_trip_and_layer_plans(tmp_path):
     ms = q.stages_ms(256)
     assert ms["experts"] == pytest.approx(sum(e.choice(256).stages_us["experts"]
                                               for e in q.layers) / 1e3)
-    top = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
-    assert sum(ms[k] for k in top) == pytest.approx(q.step_us(256) / 1e3)
+    assert sum(ms[k] for k in TOP_STAGES) == pytest.approx(q.step_us(256) / 1e3)
     assert q.layers[0].choice(10**6) == c  # beyond the largest bucket: the largest
     path.write_text('{"schema": 1, "layers": []}')
     with pytest.raises(ValueError, match="malformed"):

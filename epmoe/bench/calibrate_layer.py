@@ -21,6 +21,8 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |
 |                                        | composed as the cost model does     |                |
 | kernels["layer"]["issue(.backend)"]    | the host's time to issue a forward  | output bytes   |
+| kernels["layer"]["norm" / "residual"]  | norm / residual (runtime.run_layer: | traffic.py     |
+|                                        | the work between two layers)        |                |
 | the quantize / local / router / tail   | the same stages, each forward       | as above       |
 | rows, permute / gather / act_quant as  | behind a device hold (launched      |                |
 | "<name>.queued", the overlapped mlp    | timing, CUDA), with the layer's     |                |
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import fully_beside
-from epmoe.plan.cost import layer_body_us
+from epmoe.plan.cost import BETWEEN, layer_body_us
 from epmoe.plan.profile import OVERLAPPED, QUEUED, AlphaBeta, GemmCurve, MlpCurve
 
 ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
@@ -112,19 +114,21 @@ def _stage_us(timer, reps: int) -> dict[str, float]:
 
 def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
                     hold=None) -> dict[str, float]:
-    """Stage times of `reps` forwards, and "forward": the median whole forward (us). hold (a
-    `DeviceSleep`, device timing): the GPU is held while the host issues each forward, as
-    `--timing device` runs a step (runtime.py's HOLD_* rule), so events time GPU work only."""
+    """Stage times of `reps` forwards, and "forward": the median whole forward (us). Each
+    forward is one layer of a runtime step (runtime.run_layer: the pre-norm and the residual
+    add around it, stages "norm" and "residual"). hold (a `DeviceSleep`, device timing): the
+    GPU is held while the host issues each forward, as `--timing device` runs a step
+    (runtime.py's HOLD_* rule), so events time GPU work only."""
     import time
 
     import torch
 
-    from epmoe.runtime import HOLD_FACTOR, HOLD_MAX_MS
+    from epmoe.runtime import HOLD_FACTOR, HOLD_MAX_MS, run_layer
 
     layer.overlap_shared = overlapped
     timer = layer.timer
     t0 = time.perf_counter()
-    layer.forward(x, routing)  # warm-up (compiles at a new shape)
+    run_layer(layer, x, routing)  # warm-up (compiles at a new shape)
     issue_ms = (time.perf_counter() - t0) * 1e3
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -139,7 +143,7 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             a.record()
-            layer.forward(x, routing)
+            run_layer(layer, x, routing)
             issued.append((time.perf_counter() - t0) * 1e3)
             issue_ms = min(issue_ms, issued[-1])
             b.record()
@@ -147,7 +151,7 @@ def _forward_stages(layer, x, routing, dev, reps: int, overlapped: bool,
             whole.append(a.elapsed_time(b) * 1e3)
         else:
             t0 = time.perf_counter()
-            layer.forward(x, routing)
+            run_layer(layer, x, routing)
             whole.append((time.perf_counter() - t0) * 1e6)
             issued.append(whole[-1] / 1e3)  # the CPU's forward is all host
     out = _stage_us(timer, reps)
@@ -367,6 +371,8 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
                        max(st["dispatch"] - q, 1e-3))
     fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
+    fits.add_point("layer", "norm" + sfx, tr.norm_bytes(n, d), st.get("norm"))
+    fits.add_point("layer", "residual" + sfx, tr.residual_bytes(n, d), st.get("residual"))
     if not queued:
         for name in ("issue", f"issue.{experts}"):  # pooled, per backend (torch: host syncs)
             fits.add_point("layer", name, n * d * 2.0, st.get("issue"))
@@ -385,6 +391,8 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
         src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
                "router": f"router stage ({name})",
                "layer": "the host's issue of a whole forward (median)" if name.startswith("issue")
+               else f"{name.split('.')[0]} stage around it (runtime.run_layer)"
+               if _between(table, name)
                else "whole forward minus its stages as the model composes them"}
         note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
         if name.endswith(QUEUED):
@@ -393,6 +401,12 @@ def finish(fits: LayerFits, clock, fit_ab) -> dict:
         calls = fits.calls.get((table, name), [0])
         out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
             f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
-            floor if table != "layer" and not name.endswith(OVERLAPPED) else 0.0,
+            floor if (table != "layer" or _between(table, name))
+            and not name.endswith(OVERLAPPED) else 0.0,
             statistics.fmean(calls) if all(calls) else 0.0)
     return out
+
+
+def _between(table: str, name: str) -> bool:
+    """A fit of a stage between two layers (cost.BETWEEN), kept in the "layer" table."""
+    return table == "layer" and name.split(".")[0] in BETWEEN

@@ -163,19 +163,21 @@ def bandwidth_rows(t: int, picks: dict, before: bool = True) -> list[dict]:
 
 def residual_rows(t: int, xb, before: bool) -> list[dict]:
     """Between two layers of the runtime's stack: the pre-norm (rms_norm of the residual) and
-    the residual add (bf16 in and out, fp32 sum), outside the timed stages."""
-    from epmoe.runtime import pre_norm
+    the residual add (bf16 in and out, fp32 sum): the runtime's "norm" and "residual" stages."""
+    from epmoe.plan.traffic import norm_bytes, residual_bytes
+    from epmoe.runtime import pre_norm, residual_add
 
     d, rows = xb.shape[1], []
     out = torch.randn_like(xb)
     ms = bench_ms(lambda: pre_norm(xb))
-    rows.append(mem_row("pre-norm rms_norm bf16", f"T={t} D={d}", ms, 2 * t * d * 2))
-    ms = bench_ms(lambda: torch.add(xb, out).to(torch.bfloat16))
-    rows.append(mem_row("residual add bf16 (fp32 opmath)", f"T={t} D={d}", ms, 3 * t * d * 2))
+    rows.append(mem_row("pre-norm rms_norm bf16", f"T={t} D={d}", ms, norm_bytes(t, d)))
+    ms = bench_ms(lambda: residual_add(xb, out))
+    rows.append(mem_row("residual add bf16 (fp32 opmath)", f"T={t} D={d}", ms,
+                        residual_bytes(t, d)))
     if before:
         ms = bench_ms(lambda: (xb.float() + out.float()).to(torch.bfloat16))
         rows.append(mem_row("before: residual add via fp32 copies", f"T={t} D={d}", ms,
-                            3 * t * d * 2))
+                            residual_bytes(t, d)))
     return rows
 
 

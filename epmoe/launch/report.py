@@ -26,9 +26,9 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-STAGE_ORDER = ["router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
-               "experts.gemm1", "experts.act_quant", "experts.gemm2", "experts.gather", "combine",
-               "shared", "all_reduce"]
+STAGE_ORDER = ["relayout", "norm", "router", "dispatch", "dispatch.quantize", "experts",
+               "experts.permute", "experts.gemm1", "experts.act_quant", "experts.gemm2",
+               "experts.gather", "combine", "shared", "all_reduce", "residual"]
 
 
 def run_host_op_us(reports: list[dict]) -> float | None:

@@ -7,7 +7,9 @@ memory per rank, for one (form, comm backend, experts kernel), token count and r
 
 Stage names are the runtime's StageTimer names (runtime.py, layer.py, experts/*, comm/*); a
 parent stage ("dispatch", "experts") includes its children ("dispatch.quantize", "experts.*"),
-and `total_us` sums the top-level stages, as a step does. "relayout" (the token-layout change
+and `total_us` sums the top-level stages, as a step does. "norm" and "residual" are the
+work between two layers (the pre-norm of the layer's input, the residual add of its output:
+runtime.py) over the residual rows this rank holds. "relayout" (the token-layout change
 entering a layer whose form differs from the previous one's) depends on the previous layer:
 0 here, set by the planner (planner.transition_us). Token semantics: `tokens` is one
 rank's batch (the data-parallel batch); the global batch is tokens x ranks, which the
@@ -38,10 +40,12 @@ from epmoe.plan.timeslice import base_slice_us, time_sliced
 from epmoe.plan.topology import Topology
 
 EXPERTS = ("torch", "triton", "deepgemm")
-TOP_STAGES = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce")
-STAGES = ("relayout", "router", "dispatch", "dispatch.quantize", "experts", "experts.permute",
-          "experts.gemm1", "experts.act_quant", "experts.gemm2", "experts.gather", "combine",
-          "shared", "all_reduce")
+TOP_STAGES = ("relayout", "norm", "router", "dispatch", "experts", "combine", "shared",
+              "all_reduce", "residual")
+STAGES = ("relayout", "norm", "router", "dispatch", "dispatch.quantize", "experts",
+          "experts.permute", "experts.gemm1", "experts.act_quant", "experts.gemm2",
+          "experts.gather", "combine", "shared", "all_reduce", "residual")
+BETWEEN = {"norm": 1, "residual": 1}  # the inter-layer stages and the kernels each launches
 COMM_STAGES = ("dispatch", "combine", "all_reduce")
 # GEMM row alignment per expert group: DeepGEMM's get_mk_alignment_for_contiguous_layout and
 # Triton's BLOCK_M on GPU (experts/*.py); masked kernels skip rows past the count per 64-row
@@ -147,7 +151,20 @@ def layer_body_us(s: dict, overlap_shared: bool) -> float:
     routed = s.get("dispatch", 0.0) + s.get("experts", 0.0) + s.get("combine", 0.0)
     shared = s.get("shared", 0.0)
     body = max(routed, shared) if overlap_shared else routed + shared
-    return s.get("relayout", 0.0) + s.get("router", 0.0) + body + s.get("all_reduce", 0.0)
+    between = s.get("norm", 0.0) + s.get("residual", 0.0)
+    return s.get("relayout", 0.0) + s.get("router", 0.0) + body + s.get("all_reduce", 0.0) \
+        + between
+
+
+def between_us(prof: HardwareProfile, stage: str, rows: float, d: int) -> float:
+    """An inter-layer stage ("norm" or "residual") over `rows` bf16 residual rows of width d:
+    the profile's fit (kernels["layer"][stage], timed as the runtime runs it) when it has
+    one, else its bytes at HBM bandwidth, at least its kernel launches."""
+    nbytes = (tr.norm_bytes if stage == "norm" else tr.residual_bytes)(rows, d)
+    fit = prof.most_specific("layer", stage)
+    if fit is not None:
+        return fit.time_us(nbytes)
+    return max(nbytes / (prof.fig("hbm_GBps") * 1e3), launch_us(prof, BETWEEN[stage]))
 
 
 def _tail_us(cfg: MoEConfig, prof: HardwareProfile, n: int, experts: str) -> float:
@@ -173,6 +190,8 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     case = CommCase(cfg, quant, topo, prof, stats, n_rep if cand.backend == "local" else t,
                     work.max_tokens or t, work.comm_sms, work.reuse_layout, cand.experts)
     st: dict[str, float] = {"router": _router_us(cfg, prof, n_rep)}
+    for stage in BETWEEN:  # the residual rows: every rank's under the replicated forms
+        st[stage] = between_us(prof, stage, n_rep, cfg.hidden)
     disp = dispatch_cost(cand.backend, case)
     st["dispatch"], st["dispatch.quantize"] = disp.us, disp.quantize_us
     # rows into the experts on the hottest rank: tokens n_in, (token, expert) pairs

@@ -30,7 +30,8 @@ import math
 
 # the layer's stages in the order a CPU rank runs them (layer.py: no side stream on CPU);
 # "tail" is the layer's measured remainder after its stages (cost._tail_us)
-ORDER = ("relayout", "router", "dispatch", "experts", "combine", "shared", "all_reduce", "tail")
+ORDER = ("relayout", "norm", "router", "dispatch", "experts", "combine", "shared", "all_reduce",
+         "tail", "residual")
 EXPERT_STAGES = ("experts.permute", "experts.gemm1", "experts.act_quant", "experts.gemm2",
                  "experts.gather")
 

@@ -84,6 +84,18 @@ def local_combine_bytes(n_tokens: float, d: int) -> float:
     return n_tokens * d * 6.0
 
 
+def norm_bytes(n_rows: float, d: int) -> float:
+    """The pre-norm between two layers (runtime.pre_norm): bf16 residual rows read, bf16
+    normalized rows written."""
+    return n_rows * d * 4.0
+
+
+def residual_bytes(n_rows: float, d: int) -> float:
+    """The residual add after a layer (runtime.residual_add): two bf16 rows read, one
+    written."""
+    return n_rows * d * 6.0
+
+
 def router_bytes(n_tokens: float, d: int, num_experts: int) -> float:
     """The router: bf16 token rows read, fp32 logits written and read back for the top-k."""
     return n_tokens * (2.0 * d + 8.0 * num_experts)
