@@ -160,6 +160,22 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     other combination dequantizes to fp32 and quantizes with the recipe (gpt-oss's MXFP4
     experts loaded with w4a8_mxfp4 come back with the same values: a power-of-two rescale).
     """
+    ckpt, nm, cl = _located(path, naming, cfg, quant, layer, ckpt_layer, inter_slice)
+    experts = _experts(ckpt, nm, cl, cfg, quant, list(expert_ids), inter_slice, device)
+    return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device,
+                         layer in cfg.hash_layers)
+
+
+def load_experts(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig, layer: int,
+                 expert_ids, ckpt_layer: int | None = None, inter_slice=None,
+                 device=None) -> ExpertWeights:
+    """`load_layer`'s routed experts only (no router, no shared MLP read)."""
+    ckpt, nm, cl = _located(path, naming, cfg, quant, layer, ckpt_layer, inter_slice)
+    return _experts(ckpt, nm, cl, cfg, quant, list(expert_ids), inter_slice, device)
+
+
+def _located(path, naming, cfg, quant, layer, ckpt_layer, inter_slice):
+    """(the open checkpoint, its names for layer `layer`, the checkpoint's layer index)."""
     ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
     hf = ckpt.config
     if naming is None:
@@ -177,16 +193,17 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     quant.check_shapes(cfg, inter_slice[1] if inter_slice else None)
     cl = layer if ckpt_layer is None else ckpt_layer
     nm = stored(located(NAMINGS[naming], ckpt.has, cl), ckpt.has, cl)
-    g_name, u_name, d_name = nm["proj"]
-    ids = list(expert_ids)
     if cfg.expert_bias and nm.get("fused") != "gpt_oss":
         raise ValueError(f"config {cfg.name!r} has expert biases; naming {naming!r} stores "
                          f"none (gpt-oss checkpoints: naming 'gpt_oss')")
-    if nm.get("fused"):
-        experts = fused_experts(ckpt, nm, cfg, quant, cl, ids, inter_slice, device)
-        return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
-                             device, layer in cfg.hash_layers)
+    return ckpt, nm, cl
 
+
+def _experts(ckpt, nm, cl, cfg, quant, ids, inter_slice, device) -> ExpertWeights:
+    """The routed experts `ids` of checkpoint layer cl."""
+    g_name, u_name, d_name = nm["proj"]
+    if nm.get("fused"):
+        return fused_experts(ckpt, nm, cfg, quant, cl, ids, inter_slice, device)
     keep_fp8 = quant.recipe == "fp8_block" and quant.scale_fmt == "fp32" and inter_slice is None
     if keep_fp8 and ids:
         raw = [[_load_fp8_proj(ckpt, nm["expert"].format(l=cl, e=e), p)
@@ -201,11 +218,7 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
             check_shape(w2.shape, (len(ids), cfg.hidden, cfg.moe_intermediate), "experts' down")
             experts = ExpertWeights(QWeight(w13, s13, "fp8_block"), QWeight(w2, s2, "fp8_block"),
                                     torch.as_tensor(ids, dtype=torch.long))
-            if device is not None:
-                experts = experts.to(device)
-            return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared,
-                                 device, layer in cfg.hash_layers)
-
+            return experts if device is None else experts.to(device)
     w13s, w2s = [], []
     for e in ids:
         a, b = slice_inter(*_load_w13(ckpt, nm["expert"].format(l=cl, e=e), nm["proj"]),
@@ -217,9 +230,7 @@ def load_layer(path: str, naming: str | None, cfg: MoEConfig, quant: QuantConfig
     w2 = torch.stack(w2s) if ids else torch.zeros(0, cfg.hidden, n_i)
     check_shape(w13.shape, (len(ids), 2 * n_i, cfg.hidden), "experts' gate/up")
     check_shape(w2.shape, (len(ids), cfg.hidden, n_i), "experts' down")
-    experts = build_expert_weights(w13, w2, quant, ids, device)
-    return _finish_layer(ckpt, nm, cfg, quant, cl, experts, shared_slice, with_shared, device,
-                         layer in cfg.hash_layers)
+    return build_expert_weights(w13, w2, quant, ids, device)
 
 
 def _hash_table(ckpt, nm, cfg, cl) -> torch.Tensor:

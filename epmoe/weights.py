@@ -294,6 +294,17 @@ def layer_weights(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, exp
                       shared_slice=shared_slice, with_shared=with_shared, device=device)
 
 
+def expert_weights(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int, expert_ids,
+                   device=None, checkpoint=None) -> ExpertWeights:
+    """`layer_weights`' routed experts only, whole (no router or shared MLP built or read)."""
+    if checkpoint is None:
+        return _synthetic_experts(cfg, quant, layer, seed, expert_ids, cfg.moe_intermediate,
+                                  None, device)
+    from epmoe.checkpoint import load_experts
+
+    return load_experts(checkpoint, None, cfg, quant, layer, expert_ids, device=device)
+
+
 def dequantized_full_layer(cfg: MoEConfig, quant: QuantConfig, layer: int, seed: int) -> Oracle:
     """Everything the float64 oracle needs (`reference.Oracle`): dequantized weights exactly as
     the ranks hold them (quantized per expert, whole), and the biases."""

@@ -175,3 +175,21 @@ def test_the_oracle_on_a_gpu_agrees_with_the_host(seed):
             print(f"{quant.recipe} layer {check.layer}: host vs GPU oracle {diff:.1e}")
             assert diff < bound, (quant.recipe, check.layer, diff)
             assert gpu.router["agreement"] == host.router["agreement"]
+
+
+def test_the_lazy_oracle_builds_the_router_once(monkeypatch, seed):
+    """Synthetic weights: each touched expert is generated alone (the same values as the whole
+    layer's), the router once at construction, not again per expert."""
+    import epmoe.weights as wt
+    from epmoe.launch.oracle import LazyOracleLayer
+
+    run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), tokens=4,
+                    layers=2, seed=seed)
+    whole = wt.dequantized_full_layer(run.cfg, run.quant, 1, seed)
+    routers, real = [], wt.synthetic_router
+    monkeypatch.setattr(wt, "synthetic_router", lambda *a, **kw: routers.append(a[1]) or
+                        real(*a, **kw))
+    lazy = LazyOracleLayer(run, 1)
+    for e in (0, 5, 5, 11):
+        assert torch.equal(lazy.w13[e], whole.w13[e]) and torch.equal(lazy.w2[e], whole.w2[e])
+    assert torch.equal(lazy.gate, whole.gate) and routers == [1]

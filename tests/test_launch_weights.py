@@ -109,3 +109,30 @@ def test_a_checkpoint_that_does_not_fit_is_exit_2_before_any_rank(ckpt, tmp_path
     rc, _ = _run(tmp_path, *argv)
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and re.search(msg, err), err
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+def test_the_oracle_reads_each_expert_alone_and_the_router_once(ckpt, monkeypatch, quant):
+    """The lazy oracle reads one expert at a time (load_experts: the layer's experts only, the
+    same values as load_layer's) and the router once, not again per expert."""
+    import epmoe.checkpoint as ck
+    from epmoe.launch.oracle import LazyOracleLayer
+    from epmoe.quant import dequantize_weight
+
+    folder, _ = ckpt
+    run = build_run(parser().parse_args(["--weights", str(folder), "--tokens", "4",
+                                         "--quant", quant]))
+    whole = ck.load_layer(str(folder), None, run.cfg, run.quant, 1, range(16))
+    reads, real = [], ck._finish_layer
+
+    def counted(*a, **kw):
+        reads.append(a[5].expert_ids_E.tolist())  # the experts it finishes a layer with
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ck, "_finish_layer", counted)
+    lazy = LazyOracleLayer(run, 1)
+    for e in (3, 9, 3, 15):
+        assert torch.equal(lazy.w13[e], dequantize_weight(whole.experts.w13)[e].double())
+        assert torch.equal(lazy.w2[e], dequantize_weight(whole.experts.w2)[e].double())
+    assert torch.equal(lazy.gate, whole.gate_ED.double())
+    assert reads == [[]]  # the router (with no experts) read once, at construction

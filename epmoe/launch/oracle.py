@@ -21,7 +21,7 @@ from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.plan.run import RunConfig
 from epmoe.reference import (Oracle, max_rel_err, reference_hash_route, reference_moe,
                              reference_route, tolerance)
-from epmoe.weights import layer_to_oracle, layer_weights
+from epmoe.weights import expert_weights, layer_to_oracle, layer_weights
 
 # Beyond this many oracle FLOPs the check covers a prefix of each rank's tokens.
 MAX_CHECK_TOKENS_PER_RANK = 64
@@ -70,9 +70,8 @@ class LazyOracleLayer:
             from epmoe.quant import dequantize_weight
 
             self._cache.clear()
-            ex = layer_weights(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
-                               with_shared=False, checkpoint=self.ckpt,
-                               device=self.device).experts
+            ex = expert_weights(self.run.cfg, self.run.quant, self.layer, self.run.seed, [e],
+                                device=self.device, checkpoint=self.ckpt)
 
             def first(t):
                 return None if t is None else t[0].double()
