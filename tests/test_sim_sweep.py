@@ -72,6 +72,18 @@ def test_a_config_json_beside_the_sweep_file_is_its_model(tmp_path, monkeypatch)
     ('{"candidates": ["ep_dp/deepep"]}', "form/backend/experts"),
     ('{"model": "nope"}', "unknown preset"),
     ("{not json", "is not JSON"),
+    ('{"gpus": []}', "sweep gpus ([]) must be profile names"),
+    ('{"gpus": [3]}', "sweep gpus ([3]) must be profile names"),
+    ('{"ep": [true]}', "sweep ep ([True]) must be ints >= 1"),
+    ('{"tokens": [1.5]}', "sweep tokens ([1.5]) must be ints >= 1"),
+    ('{"redundant_per_rank": [-1]}', "sweep redundant_per_rank ([-1]) must be ints >= 0"),
+    ('{"redundant_per_rank": ["a"]}', "must be ints >= 0"),
+    ('{"gpus_per_node": 0}', "sweep gpus_per_node ({'default': 0}) must be ints >= 1"),
+    ('{"gpus_per_node": {"h200": "x"}}', "sweep gpus_per_node ({'h200': 'x'})"),
+    ('{"model": 5}', "sweep model (5) must be a string"),
+    ('{"name": 3}', "sweep name (3) must be a string"),
+    ('{"model": "deepseek-v3-tiny", "routing": [5, 1]}',  # a load vector, flat: 2 specs
+     "a recorded load has one entry per expert (16), it has 1"),
 ])
 def test_bad_sweep_exits_2(tmp_path, capsys, text, msg):
     f = tmp_path / "bad.json"

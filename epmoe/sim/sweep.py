@@ -66,7 +66,7 @@ class Sweep:
                 kw[k] = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         g = kw.get("gpus_per_node")
         if g is not None and not isinstance(g, dict):
-            kw["gpus_per_node"] = {"default": int(g)}
+            kw["gpus_per_node"] = {"default": g}
         s = cls(**kw)
         s.check()
         return s
@@ -83,13 +83,27 @@ class Sweep:
         return cls.from_dict(d)
 
     def check(self) -> None:
-        get_preset(self.model)
-        if not self.ep or any(not isinstance(e, int) or e < 1 for e in self.ep):
-            raise ValueError(f"sweep ep ({self.ep}) must be positive ints")
-        if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
-            raise ValueError(f"sweep tokens ({self.tokens}) must be positive ints")
+        for key in ("name", "model"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ValueError(f"sweep {key} ({getattr(self, key)!r}) must be a string")
+        cfg = get_preset(self.model)
+        if not self.gpus or any(not isinstance(g, str) or not g for g in self.gpus):
+            raise ValueError(f"sweep gpus ({list(self.gpus)}) must be profile names (h200, "
+                             f"b200, ...), at least one")
+        for key, low in (("ep", 1), ("tokens", 1), ("redundant_per_rank", 0)):
+            v = getattr(self, key)
+            if not v or any(not _is_int(x) or x < low for x in v):
+                raise ValueError(f"sweep {key} ({list(v)}) must be ints >= {low}, at least one")
+        bad = {g: n for g, n in self.gpus_per_node.items() if not _is_int(n) or n < 1}
+        if bad:
+            raise ValueError(f"sweep gpus_per_node ({bad}) must be ints >= 1 (an int, or a "
+                             f"table of GPU name -> GPUs per node with an optional default)")
         for r in self.routing:
-            RoutingSpec.parse(r)
+            spec = RoutingSpec.parse(r)
+            if spec.kind == "load" and len(spec.load) != cfg.num_experts:
+                raise ValueError(f"sweep routing {r!r}: a recorded load has one entry per "
+                                 f"expert ({cfg.num_experts}), it has {len(spec.load)}; routing "
+                                 f"is a list of specs (a load vector is one list inside it)")
         for c in self.candidates:
             _candidate(c)
         if self.scope not in ("model", "runtime"):
@@ -106,6 +120,10 @@ class Sweep:
     def node_size(self, gpu: str, ep: int) -> int:
         cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
         return max(d for d in range(1, min(cap, ep) + 1) if ep % d == 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _candidate(text: str) -> Candidate:
@@ -222,12 +240,12 @@ def _infeasible(point: dict, rejected, kind: str = "pick") -> dict:
 
 def table(rows: list[dict]) -> str:
     """80 columns: one line per row."""
-    head = (f"{'gpu':<6}{'ep':>4}{'nod':>4}{'tok':>5} {'routing':<9}{'red':>4} "
+    head = (f"{'gpu':<6}{'ep':>4} {'nod':>3} {'tok':>5} {'routing':<8}{'red':>4} "
             f"{'choice':<25}{'step ms':>8}{'comm':>5}{'rdma MB':>8}")
     out = [head, "-" * 80]
-    for r in rows:
-        lead = (f"{r['gpu'][:6]:<6}{r['ep']:>4}{r['nodes']:>4}{r['tokens']:>5} "
-                f"{r['routing'][:9]:<9}{r['redundant']:>4} ")
+    for r in rows:  # (numbers too wide for their column push the line, never merge)
+        lead = (f"{r['gpu'][:6]:<6}{r['ep']:>4} {r['nodes']:>3} {r['tokens']:>5} "
+                f"{r['routing'][:8]:<8}{r['redundant']:>4} ")
         if r["kind"] == "infeasible":
             what = "infeasible: see below" if r["choice"] == "-" else "=" + r["choice"]
             out.append(f"{lead}{what[:25]:<25}{'-':>8}{'-':>5}{'-':>8}")
