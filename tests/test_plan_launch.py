@@ -137,6 +137,10 @@ MIXED = (("ep_dp", "all2all", "torch"), ("tp", "local", "torch"), ("ep", "local"
      r"has 16 expert slots but the run has 18"),
     ("no-dp", ["--no-dp"], r"--plan .* decides the forms: drop --no-dp"),
     ("missing", [], r"does not exist; write one with python -m epmoe.plan"),
+    ("bucket", [], r"plan file .*: layer 0's buckets \[-1\] must be tokens >= 1, ascending"),
+    ("tokens", [], r"plan file .*: malformed: missing or bad invalid literal for int\(\)"),
+    ("few slots", [], r"has 7 expert slots but the run has 16 .*: fewer than the model's 16 "
+                      r"experts: plan again"),
 ])
 def test_bad_plan_file_exits_2_before_any_worker(tmp_path, capsys, case, flags, match):
     path = tmp_path / "plan.json"
@@ -151,6 +155,10 @@ def test_bad_plan_file_exits_2_before_any_worker(tmp_path, capsys, case, flags, 
         d["layers"][1]["choices"][0]["form"] = "dp"
     if case == "schema":
         d["schema"] = 7
+    if case in ("bucket", "tokens"):
+        d["layers"][0]["choices"][0]["tokens"] = -1 if case == "bucket" else "x"
+    if case == "few slots":
+        d["num_slots"] = 7
     path.write_text(json.dumps(d) if case != "not json" else "{oops")
     if case == "missing":
         path = tmp_path / "absent.json"

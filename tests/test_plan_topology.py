@@ -69,3 +69,20 @@ def test_cpu_ranks_sharing_cores():
     assert Topology.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match=r"cores_per_node \(-1\) must be an int >= 0"):
         Topology.parse("1x2", gpu="cpu", cores_per_node=-1)
+
+
+@pytest.mark.parametrize("d,msg", [
+    ({"num_nodes": 1.5, "gpus_per_node": 8}, r"num_nodes \(1.5\) must be a positive int"),
+    ({"num_nodes": True, "gpus_per_node": 8}, r"num_nodes \(True\) must be a positive int"),
+    ({"num_nodes": 1, "gpus_per_node": "x"}, r"gpus_per_node \('x'\) must be a positive int"),
+    ({"num_nodes": 1, "gpus_per_node": 2, "links": {"nvlink": {"GBps": "fast"}}},
+     r"link 'nvlink': GBps and latency_us must be numbers, got \['fast', 0.0\]"),
+    ({"num_nodes": 1, "gpus_per_node": 2, "node_of_rank": [0, 0.0]},
+     r"node_of_rank \(\[0, 0.0\]\) must be node indices"),
+    ([1, 2], r"a topology is an object with .*, got list"),
+])
+def test_a_topology_file_is_taken_as_written_or_refused(d, msg):
+    """A count is never rounded (1.5 nodes, true) and a bad field is named, not a bare
+    int() / float() error."""
+    with pytest.raises(ValueError, match=msg):
+        Topology.from_dict(d)

@@ -389,10 +389,12 @@ def check_plan_file(plan: Plan, run: RunConfig, ctx: Planning, path: str) -> Non
                          f"not run); write it with python -m epmoe.plan --scope runtime")
     slots = run.cfg.num_experts + run.redundant_experts
     if plan.num_slots != slots:
+        extra = plan.num_slots - run.cfg.num_experts
+        fix = f"plan with --redundant-experts {run.redundant_experts} or give " \
+              f"--redundant-experts {extra} here" if extra >= 0 else \
+              f"fewer than the model's {run.cfg.num_experts} experts: plan again"
         raise ValueError(f"plan file {path!r} has {plan.num_slots} expert slots but the run has "
-                         f"{slots} (experts + --redundant-experts): plan with "
-                         f"--redundant-experts {plan.num_slots - run.cfg.num_experts} or match "
-                         f"it here")
+                         f"{slots} (experts + --redundant-experts): {fix}")
     topo = Topology.parse(f"1x{run.world}", ctx.topology.gpu) if not ctx.given_topology \
         else ctx.topology
     arch = int(ctx.profile.fig("sm_arch"))

@@ -70,6 +70,10 @@ def build(args) -> tuple[Plan, list[str]]:
     quant = QuantConfig(recipe, args.scale_fmt or default_scale_fmt(recipe, prof.fig("sm_arch")))
     gpu = prof.gpu if prof.gpu in LINK_SPECS else "h200"
     topo = Topology.resolve(args.topology, gpu)
+    if topo.gpu != prof.gpu:
+        notes += textwrap.wrap(f"note: the topology's GPU ({topo.gpu}) is not the profile's "
+                               f"({prof.gpu}): links from the topology, the rest from profile "
+                               f"{prof.name} (--profile to choose)", 80, subsequent_indent="  ")
     try:
         buckets = [int(x) for x in str(args.tokens).split(",") if x.strip()]
     except ValueError:

@@ -157,14 +157,21 @@ class Plan:
             plan = cls(d["model"], QuantConfig(**d["quant"]), dict(d["topology"]), d["profile"],
                        int(d["num_slots"]), tuple(int(b) for b in d["buckets"]), layers,
                        d.get("scope", "runtime"))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"plan file is malformed: missing or bad {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed: missing or bad {exc}") from None
         for e in plan.layers:
             if not e.choices:
-                raise ValueError(f"plan layer {e.layer} has no choices: one per bucket needed")
+                raise ValueError(f"layer {e.layer} has no choices: one per bucket needed")
+            buckets = [b for b, _ in e.choices]
+            if buckets[0] < 1 or any(a >= b for a, b in zip(buckets, buckets[1:])):
+                raise ValueError(f"layer {e.layer}'s buckets {buckets} must be tokens >= 1, "
+                                 f"ascending")
         return plan
 
     @classmethod
     def load(cls, path) -> "Plan":
-        return cls.from_dict(read_doc(path, "plan file", f"; write one with python -m "
-                                                         f"epmoe.plan --out {path}"))
+        d = read_doc(path, "plan file", f"; write one with python -m epmoe.plan --out {path}")
+        try:
+            return cls.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"plan file {path!r}: {exc}") from None

@@ -191,6 +191,9 @@ class Topology:
     def from_dict(cls, d: Mapping) -> "Topology":
         known = {"num_nodes", "gpus_per_node", "gpu", "intra", "links", "node_of_rank",
                  "cores_per_node"}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a topology is an object with {sorted(known)}, got "
+                             f"{type(d).__name__}")
         extra = set(d) - known
         if extra:
             raise ValueError(f"topology has unknown keys {sorted(extra)}; allowed: "
@@ -204,13 +207,19 @@ class Topology:
             if not isinstance(v, Mapping) or "GBps" not in v:
                 raise ValueError(f"topology link {k!r} must be an object with 'GBps' and "
                                  f"'latency_us', got {v!r}")
-            links[k] = Link(k, float(v["GBps"]), float(v.get("latency_us", 0.0)),
-                            str(v.get("source", "given")))
+            nums = [v["GBps"], v.get("latency_us", 0.0)]
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in nums):
+                raise ValueError(f"topology link {k!r}: GBps and latency_us must be numbers, "
+                                 f"got {nums}")
+            links[k] = Link(k, float(nums[0]), float(nums[1]), str(v.get("source", "given")))
         gpu = str(d.get("gpu", "h200"))
-        return cls(int(d["num_nodes"]), int(d["gpus_per_node"]), gpu,
-                   d.get("intra", "tcp" if gpu.lower() == "cpu" else "nvlink"), links,
-                   tuple(int(n) for n in d.get("node_of_rank", ())),
-                   int(d.get("cores_per_node", 0)))
+        ranks = tuple(d.get("node_of_rank", ()))
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in ranks):
+            raise ValueError(f"topology node_of_rank ({list(ranks)}) must be node indices")
+        # the counts as given: __post_init__ refuses what is not a positive int (1.5, true)
+        return cls(d["num_nodes"], d["gpus_per_node"], gpu,
+                   d.get("intra", "tcp" if gpu.lower() == "cpu" else "nvlink"), links, ranks,
+                   d.get("cores_per_node", 0))
 
     @classmethod
     def from_json(cls, path) -> "Topology":
