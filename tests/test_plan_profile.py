@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from epmoe.config import QuantConfig
-from epmoe.plan.profile import (SOURCES, GemmCurve, LinkFit, Provenance, load_profile,
-                                shipped_profiles, to_dict)
+from epmoe.plan.profile import (SOURCES, GemmCurve, LinkFit, Provenance, from_dict,
+                                load_profile, shipped_profiles, to_dict)
 from epmoe.plan.specs import build_profiles
 
 GPUS = ("h100", "h800", "h20", "h200", "b200", "gb200")
@@ -323,3 +323,37 @@ def test_at_host_speed_scales_the_host_time_only():
             assert s.at_host_speed(1 / f).kernel("router", "softmax") == \
                 prof.kernel("router", "softmax")
     assert prof.at_host_speed(0.4).kernel("router", "softmax").floor_us == 90.0
+
+
+def _mutated(path: list, value):
+    import copy
+
+    d = copy.deepcopy(to_dict(load_profile("h200")))
+    at = d
+    for k in path[:-1]:
+        at = at[k] if not isinstance(at, list) else at[int(k)]
+    at[path[-1]] = value
+    return d
+
+
+@pytest.mark.parametrize("path,value,msg", [
+    (["device", "hbm_GBps", "value"], 0.0, r"device figure hbm_GBps \(0.0\) must be finite "
+                                           r"and > 0"),
+    (["device", "sms", "value"], float("nan"), r"device figure sms \(nan\) must be finite"),
+    (["device", "launch_us", "value"], -5, r"device figure launch_us \(-5.0\) must be finite "
+                                           r"and >= 0"),
+    (["kernels", "triton", "permute", "beta_GBps"], 0, r"kernel fit beta_GBps \(0.0\) must be a "
+                                                       r"finite number > 0 \(.+\)"),
+    (["kernels", "triton", "permute", "alpha_us"], -1, r"kernel fit alpha_us \(-1.0\)"),
+    (["comm", "deepep-ht", "nvlink", "dispatch", "beta_GBps"], -1,
+     r"link fit beta_GBps \(-1.0\) must be a finite number > 0"),
+    (["comm", "deepep-ht", "nvlink", "dispatch", "sms"], 0, r"link fit sms \(0\) must be an int"),
+    (["gpu"], 5, r"gpu \(5\) must be a GPU kind"),
+])
+def test_a_profile_with_a_figure_no_machine_has_is_refused(path, value, msg):
+    """Every figure is checked where it is made: a zero bandwidth was a ZeroDivisionError in
+    the cost model, a negative one a negative predicted time, NaN a table of nan."""
+    with pytest.raises(ValueError, match=r"profile 'h200': " + msg):
+        from_dict(_mutated(path, value))
+    with pytest.raises(ValueError, match="a profile is a JSON object, got list"):
+        from_dict([1])

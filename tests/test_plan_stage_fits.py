@@ -126,8 +126,9 @@ def test_layer_tail_adds_to_the_total_only_when_measured():
     assert p.tail_us == pytest.approx(want)
     assert p.total_us == pytest.approx(base.total_us + want)
     assert p.stages_us == base.stages_us  # a term of the total, not a stage
-    neg = prof.replace(kernels={**prof.kernels, "layer": {"tail": AlphaBeta(-1e6, 1e9, M)}})
-    assert predict_layer(LOCAL, work, ONE, neg).tail_us == 0.0
+    with pytest.raises(ValueError, match=r"alpha_us \(-1000000.0\) must be a finite number "
+                                         r">= 0"):  # a fit never predicts a negative time
+        AlphaBeta(-1e6, 1e9, M)
 
 
 def test_dispatch_quantize_reads_the_experts_backends_own_fit():

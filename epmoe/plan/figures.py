@@ -63,6 +63,12 @@ class AlphaBeta:
     floor_us: float = 0.0
     calls: float = 0.0
 
+    def __post_init__(self):
+        _check(self, "alpha_us", self.alpha_us, 0.0, "kernel fit")
+        _check(self, "beta_GBps", self.beta_GBps, None, "kernel fit")
+        _check(self, "floor_us", self.floor_us, 0.0, "kernel fit")
+        _check(self, "calls", self.calls, 0.0, "kernel fit")
+
     def time_us(self, nbytes: float, calls: float = 0.0) -> float:
         s = calls / self.calls if self.calls > 0 and calls > 0 else 1.0
         return max(self.floor_us * s, self.alpha_us * s + nbytes / (self.beta_GBps * 1e3))
@@ -92,6 +98,17 @@ class LinkFit:
     count_us: float = 0.0
     peer_us: float = 0.0
 
+    def __post_init__(self):
+        for name, low in (("alpha_us", 0.0), ("beta_GBps", None), ("link_GBps", None),
+                          ("count_us", 0.0), ("peer_us", 0.0)):
+            _check(self, name, getattr(self, name), low, "link fit")
+        if self.per_sm_GBps is not None:
+            _check(self, "per_sm_GBps", self.per_sm_GBps, None, "link fit")
+        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
+                                     or self.sms < 1):
+            raise ValueError(f"link fit sms ({self.sms!r}) must be an int >= 1 or null "
+                             f"({self.prov.note[:60]})")
+
     def alpha_at(self, world: int) -> float:
         """The fixed cost per call in a world of `world` ranks."""
         return self.alpha_us + self.peer_us * max(0, world - 2)
@@ -104,6 +121,16 @@ class LinkFit:
         """What `sms` SMs (default: self.sms) copy per second, or None: not SM-driven."""
         n = self.sms if sms is None else sms
         return None if self.per_sm_GBps is None or n is None else n * self.per_sm_GBps
+
+
+def _check(obj, name: str, v: float, low: float | None, what: str) -> None:
+    """v finite and >= low (None: > 0), else a ValueError naming the figure and its source."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+        v > 0 if low is None else v >= low)
+    if not ok:
+        need = "> 0" if low is None else f">= {low:g}"
+        raise ValueError(f"{what} {name} ({v!r}) must be a finite number {need} "
+                         f"({obj.prov.note[:60]})")
 
 
 def _points(points, what: str, x: str, y: str) -> tuple[tuple[float, float], ...]:

@@ -43,6 +43,10 @@ from epmoe.plan.figures import (COLLECTIVES, DEVICE_FIGURES, HOST_OP, HOST_PREFI
                                 AlphaBeta, Figure, GemmCurve, LinkFit, MlpCurve, Provenance,
                                 Source)
 
+# device figures that must be > 0 (counts, rates, sizes); the others >= 0 (a CPU's sm_arch 0)
+POSITIVE_FIGURES = ("sms", "hbm_GBps", "hbm_GiB", "peak_tflops_fp8", "peak_tflops_bf16",
+                    "peak_tflops_fp32")
+
 __all__ = ["COLLECTIVES", "DEVICE_FIGURES", "HOST_OP", "KERNELS", "LOCAL_KERNELS", "OVERLAPPED",
            "QUEUED", "SCHED_SLICE", "SCHEMA", "SOURCES", "AlphaBeta", "Figure", "GemmCurve",
            "HardwareProfile", "LinkFit", "MlpCurve", "Provenance", "Source", "from_dict",
@@ -68,6 +72,13 @@ class HardwareProfile:
         missing = [f for f in DEVICE_FIGURES if f not in self.device]
         if missing:
             raise ValueError(f"profile {self.name!r} lacks device figures {missing}")
+        if not isinstance(self.gpu, str) or not self.gpu:
+            raise ValueError(f"profile {self.name!r}: gpu ({self.gpu!r}) must be a GPU kind")
+        for k, f in self.device.items():  # counts and rates > 0; the rest >= 0 (CPU: sm_arch 0)
+            v, pos = f.value, k in POSITIVE_FIGURES
+            if not (math.isfinite(v) and (v > 0 if pos else v >= 0)):
+                raise ValueError(f"profile {self.name!r}: device figure {k} ({v}) must be "
+                                 f"finite and {'> 0' if pos else '>= 0'}")
         object.__setattr__(self, "gemm", tuple(self.gemm))
         object.__setattr__(self, "mlp", tuple(self.mlp))
 
@@ -249,6 +260,8 @@ def _linkfit(d) -> LinkFit:
 
 
 def from_dict(d: Mapping) -> HardwareProfile:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a profile is a JSON object, got {type(d).__name__}")
     if d.get("schema") != SCHEMA:
         raise ValueError(f"profile schema {d.get('schema')!r} is not {SCHEMA}; regenerate it "
                          f"with python -m epmoe.bench.calibrate")
@@ -277,6 +290,9 @@ def from_dict(d: Mapping) -> HardwareProfile:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"profile {d.get('name', '?')!r} is malformed: missing or bad "
                          f"{exc}") from None
+    except ValueError as exc:
+        head = f"profile {d.get('name', '?')!r}"
+        raise ValueError(str(exc) if str(exc).startswith(head) else f"{head}: {exc}") from None
 
 
 def shipped_profiles() -> list[str]:
