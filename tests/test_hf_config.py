@@ -300,6 +300,12 @@ def test_a_minimax_checkpoint_folder_loads_with_its_selection_bias(tmp_path):
     (dict(num_experts_per_tok=160), "top_k (160) must be <= topk_group"),
     (dict(first_k_dense_replace=61), "none of its 61 layers is a MoE layer"),
     (dict(num_experts_per_tok=300), "top_k (300) must be <= num_experts (256)"),
+    # a count that is not an integer is refused, never rounded or read as a default
+    (dict(hidden_size=7168.5), "hidden_size (7168.5) must be an integer"),
+    (dict(n_routed_experts="256"), "n_routed_experts ('256') must be an integer"),
+    (dict(moe_intermediate_size=True), "moe_intermediate_size (True) must be an integer"),
+    (dict(moe_layer_freq=0), "moe_layer_freq (0) must be an integer >= 1"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob ('yes') must be true or false"),
 ])
 def test_a_config_epmoe_cannot_compute_is_refused_by_name(change, msg):
     raw = {k: v for k, v in dict(PUBLISHED["deepseek-v3"], **change).items() if v is not None}

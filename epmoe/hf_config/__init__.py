@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from epmoe.config import MoEConfig
 from epmoe.hf_config.families import FAMILIES, REFUSED, Family
 from epmoe.hf_config.fields import (EXPERT_WIDTH, EXPERTS, HIDDEN, SCALE, SHARED_COUNT, TOP_K,
-                                    get, language_model)
+                                    check_fields, get, language_model)
 from epmoe.hf_config.layers import hash_layers, moe_layers
 
 
@@ -148,6 +148,7 @@ def parse_hf_config(raw: dict, name: str, where: str = "config.json") -> HFModel
                          f"supported: {', '.join(FAMILIES)}")
     fam = FAMILIES[mtype]
     at = f"{where} ({mtype})"
+    check_fields(d, at)
     width = int(get(d, at, *(fam.width or EXPERT_WIDTH)))
     shared, shared_width, gated = _shared(d, fam, at, width)
     router = _router(d, fam, at)

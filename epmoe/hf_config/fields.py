@@ -16,7 +16,41 @@ SCALE = ("routed_scaling_factor", "route_scale")
 # where a multimodal or composite config keeps its language model's figures
 TEXT_CONFIGS = (("text_config",), ("thinker_config", "text_config"))
 
+# counts and widths: an int where given (a per-layer list: ints); the layer steps >= 1 (the
+# families' modelling code takes each modulo the layer index)
+INT_FIELDS = (HIDDEN + LAYER_COUNT + EXPERTS + TOP_K + EXPERT_WIDTH + SHARED_COUNT +
+              ("n_group", "topk_group", "vocab_size", "first_k_dense_replace", "num_dense_layers",
+               "expert_layer_offset", "shared_expert_intermediate_size", "num_expert_group",
+               "num_hash_layers", "shared_intermediate_size"))
+STEP_FIELDS = ("moe_layer_freq", "expert_layer_period", "decoder_sparse_step",
+               "moe_layer_interval", "interleave_moe_layer_step")
+BOOL_FIELDS = ("norm_topk_prob",)
+LAYER_LISTS = ("mlp_only_layers", "moe_layers")
+
 _REQUIRED = object()
+
+
+def check_fields(d: dict, where: str) -> None:
+    """The fields epmoe reads hold what their names say, or an error naming the field: a count
+    that is not an integer (256.5, "x", true) is refused here, not rounded or read as 1."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) or \
+            isinstance(v, float) and v.is_integer()
+
+    for key in INT_FIELDS + STEP_FIELDS:
+        v = d.get(key)
+        vals = v if isinstance(v, list) else [v]
+        low = 1 if key in STEP_FIELDS else None
+        if v is not None and any(not is_int(x) or low is not None and x < low for x in vals):
+            need = "an integer >= 1" if low else "an integer"
+            raise ValueError(f"{where}: {key} ({v!r}) must be {need}")
+    for key in BOOL_FIELDS:
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise ValueError(f"{where}: {key} ({d[key]!r}) must be true or false")
+    for key in LAYER_LISTS:
+        v = d.get(key)
+        if v is not None and (not isinstance(v, list) or not all(is_int(x) for x in v)):
+            raise ValueError(f"{where}: {key} ({v!r}) must be a list of layer indices")
 
 
 def get(d: dict, where: str, *names, default=_REQUIRED):
