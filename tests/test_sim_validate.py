@@ -114,6 +114,34 @@ def test_a_table_file_from_the_user(tmp_path, capsys):
         load_table(f)
 
 
+ROW = ('{ mode = "ht", ep = 8, direction = "dispatch", published = 153.0, unit = "GB/s", '
+       'experts = 256, sms = 24 }')
+
+
+@pytest.mark.parametrize("change,msg", [
+    (("ep = 8", 'ep = "8"'), r"row 0: ep \('8'\) must be an integer"),
+    (("published = 153.0", "published = true"), r"row 0: published \(True\) must be a number"),
+    (("sms = 24", "sms = 0"), r"row 0: sms \(0\) must be >= 1"),
+    (("sms = 24", "sms = 24, gpus_per_node = 0"), r"gpus_per_node \(0\) must be >= 1"),
+    (("sms = 24", "sms = 24, tokens = 0"), r"row 0: tokens \(0\) must be >= 1"),
+    ((ROW, ROW.replace("ep = 8", "ep = 12").replace("256", "288")),
+     r"row 0: ep \(12\) spans nodes of gpus_per_node \(8\)"),
+    (("experts = 256", "experts = 256, hidden = 7000"),
+     r"row 0: hidden \(7000\) must be a multiple of fp8_block's quant group"),
+    ((ROW, ""), r"rows must be a list of at least one row"),
+])
+def test_a_table_row_no_run_could_have_measured_is_refused(tmp_path, change, msg):
+    """Each figure of a user's table is checked before any prediction: a string count was a
+    TypeError, gpus_per_node or sms 0 a ZeroDivisionError, tokens 0 a -100% row, ep 12 on
+    nodes of 8 was predicted as ep 8, an empty table printed nothing."""
+    f = tmp_path / "t.toml"
+    text = ('name = "t"\nsource = "s"\ngpu = "h800"\ntokens = 4096\nhidden = 7168\n'
+            'top_k = 8\ndispatch = "fp8_block"\nrows = [\n  ' + ROW + '\n]\n')
+    f.write_text(text.replace(*change))
+    with pytest.raises(ValueError, match=msg):
+        load_table(f)
+
+
 def test_deepep_v2_rows_within_20_percent_and_bound_by_their_links():
     """DeepEP V2's README table (V2 sizes its SMs to saturate the links: modelled as V1's
     link fits without the SM term). Every row within 20%; the same rows as V1 kernels at

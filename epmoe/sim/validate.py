@@ -104,9 +104,11 @@ def load_table(path) -> Table:
         raise ValueError(f"published table {p.name}: unknown keys {sorted(extra)}, missing "
                          f"{sorted(missing)}; allowed: {sorted(TABLE_KEYS)}")
     defaults = {k: d[k] for k in DEFAULT_KEYS if k in d}
+    if not isinstance(d["rows"], list) or not d["rows"]:
+        raise ValueError(f"published table {p.name}: rows must be a list of at least one row")
     rows = []
     for i, r in enumerate(d["rows"]):
-        bad = set(r) - ROW_KEYS
+        bad = set(r) - ROW_KEYS if isinstance(r, dict) else {"(not a table)"}
         if bad:
             raise ValueError(f"published table {p.name} row {i}: unknown keys {sorted(bad)}; "
                              f"allowed: {sorted(ROW_KEYS)}")
@@ -120,6 +122,16 @@ def load_table(path) -> Table:
 
 
 def _check(r: Row, where: str) -> None:
+    for f in fields(Row):  # each figure of the type its field says: no "8", no true
+        v, kind = getattr(r, f.name), f.type
+        if kind.startswith("int") and v is None and "None" in kind:
+            continue
+        ok = isinstance(v, str) if kind == "str" else not isinstance(v, bool) and (
+            isinstance(v, int) if kind.startswith("int") else isinstance(v, (int, float)))
+        if not ok:
+            need = "a string" if kind == "str" else "an integer" if kind.startswith("int") \
+                else "a number"
+            raise ValueError(f"{where}: {f.name} ({v!r}) must be {need}")
     for what, value, allowed in (("mode", r.mode, MODES), ("direction", r.direction, DIRECTIONS),
                                  ("unit", r.unit, UNITS), ("kernels", r.kernels, KERNELS)):
         if value not in allowed:
@@ -130,7 +142,25 @@ def _check(r: Row, where: str) -> None:
     if r.published <= 0 or r.ep < 2 or r.experts % r.ep:
         raise ValueError(f"{where}: needs published > 0, ep >= 2 and experts ({r.experts}) "
                          f"divisible by ep ({r.ep})")
-    QuantConfig(r.dispatch)
+    low = [f"{k} ({getattr(r, k)})" for k in ("tokens", "gpus_per_node", "sms")
+           if getattr(r, k) is not None and getattr(r, k) < 1]
+    if low:
+        raise ValueError(f"{where}: {', '.join(low)} must be >= 1")
+    if r.ep > r.gpus_per_node and r.ep % r.gpus_per_node:
+        raise ValueError(f"{where}: ep ({r.ep}) spans nodes of gpus_per_node "
+                         f"({r.gpus_per_node}): it must be a multiple of it")
+    try:
+        QuantConfig(r.dispatch).check_shapes(_cfg(r))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _cfg(row: Row):
+    """The MoE layer of a row's case: DeepSeek-V3's router at the row's figures."""
+    return get_preset("deepseek-v3").replace(num_experts=row.experts, hidden=row.hidden,
+                                             top_k=row.top_k, n_group=row.n_group,
+                                             topk_group=row.topk_group,
+                                             router="sigmoid_grouped")
 
 
 def shipped_tables() -> list[Path]:
@@ -141,9 +171,7 @@ def predict(row: Row, prof=None) -> Result:
     prof = load_profile(prof or row.gpu)
     g = min(row.ep, row.gpus_per_node)
     topo = Topology.parse(f"{row.ep // g}x{g}", gpu=row.gpu)
-    cfg = get_preset("deepseek-v3").replace(num_experts=row.experts, hidden=row.hidden,
-                                            top_k=row.top_k, n_group=row.n_group,
-                                            topk_group=row.topk_group, router="sigmoid_grouped")
+    cfg = _cfg(row)
     stats = routing_stats(cfg, RoutingSpec(), topo.world, topo.gpus_per_node)
     case = CommCase(cfg, QuantConfig(row.dispatch), topo, prof, stats, row.tokens, row.tokens,
                     sms=row.sms if row.mode == "ht" else None, reuse_layout=True)
