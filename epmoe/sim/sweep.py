@@ -240,12 +240,12 @@ def _infeasible(point: dict, rejected, kind: str = "pick") -> dict:
 
 def table(rows: list[dict]) -> str:
     """80 columns: one line per row."""
-    head = (f"{'gpu':<6}{'ep':>4} {'nod':>3} {'tok':>5} {'routing':<8}{'red':>4} "
+    head = (f"{'gpu':<6}{'ep':>4} {'nod':>3} {'tok':>5} {'routing':<9}{'red':>3} "
             f"{'choice':<25}{'step ms':>8}{'comm':>5}{'rdma MB':>8}")
     out = [head, "-" * 80]
     for r in rows:  # (numbers too wide for their column push the line, never merge)
         lead = (f"{r['gpu'][:6]:<6}{r['ep']:>4} {r['nodes']:>3} {r['tokens']:>5} "
-                f"{r['routing'][:8]:<8}{r['redundant']:>4} ")
+                f"{r['routing'][:9]:<9}{r['redundant']:>3} ")
         if r["kind"] == "infeasible":
             what = "infeasible: see below" if r["choice"] == "-" else "=" + r["choice"]
             out.append(f"{lead}{what[:25]:<25}{'-':>8}{'-':>5}{'-':>8}")
