@@ -5,15 +5,35 @@
     why = file_problem(path)                       # the same rule where no parser runs
 
 and a command whose reader goes away (`... | head`) ends quietly: `run_main(main)`.
+`json_text(obj)` is the JSON a command prints or writes: standard JSON, a figure that is not
+a finite number (a failed probe's NaN) as null, never the NaN / Infinity tokens that strict
+parsers refuse.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
+
+
+def json_text(obj, indent: int | None = 1) -> str:
+    """obj as standard JSON (non-finite floats -> null)."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def _finite(o):
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def file_problem(path: str) -> str | None:

@@ -122,3 +122,24 @@ def test_run_main_passes_the_exit_code_through():
     with pytest.raises(SystemExit) as e:
         run_main(lambda a: a + 1, 2)
     assert e.value.code == 3
+
+
+def test_json_is_standard_a_figure_that_is_not_a_number_is_null(tmp_path):
+    """A failed probe's NaN (or an infinite ratio) must not make the summary unparseable by
+    strict JSON readers (NaN / Infinity are not JSON)."""
+    import json
+    import math
+
+    from epmoe.launch.cli import _write
+    from epmoe.outputs import json_text
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+    obj = {"a": float("nan"), "b": [1.5, float("inf"), {"c": -math.inf}], "d": (2, "x"),
+           "e": None, "f": 3}
+    assert strict(json_text(obj)) == {"a": None, "b": [1.5, None, {"c": None}], "d": [2, "x"],
+                                      "e": None, "f": 3}
+    path = tmp_path / "s.json"
+    _write(str(path), {"timing": {"host_op_us": float("nan"), "step_ms": [1.0, 2.0]}})
+    assert strict(path.read_text()) == {"timing": {"host_op_us": None, "step_ms": [1.0, 2.0]}}

@@ -9,12 +9,12 @@ failed or hung (named with its stage, and the ranks that were only waiting).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from epmoe.comm import CHOICES as BACKENDS
 from epmoe.config import DEFAULT_PRESET, PRESETS, RECIPES, SCALE_FMTS
 from epmoe.launch.checks import build_run  # noqa: F401  (the flags -> RunConfig rules)
+from epmoe.outputs import json_text
 
 EXIT_OK, EXIT_INCORRECT, EXIT_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
@@ -198,7 +198,7 @@ def _finish(a, summary: dict, phases) -> int:
     code = EXIT_INCORRECT if c.get("checked") and not c["passed"] else EXIT_OK
     summary["exit_code"] = code
     if a.json:  # first: the results are on screen even if a file below cannot be written
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary, indent=2))
     else:
         render(summary)
     try:  # checked up front; a disk that fills or a folder removed meanwhile lands here
@@ -216,7 +216,7 @@ def _finish(a, summary: dict, phases) -> int:
 def _write(path: str | None, obj: dict) -> None:
     if path:
         with open(path, "w") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
+            f.write(json_text(obj, indent=2) + "\n")
 
 
 def _error(e, code: int, trace: bool = False) -> int:

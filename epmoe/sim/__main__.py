@@ -17,14 +17,13 @@ oracle check, 3 no launch succeeded.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
 from epmoe.argtypes import at_least, given_flags, seconds
-from epmoe.outputs import run_main, writable_dir
+from epmoe.outputs import json_text, run_main, writable_dir
 
 DEFAULT_SWEEP = Path(__file__).parent / "sweeps" / "deepseek-v3.toml"
 
@@ -64,8 +63,8 @@ def _validate(args) -> int:
 
     res = validate(args.table, args.profile)
     if args.json:
-        print(json.dumps([{**asdict(r.row), "predicted": r.predicted, "error": r.error,
-                           "kernel_us": r.kernel_us, "limit": r.limit} for r in res], indent=1))
+        print(json_text([{**asdict(r.row), "predicted": r.predicted, "error": r.error,
+                          "kernel_us": r.kernel_us, "limit": r.limit} for r in res]))
     else:
         print(table(res, args.profile))
     return 0
@@ -107,12 +106,12 @@ def main(argv=None) -> int:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sim.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / "sim.json").write_text(json_text(doc) + "\n")
         paths = plot(rows, out, sweep.name)
         print(f"wrote {out / 'sim.json'} and {', '.join(p.name for p in paths)}",
               file=sys.stderr)
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(json_text(doc))
         if note:  # stdout stays one JSON document
             print(note, file=sys.stderr)
     else:
