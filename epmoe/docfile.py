@@ -21,3 +21,13 @@ def read_doc(path, what: str, hint: str = "") -> dict:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{what} {str(p)!r} is not {'TOML' if toml else 'JSON'}: "
                          f"{exc}") from None
+
+
+def is_int(v) -> bool:
+    """A document's integer: an int, not a bool (JSON's true is Python's 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A document's number: an int or a float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

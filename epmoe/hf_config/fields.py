@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from epmoe.docfile import is_int
+
 HIDDEN = ("hidden_size", "d_model")  # DBRX: d_model
 LAYER_COUNT = ("num_hidden_layers", "n_layers")
 EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
@@ -33,15 +35,14 @@ _REQUIRED = object()
 def check_fields(d: dict, where: str) -> None:
     """The fields epmoe reads hold what their names say, or an error naming the field: a count
     that is not an integer (256.5, "x", true) is refused here, not rounded or read as 1."""
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool) or \
-            isinstance(v, float) and v.is_integer()
+    def whole(v):  # (an exporter may write 7168.0)
+        return is_int(v) or isinstance(v, float) and v.is_integer()
 
     for key in INT_FIELDS + STEP_FIELDS:
         v = d.get(key)
         vals = v if isinstance(v, list) else [v]
         low = 1 if key in STEP_FIELDS else None
-        if v is not None and any(not is_int(x) or low is not None and x < low for x in vals):
+        if v is not None and any(not whole(x) or low is not None and x < low for x in vals):
             need = "an integer >= 1" if low else "an integer"
             raise ValueError(f"{where}: {key} ({v!r}) must be {need}")
     for key in BOOL_FIELDS:
@@ -49,7 +50,7 @@ def check_fields(d: dict, where: str) -> None:
             raise ValueError(f"{where}: {key} ({d[key]!r}) must be true or false")
     for key in LAYER_LISTS:
         v = d.get(key)
-        if v is not None and (not isinstance(v, list) or not all(is_int(x) for x in v)):
+        if v is not None and (not isinstance(v, list) or not all(map(whole, v))):
             raise ValueError(f"{where}: {key} ({v!r}) must be a list of layer indices")
 
 

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from epmoe.docfile import is_int, is_number
+
 Source = Literal["measured", "spec", "derived", "inherited", "estimate"]
 SOURCES = ("measured", "spec", "derived", "inherited", "estimate")
 SCHEMA = 1
@@ -104,8 +106,7 @@ class LinkFit:
             _check(self, name, getattr(self, name), low, "link fit")
         if self.per_sm_GBps is not None:
             _check(self, "per_sm_GBps", self.per_sm_GBps, None, "link fit")
-        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
-                                     or self.sms < 1):
+        if self.sms is not None and (not is_int(self.sms) or self.sms < 1):
             raise ValueError(f"link fit sms ({self.sms!r}) must be an int >= 1 or null "
                              f"({self.prov.note[:60]})")
 
@@ -125,8 +126,7 @@ class LinkFit:
 
 def _check(obj, name: str, v: float, low: float | None, what: str) -> None:
     """v finite and >= low (None: > 0), else a ValueError naming the figure and its source."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
-        v > 0 if low is None else v >= low)
+    ok = is_number(v) and math.isfinite(v) and (v > 0 if low is None else v >= low)
     if not ok:
         need = "> 0" if low is None else f">= {low:g}"
         raise ValueError(f"{what} {name} ({v!r}) must be a finite number {need} "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
 
-from epmoe.docfile import read_doc
+from epmoe.docfile import is_int, is_number, read_doc
 
 LinkKind = Literal["nvlink", "rdma", "pcie", "tcp"]
 LINK_KINDS = ("nvlink", "rdma", "pcie", "tcp")
@@ -123,10 +123,10 @@ class Topology:
     def __post_init__(self):
         for f in ("num_nodes", "gpus_per_node"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"topology {f} ({v!r}) must be a positive int")
         c = self.cores_per_node
-        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+        if not is_int(c) or c < 0:
             raise ValueError(f"topology cores_per_node ({c!r}) must be an int >= 0 (0: a "
                              f"device per rank)")
         gpu = self.gpu.lower()
@@ -208,13 +208,13 @@ class Topology:
                 raise ValueError(f"topology link {k!r} must be an object with 'GBps' and "
                                  f"'latency_us', got {v!r}")
             nums = [v["GBps"], v.get("latency_us", 0.0)]
-            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in nums):
+            if not all(map(is_number, nums)):
                 raise ValueError(f"topology link {k!r}: GBps and latency_us must be numbers, "
                                  f"got {nums}")
             links[k] = Link(k, float(nums[0]), float(nums[1]), str(v.get("source", "given")))
         gpu = str(d.get("gpu", "h200"))
         ranks = tuple(d.get("node_of_rank", ()))
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in ranks):
+        if not all(map(is_int, ranks)):
             raise ValueError(f"topology node_of_rank ({list(ranks)}) must be node indices")
         # the counts as given: __post_init__ refuses what is not a positive int (1.5, true)
         return cls(d["num_nodes"], d["gpus_per_node"], gpu,

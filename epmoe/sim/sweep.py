@@ -25,7 +25,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from epmoe.config import PRESETS, QuantConfig, default_scale_fmt, fitting_recipe, get_preset
-from epmoe.docfile import read_doc
+from epmoe.docfile import is_int, read_doc
 from epmoe.plan.backlog import Backlog
 from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer
@@ -92,9 +92,9 @@ class Sweep:
                              f"b200, ...), at least one")
         for key, low in (("ep", 1), ("tokens", 1), ("redundant_per_rank", 0)):
             v = getattr(self, key)
-            if not v or any(not _is_int(x) or x < low for x in v):
+            if not v or any(not is_int(x) or x < low for x in v):
                 raise ValueError(f"sweep {key} ({list(v)}) must be ints >= {low}, at least one")
-        bad = {g: n for g, n in self.gpus_per_node.items() if not _is_int(n) or n < 1}
+        bad = {g: n for g, n in self.gpus_per_node.items() if not is_int(n) or n < 1}
         if bad:
             raise ValueError(f"sweep gpus_per_node ({bad}) must be ints >= 1 (an int, or a "
                              f"table of GPU name -> GPUs per node with an optional default)")
@@ -120,10 +120,6 @@ class Sweep:
     def node_size(self, gpu: str, ep: int) -> int:
         cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
         return max(d for d in range(1, min(cap, ep) + 1) if ep % d == 0)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _candidate(text: str) -> Candidate:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.docfile import read_doc
+from epmoe.docfile import is_int, is_number, read_doc
 from epmoe.plan.comm_cost import CommCase, combine_cost, dispatch_cost
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec, routing_stats
@@ -126,8 +126,8 @@ def _check(r: Row, where: str) -> None:
         v, kind = getattr(r, f.name), f.type
         if kind.startswith("int") and v is None and "None" in kind:
             continue
-        ok = isinstance(v, str) if kind == "str" else not isinstance(v, bool) and (
-            isinstance(v, int) if kind.startswith("int") else isinstance(v, (int, float)))
+        ok = isinstance(v, str) if kind == "str" else \
+            is_int(v) if kind.startswith("int") else is_number(v)
         if not ok:
             need = "a string" if kind == "str" else "an integer" if kind.startswith("int") \
                 else "a number"
