@@ -80,7 +80,9 @@ def main(argv=None) -> int:
 
         sweep = Sweep.load(args.sweep)
         opts = _measure_options(args, sweep)
-        rows = run(sweep)
+        from epmoe.launch.console import Phases
+
+        rows = run(sweep, Phases().counter("points predicted"))
     except (ValueError, KeyError) as exc:
         print(f"error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2

@@ -146,11 +146,15 @@ def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int) -> SlotMap:
     return SlotMap.from_placement(p, 0)
 
 
-def run(sweep: Sweep) -> list[dict]:
-    """One row per (gpu, ep, tokens, routing, redundancy) and pick (plus fixed candidates)."""
+def run(sweep: Sweep, progress=None) -> list[dict]:
+    """One row per (gpu, ep, tokens, routing, redundancy) and pick (plus fixed candidates).
+    progress: called (points done, points in all) after each point (a long sweep says how
+    far it is: epmoe.launch.console.Phases.counter)."""
     base = get_preset(sweep.model)
     cfg = base if sweep.layers is None else base.replace(num_moe_layers=sweep.layers)
     rows = []
+    done, total = 0, len(sweep.gpus) * len(sweep.ep) * len(sweep.routing) * \
+        len(sweep.redundant_per_rank) * len(sweep.tokens)
     recipe = sweep.recipe()[0]
     for gpu in sweep.gpus:
         prof = load_profile(gpu)
@@ -182,6 +186,9 @@ def run(sweep: Sweep) -> list[dict]:
                             p = ranked.preds[0]
                             step = stack_us(p, work, topo, prof, stats, cfg.num_moe_layers)
                             rows.append(_row(point, kind, p, step))
+                        done += 1
+                        if progress is not None:
+                            progress(done, total)
     return rows
 
 
