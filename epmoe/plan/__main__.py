@@ -10,7 +10,6 @@ Exit codes: 0 planned, 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 
@@ -21,7 +20,7 @@ from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
 from epmoe.plan.topology import LINK_SPECS, Topology
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import json_text, run_main, writable_file
 
 
 def parser() -> argparse.ArgumentParser:
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
         plan.save(args.out)
     notes += profile_notes(plan, load_profile(args.profile))
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        print(json_text(plan.to_dict()))
         if notes:  # stdout stays one JSON document
             print("\n".join(notes), file=sys.stderr)
     else:

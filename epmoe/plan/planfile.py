@@ -9,12 +9,12 @@ replicated forms process the global batch (tokens x ranks) on every rank.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.config import QuantConfig
 from epmoe.docfile import read_doc
+from epmoe.outputs import json_text
 from epmoe.plan.forms import LayerPlan, LayerSpec
 
 PLAN_SCHEMA = 1
@@ -140,7 +140,7 @@ class Plan:
                            for e in self.layers]}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        return json_text(self.to_dict()) + "\n"
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
