@@ -26,6 +26,11 @@ def json_text(obj, indent: int | None = 1) -> str:
     return json.dumps(_finite(obj), indent=indent, allow_nan=False)
 
 
+def dump_json(obj, f, indent: int | None = 1) -> None:
+    """`json.dump` as `json_text` writes it (standard JSON, non-finite floats -> null)."""
+    f.write(json_text(obj, indent))
+
+
 def _finite(o):
     if isinstance(o, float):
         return o if math.isfinite(o) else None

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 
+from epmoe.outputs import dump_json
 from epmoe.plan.profile import HardwareProfile, LinkFit
 from epmoe.plan.topology import LINK_SPECS
 
@@ -172,7 +173,7 @@ def _rank_main(rank, world, port, kind, cfg, quick, path):
         res["backends"], res["notes"] = _backends(rank, world, dev, cfg, quick, reps)
         if rank == 0:
             with open(path, "w") as f:
-                json.dump(res, f)
+                dump_json(res, f)
     finally:
         dist.destroy_process_group()
 

@@ -40,7 +40,7 @@ from epmoe.argtypes import at_least, int_list, name_list, seconds
 from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, bench_loopback, sweep_spec
 from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS, TIMINGS
 from epmoe.config import QuantConfig
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 # the recipes whose activations the comm backends carry (bf16 rows, fp8 rows with scales)
 COMM_RECIPES = ("bf16", "fp8_block")
@@ -219,12 +219,12 @@ def main(argv=None) -> int:
     if a.auto_table:
         if table["entries"]:
             with open(a.auto_table, "w") as f:
-                json.dump(table, f, indent=1)
+                dump_json(table, f, indent=1)
         else:
             print("note: no real-link figures in this run: no auto table written")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": gpus,
+            dump_json({"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": gpus,
                        "timing": a.timing, "notes": notes, "rows": [asdict(r) for r in rows]},
                       f, indent=1)
     return 1 if any(r.passed is False for r in rows) else 0
@@ -252,7 +252,7 @@ def _shared(a, backends, ht, ll, sink) -> int:
           "are not link speeds")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "gpus": 1, "shared": True,
+            dump_json({"device": torch.cuda.get_device_name(), "gpus": 1, "shared": True,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
     want = sum(len(ht if b.endswith("ht") else ll) for b in ours
                if a.only in (None, b[-2:])) * len(a.recipes)

@@ -14,7 +14,6 @@ also times `rebalance_incremental` from the previous step's placement and counts
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,7 +23,7 @@ from epmoe.argtypes import at_least
 from epmoe.eplb import (MODES, deepseek_rebalance, make_routing, rebalance,
                         rebalance_incremental)
 from epmoe.eplb.traffic import routing_from_loads, traffic_from_routing
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUP = 61, 256, 8, 8, 4  # DeepSeek-V3-like
 TOKEN_BYTES = 7168 * 3  # fp8 dispatch row + bf16 combine row
@@ -112,7 +111,7 @@ def main(argv=None):
                              a.reps, old=prev))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            dump_json(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import torch
 
 from epmoe.argtypes import int_list, name_list
 from epmoe.config import QuantConfig, get_preset
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 
 def bench_ms(fn) -> float:
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            dump_json(rows, f, indent=1)
     return 0
 
 

@@ -22,14 +22,13 @@ case. `--only a,b,t,s` on one GPU (the default there).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 
 from epmoe.argtypes import name_list
 from epmoe.config import QuantConfig, get_preset
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 CASES = ("a", "b", "t", "s", "c", "d", "e")  # the docstring's cases
 
@@ -352,7 +351,7 @@ def _two_gpu(rank, world, port, only, out_path):
         info = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                     deep_ep=getattr(deep_ep, "__file__", "?"))
         with open(out_path, "w") as f:
-            json.dump(dict(info=info, cases=log), f, indent=1)
+            dump_json(dict(info=info, cases=log), f, indent=1)
     ctx.close()
     dist.destroy_process_group()
 
@@ -379,7 +378,7 @@ def main(argv=None) -> None:
                 fn(rows, dev)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(cases=rows), f, indent=1)
+                dump_json(dict(cases=rows), f, indent=1)
         return
     import torch.multiprocessing as mp
 

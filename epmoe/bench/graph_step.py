@@ -16,13 +16,12 @@ graph changes the GPU's work).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 from epmoe.argtypes import at_least, int_list, model_name, name_list
 from epmoe.config import RECIPES
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 
 def measure(model: str, recipe: str, experts: str, tokens: int, layers: int, steps: int,
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
     print(table(rows, a.timing))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            dump_json(rows, f, indent=1)
     return 0
 
 

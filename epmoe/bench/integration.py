@@ -35,7 +35,7 @@ import sys
 import time
 
 from epmoe.argtypes import at_least, int_list, model_name, name_list, seconds
-from epmoe.outputs import run_main, writable_dir
+from epmoe.outputs import dump_json, run_main, writable_dir
 
 STEPS = ("tests", "kernels", "gpu_moe", "comm", "launch", "plan")
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                    gpus=gpus, ep=ep, model=a.model, steps=results,
                    passed=all(r.get("ok") is not False for r in results))
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        dump_json(summary, f, indent=2)
     with open(os.path.join(a.out, "summary.md"), "w") as f:
         f.write(_markdown(summary))
     print(_markdown(summary))

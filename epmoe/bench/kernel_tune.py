@@ -31,7 +31,7 @@ from epmoe.bench import kernels as kb
 from epmoe.kernels.gate_topk import RouterConfig
 from epmoe.kernels.gemm_tma import GemmConfig
 from epmoe.kernels.quantize import QuantKernelConfig
-from epmoe.outputs import run_main, writable_dir
+from epmoe.outputs import dump_json, run_main, writable_dir
 
 G = GemmConfig
 FP8_CANDIDATES = {
@@ -212,7 +212,7 @@ def compile_main(job_list: list[str], result: str, t: int) -> int:
             done.append(dict(job=job, ok=False, s=time.time() - t0,
                              error=f"{type(exc).__name__}: {str(exc)[:300]}"))
         with open(result, "w") as f:
-            json.dump(done, f)
+            dump_json(done, f)
     return 0
 
 
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     if args.phase in ("compile", "all"):
         status = parallel_compile(args.workers, args.compile_timeout, tokens[0])
         with open(status_path, "w") as f:
-            json.dump(status, f, indent=1)
+            dump_json(status, f, indent=1)
         print(f"# compiled {sum(s.get('ok', False) for s in status.values())}/{len(status)} "
               f"jobs in {time.time() - t0:.0f}s", flush=True)
         for s in status.values():
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                   configs={k: dataclasses.asdict(v) for k, v in picks.items()},
                   gemm_kernels=kernel_stats())
     with open(os.path.join(args.out, "tune.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        dump_json(report, f, indent=1)
     print(f"# picks: {report['picks']}", flush=True)
     for t in tokens:
         kb.run((t,), picks, os.path.join(args.out, f"kernels_{t}.json"))

@@ -17,14 +17,13 @@ exact-size permute with its host sync, the plain-torch quantizer). Times: median
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from epmoe.argtypes import int_list, name_list
 from epmoe.config import MoEConfig, QuantConfig
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 7168, 2048, 32, 8
 ROUTER_CFG = MoEConfig("dsv3-router", hidden=HIDDEN, moe_intermediate=INTER, num_experts=256,
@@ -317,7 +316,7 @@ def run(token_counts, picks=None, json_path=None, before: bool = True,
             rows.append(r)
         if json_path:  # after each token count: a run cut short keeps what it measured
             with open(json_path, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                dump_json({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "rows": rows}, f, indent=1)
     print()
     print(table(rows))

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -50,7 +49,7 @@ import tempfile
 import time
 
 from epmoe.argtypes import at_least, int_list, seconds
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 WITHIN = 0.20
 FLOOR_MS = 0.05
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(dict(machine=platform.node(), device=torch.cuda.get_device_name(0)
+            dump_json(dict(machine=platform.node(), device=torch.cuda.get_device_name(0)
                            if cuda else "cpu", cpus=os.cpu_count(),
                            load_avg=os.getloadavg()[0],
                            date=datetime.date.today().isoformat(), command=sys.argv,

@@ -21,13 +21,12 @@ A stage is host-bound when `launched` is well above `device` and close to `host`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 from epmoe.argtypes import at_least, int_list, model_name
 from epmoe.config import RECIPES
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 HOLD_MS = 10.0  # longer than the host takes to issue a forward (a warning says if not)
 
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
         results.append(res)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            dump_json(results, f, indent=1)
     return 0
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
 
 from epmoe.argtypes import at_least
 from epmoe.plan.figures import HOST_PREFIX
-from epmoe.outputs import run_main
+from epmoe.outputs import dump_json, run_main
 
 CASES = (("symm-ht", 128, "fp8_block"), ("symm-ht", 4096, "fp8_block"),
          ("symm-ht", 4096, "bf16"), ("symm-ll", 128, "fp8_block"), ("symm-ll", 1, "fp8_block"))
@@ -166,7 +165,7 @@ def main(argv=None) -> int:
     fits = host_fits(results)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"results": results, "fits": fits, "host_op_us": host}, f, indent=1)
+            dump_json({"results": results, "fits": fits, "host_op_us": host}, f, indent=1)
     if a.profile:
         when = datetime.date.today().isoformat()
         write_profile(a.profile, a.out, fits, f"{torch.cuda.get_device_name()}, {when}, "

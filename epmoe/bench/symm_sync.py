@@ -12,7 +12,6 @@ One line per CTA count: us per launch of each kernel (the median of 5 graph repl
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -25,7 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.comm.symm import sync as S  # noqa: E402
-from epmoe.outputs import run_main, writable_file  # noqa: E402
+from epmoe.outputs import dump_json, run_main, writable_file  # noqa: E402
 
 W = 2
 W_C = tl.constexpr(W)
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
               + f"  {extra:>11.2f}x (over empty)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            dump_json({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0
 
 

@@ -14,13 +14,12 @@ N=K=512 (a smoke run). Times: median of many runs (`triton.testing.do_bench`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from epmoe.argtypes import int_list
-from epmoe.outputs import run_main, writable_file
+from epmoe.outputs import dump_json, run_main, writable_file
 
 FLASH = dict(experts=256, top_k=6, shapes=(("GEMM1", 4096, 4096), ("GEMM2", 4096, 2048)))
 SMALL = dict(experts=16, top_k=6, shapes=(("GEMM1", 512, 512), ("GEMM2", 512, 256)))
@@ -114,7 +113,7 @@ def run(tokens, spec=FLASH, json_path=None) -> list[dict]:
         torch.cuda.empty_cache()
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            dump_json({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return rows
 
 
