@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from dataclasses import asdict, dataclass
 
@@ -40,7 +39,7 @@ from epmoe.argtypes import at_least, int_list, name_list, seconds
 from epmoe.bench.comm_loopback import HIDDEN, NUM_EXPERTS, TOP_K, bench_loopback, sweep_spec
 from epmoe.bench.comm_ranks import HT_BACKENDS, LL_BACKENDS, TIMINGS
 from epmoe.config import QuantConfig
-from epmoe.outputs import dump_json, run_main, writable_file
+from epmoe.outputs import dump_json, json_text, run_main, writable_file
 
 # the recipes whose activations the comm backends carry (bf16 rows, fp8 rows with scales)
 COMM_RECIPES = ("bf16", "fp8_block")
@@ -235,7 +234,7 @@ def _sink(a):
     def sink(row: dict) -> None:
         if a.jsonl:
             with open(a.jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json_text(row, indent=None) + "\n")
     return sink
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
 import signal
@@ -31,7 +30,7 @@ import tarfile
 import textwrap
 import time
 from pathlib import Path
-from epmoe.outputs import run_main
+from epmoe.outputs import json_text, run_main
 
 REPO = Path(__file__).resolve().parents[2]
 PY = (sys.executable, "-m")
@@ -223,9 +222,8 @@ def main(argv=None) -> int:
             res = run_session(a.sets, a, out, gpus)
         except KeyboardInterrupt:  # the set under way was stopped; its log stays in DIR
             return stop.exit()
-    (out / "session.json").write_text(json.dumps(
-        dict(gpus=gpus, budget_s=a.budget_s, sets=[dataclasses.asdict(o) for o in res]),
-        indent=1))
+    (out / "session.json").write_text(json_text(
+        dict(gpus=gpus, budget_s=a.budget_s, sets=[dataclasses.asdict(o) for o in res])))
     print(table(res))
     if a.tar:
         with tarfile.open(a.tar, "w:gz") as t:

@@ -16,13 +16,13 @@ Exit codes: 0 every launch passed (or was unchecked), 1 a correctness check fail
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 
 from epmoe.launch.planning import PlannedLaunch, Planning, context, make_plan, planned_run, \
     planner_scope, routing_for_planner
+from epmoe.outputs import json_text
 from epmoe.plan import Workload
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.run import RunConfig
@@ -189,7 +189,7 @@ def main(a: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps(dict(sweep=s), indent=2)
+    text = json_text(dict(sweep=s), indent=2)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
