@@ -66,16 +66,20 @@ def test_second_layer_takes_the_normalized_residual(seed):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_residual_add_rounds_once_as_the_fp32_sum(device, seed):
-    """The runtime adds a layer's bf16 output to the bf16 residual with one torch.add: torch
-    sums bf16 in fp32 and rounds once, the bits of the explicit fp32 sum (four kernels)."""
+    """The runtime adds a layer's bf16 output to the bf16 residual with one torch.add
+    (runtime.residual_add): torch sums bf16 in fp32 and rounds once, the bits of the explicit
+    fp32 sum (four kernels)."""
+    from epmoe.runtime import residual_add
+
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(seed)
     scale = 10.0 ** torch.randint(-3, 4, (513, 1), generator=g)
     x = (torch.randn(513, 2048, generator=g) * scale).to(torch.bfloat16).to(device)
     out = torch.randn(513, 2048, generator=g).to(torch.bfloat16).to(device)
-    assert torch.equal(torch.add(x, out).to(torch.bfloat16),
-                       (x.float() + out.float()).to(torch.bfloat16))
+    got = residual_add(x, out)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (x.float() + out.float()).to(torch.bfloat16))
 
 
 def test_a_deep_stack_stays_finite_and_passes_the_oracle(seed):

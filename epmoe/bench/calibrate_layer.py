@@ -371,8 +371,8 @@ def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: s
                        max(st["dispatch"] - q, 1e-3))
     fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
-    fits.add_point("layer", "norm" + sfx, tr.norm_bytes(n, d), st.get("norm"))
-    fits.add_point("layer", "residual" + sfx, tr.residual_bytes(n, d), st.get("residual"))
+    for stage in BETWEEN:  # the pre-norm and the residual add around the forward
+        fits.add_point("layer", stage + sfx, tr.BETWEEN_BYTES[stage](n, d), st.get(stage))
     if not queued:
         for name in ("issue", f"issue.{experts}"):  # pooled, per backend (torch: host syncs)
             fits.add_point("layer", name, n * d * 2.0, st.get("issue"))

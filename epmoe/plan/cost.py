@@ -160,7 +160,7 @@ def between_us(prof: HardwareProfile, stage: str, rows: float, d: int) -> float:
     """An inter-layer stage ("norm" or "residual") over `rows` bf16 residual rows of width d:
     the profile's fit (kernels["layer"][stage], timed as the runtime runs it) when it has
     one, else its bytes at HBM bandwidth, at least its kernel launches."""
-    nbytes = (tr.norm_bytes if stage == "norm" else tr.residual_bytes)(rows, d)
+    nbytes = tr.BETWEEN_BYTES[stage](rows, d)
     fit = prof.most_specific("layer", stage)
     if fit is not None:
         return fit.time_us(nbytes)

@@ -96,6 +96,10 @@ def residual_bytes(n_rows: float, d: int) -> float:
     return n_rows * d * 6.0
 
 
+# the work between two layers (cost.BETWEEN): stage -> its bytes over (rows, hidden)
+BETWEEN_BYTES = {"norm": norm_bytes, "residual": residual_bytes}
+
+
 def router_bytes(n_tokens: float, d: int, num_experts: int) -> float:
     """The router: bf16 token rows read, fp32 logits written and read back for the top-k."""
     return n_tokens * (2.0 * d + 8.0 * num_experts)
