@@ -152,25 +152,44 @@ def test_sms_also_copy_the_ranks_own_rows(ranks):
     assert cost.link_bytes["nvlink"] == pytest.approx(all_rows * row * (ranks - 1) / ranks)
 
 
-def test_across_nodes_the_sms_also_stage_a_row_per_token_and_node():
-    """Two nodes, DeepEP's two hops: the SMs that take the rows off NVLink also fill the RDMA
-    buffers with one row per (token, destination node), the own node's included; one node:
-    only the rows sent and received."""
-    tokens, row = 256, 2 * CFG.hidden + CFG.top_k * 8
-    prof = synthetic_profile(per_sm_GBps=10.0, sms=4)
-    sm = {}
-    for nodes in (1, 2):
-        t = topo(nodes, 4, nvl=1e6, rdma=1e6)  # links that never bind
-        st = routing_stats(CFG, RoutingSpec(), t.world, 4)
-        cost = dispatch_cost("deepep-ht", CommCase(CFG, BF16, t, prof, st, tokens, tokens,
-                                                   reuse_layout=True))
-        sm[nodes] = (cost.notes["dispatch.sm_bytes"], st, cost)
-    one, (two, st2, cost2) = sm[1][0], sm[2]
-    staged = tokens * sum(st2.hit_node) * row
-    assert 1.5 * tokens * row <= staged <= 2 * tokens * row  # ~2 nodes per token of 2
-    moved = max(tokens * sum(st2.hit_rank), 8 * tokens * max(st2.hit_rank)) * row
-    assert two == pytest.approx(moved + staged, rel=0.05)  # (+ the finite-batch maximum)
-    assert two > one and cost2.kernel_us == pytest.approx(two / 40e3)
+@pytest.mark.parametrize("nodes,g", [(2, 4), (16, 1)])
+@pytest.mark.parametrize("direction", ["dispatch", "combine"])
+def test_across_nodes_the_slowest_warp_role_bounds_the_sms(nodes, g, direction):
+    """Across nodes DeepEP's channels split their warps by role (internode.cu): dispatch 7
+    RDMA senders on one row per (token, node), 8 forwarders and 8 NVLink receivers on one per
+    (token, rank); combine 8 NVLink senders, 24 // nodes forwarders per node (at least one)
+    and the forwarders less 8 RDMA receivers. Each copying warp moves 2 / 24 of the per-SM
+    rate (the intranode kernels' 24 warps on each SM of a pair); one node: the plain rows."""
+    from epmoe.plan.comm_cost import combine_cost
+
+    tokens, per_sm, sms = 256, 10.0, 4
+    prof = synthetic_profile(per_sm_GBps=per_sm, sms=sms)
+    t = topo(nodes, g, nvl=1e6, rdma=1e6)  # links that never bind
+    st = routing_stats(CFG, RoutingSpec(), t.world, g)
+    cost = (dispatch_cost if direction == "dispatch" else combine_cost)(
+        "deepep-ht", CommCase(CFG, BF16, t, prof, st, tokens, tokens, reuse_layout=True))
+    row = (2 * CFG.hidden + CFG.top_k * 8) if direction == "dispatch" else 2 * CFG.hidden
+    n = t.world * tokens * max(st.hit_rank)
+    rank_rows = max(tokens * sum(st.hit_rank), finite_max(n, n, t.world))
+    node_rows = tokens * sum(st.hit_node)
+    assert 0.9 * tokens * min(nodes, CFG.top_k) * 0.5 < node_rows <= tokens * nodes
+    warp_GBps = per_sm * 2 / 24
+    if direction == "dispatch":
+        role_warps = [(node_rows, 7), (rank_rows, 8), (rank_rows, 8)]
+    else:
+        fwd = nodes * max(24 // nodes, 1)
+        assert fwd == {2: 24, 16: 16}[nodes]
+        role_warps = [(rank_rows, 8), (rank_rows, fwd), (node_rows, fwd - 8)]
+    channels = sms / 2
+    slowest = max(r * row / (w * warp_GBps * channels * 1e3) for r, w in role_warps)
+    assert cost.kernel_us == pytest.approx(slowest)
+    one = topo(1, 4, nvl=1e6, rdma=1e6)
+    st1 = routing_stats(CFG, RoutingSpec(), one.world, 4)
+    c1 = (dispatch_cost if direction == "dispatch" else combine_cost)(
+        "deepep-ht", CommCase(CFG, BF16, one, prof, st1, tokens, tokens, reuse_layout=True))
+    n1 = one.world * tokens * max(st1.hit_rank)
+    rows1 = max(tokens * sum(st1.hit_rank), finite_max(n1, n1, one.world))
+    assert c1.kernel_us == pytest.approx(rows1 * row / (per_sm * sms * 1e3))
 
 
 def test_gemm_time_is_flops_over_the_curve():

@@ -14,9 +14,10 @@ Mechanisms (each a term below, each constant from the profile, which says where 
   peer, its flags), the count exchange (plus a host sync where the backend waits for counts
   on the host), op launches;
 - SMs given to comm: an SM-driven transfer also takes the rows its SMs move (every row the
-  rank sends or receives, its own rows included: they are copied by the same SMs; across
-  nodes also one row per (token, node) staged in the RDMA buffers) over SMs x the per-SM
-  rate; the transfer takes the longer of that and its slowest link class.
+  rank sends or receives, its own rows included: they are copied by the same SMs) over SMs x
+  the per-SM rate; across nodes DeepEP's warps work by role (`internode`: one row per
+  (token, node) for some, one per (token, rank) for others), and the slowest role bounds;
+  the transfer takes the longer of that and its slowest link class.
 - DeepEP V2's normal kernels (`deepep-v2`, modelled, not run: epmoe runs V1): V2 computes
   its SM and QP counts to saturate the links (its README: "analytical SM & QP count
   calculation"), so they take V1's link fits (alpha, the SM-driven NVLink efficiency, the
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.eplb.decision import NVLINK_GBPS, MigrationLinks
+from epmoe.plan import internode
 from epmoe.plan.figures import HOST_PREFIX
 from epmoe.plan.profile import HardwareProfile
 from epmoe.plan.routing import RoutingStats, finite_max
@@ -152,15 +154,15 @@ def _hot_rows(c: CommCase, per_token) -> float:
     return finite_max(n, n, c.topo.world)
 
 
-def _sm_rows(c: CommCase, per_token, two_hop: bool = False) -> float:
-    """Rows the SMs of the busiest rank move: max(sent by a mean rank, received by the hottest),
-    own rows included. Over two hops across nodes the SMs that take the rows off NVLink (or
-    put them on it, combining) also stage one row per (token, node), the own node's included,
-    in the RDMA buffers: DeepEP's internode kernels give one SM of each pair to the NVLink
-    forwarding and the other both the RDMA buffers and the NVLink end (internode.cu)."""
+def _sm_rows(c: CommCase, per_token, direction: str, two_hop: bool = False) -> float:
+    """Rows the SMs of the busiest rank move, at the per-SM rate: max(sent by a mean rank,
+    received by the hottest), own rows included. Over two hops across nodes DeepEP's kernels
+    split a channel's warps by role, some on one row per (token, node), some on one per
+    (token, rank): the slowest role's rows over its share of the warps (`internode`)."""
     rows = max(c.tokens * sum(per_token), _hot_rows(c, per_token))
     if two_hop and c.topo.num_nodes > 1:
-        rows += c.tokens * sum(c.stats.hit_node)
+        node_rows = c.tokens * sum(c.stats.hit_node)
+        rows, _ = internode.sm_rows(direction, c.topo.num_nodes, rows, node_rows)
     return rows
 
 
@@ -180,7 +182,7 @@ def sm_bytes(backend: str, direction: str, c: CommCase) -> float:
     """Bytes the SMs of the busiest rank move in one call of an SM-driven backend (what a
     profile's per_sm_GBps is a rate over)."""
     per, row, _ = _sm_shape(backend, direction, c)
-    return _sm_rows(c, per) * row
+    return _sm_rows(c, per, direction) * row
 
 
 def _link_fit(c: CommCase, backend: str, cls: str, direction: str):
@@ -216,7 +218,7 @@ def _sm_transfer(c: CommCase, backend: str, direction: str) -> tuple[float, dict
     rows its SMs move (`_sm_shape`)."""
     per, row, two_hop = _sm_shape(backend, direction, c)
     return _transfer(c, backend, direction, _classes(c, per, two_hop), row, c.sms,
-                     _sm_rows(c, per, two_hop))
+                     _sm_rows(c, per, direction, two_hop))
 
 
 def _count_us(c: CommCase, backend: str) -> float:
