@@ -4,7 +4,7 @@ process: the previous model must not stay referenced)."""
 import weakref
 
 from epmoe.launch.console import Phases
-from epmoe.launch.driver import InProcessDriver
+from epmoe.launch.inprocess import InProcessDriver
 from epmoe.plan.run import RunConfig
 
 

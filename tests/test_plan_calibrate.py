@@ -193,7 +193,7 @@ def test_a_fit_timed_beside_the_shared_mlp_takes_no_floor():
     are only the sizes that ran entirely beside the shared MLP (often the largest alone): a
     1.65 ms floor from 21846 tokens once priced act_quant at 4096 tokens 2.2x over."""
     from epmoe.bench.calibrate import Clock
-    from epmoe.bench.calibrate_layer import LayerFits, finish
+    from epmoe.bench.layer_points import LayerFits, finish
 
     fits = LayerFits()
     for nbytes, us in ((1e6, 40.0), (1e7, 35.0), (1e8, 90.0)):  # one wave at small sizes

@@ -11,7 +11,7 @@ import pytest
 
 from epmoe.config import QuantConfig
 from epmoe.launch.cli import main
-from epmoe.launch.planning import profile_for_device
+from epmoe.launch.device_profile import profile_for_device
 from epmoe.plan import Choice, LayerEntry, Plan, Topology
 from epmoe.plan.cost import STAGES
 from test_launch import cluster, joined  # noqa: F401  (one token-auth Ray cluster per module)

@@ -112,23 +112,23 @@ def test_blend_places_each_stage_on_the_shared_mlps_timeline():
 
 
 def test_the_calibration_keeps_only_stages_that_ran_entirely_beside_the_shared_mlp():
-    from epmoe.bench.calibrate_layer import LayerFits, _routed_points, _Size
+    from epmoe.bench.layer_points import LayerFits, Size, routed_points
     from epmoe.config import get_preset
 
     cfg = get_preset("deepseek-v3-tiny")
     q = QuantConfig("bf16")
-    size = _Size(tokens=64, real=64 * cfg.top_k, align=1, rows=64 * cfg.top_k,
+    size = Size(tokens=64, real=64 * cfg.top_k, align=1, rows=64 * cfg.top_k,
                  aq_rows=64 * cfg.top_k)
     # dispatch 10, permute 10..30, gemm1 30..80, act_quant 80..110: the shared ends at 100
     st = {"dispatch": 10.0, "experts.permute": 20.0, "experts.gemm1": 50.0,
           "experts.act_quant": 30.0, "experts.gemm2": 40.0, "experts.gather": 5.0,
           "shared": 100.0}
     fits, gemm = LayerFits(), {(g, side): {} for g in ("gemm1", "gemm2") for side in (0, 1)}
-    _routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", True)
+    routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", True)
     names = {n for _, n in fits.points}
     assert names == {"permute.overlapped", "permute.bf16.overlapped"}  # pooled, per recipe
     assert gemm[("gemm1", True)] and not gemm[("gemm2", True)]
-    _routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", False)  # alone: all of them
+    routed_points(fits, gemm, st, size, cfg, q, "torch", "bf16", False)  # alone: all of them
     assert {"permute", "gather", "act_quant", "permute.bf16", "gather.bf16",
             "act_quant.bf16"} <= {n for _, n in fits.points}
     assert gemm[("gemm2", False)]
@@ -140,7 +140,8 @@ def test_calibration_runs_beside_the_shared_mlp_on_request():
     import torch
 
     from epmoe.bench.calibrate import Clock, fit_ab
-    from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
+    from epmoe.bench.calibrate_layer import measure_layer
+    from epmoe.bench.layer_points import LayerFits, finish
     from epmoe.config import get_preset
 
     cfg = get_preset("deepseek-v3-tiny")

@@ -162,7 +162,8 @@ def test_cpu_plan_uses_what_cpu_runs():
 def test_the_explanation_names_the_stage_where_the_pick_gains():
     """Not the stage with the largest difference: here the pick's shared MLP is slower, but
     it hides behind its routed stages on the side stream, and its experts are faster."""
-    from epmoe.plan.cost import LayerPrediction, Memory
+    from epmoe.plan.cost import LayerPrediction
+    from epmoe.plan.memory import Memory
     from epmoe.plan.planner import explain
 
     mem = Memory(0.0, 0.0, 0.0)

@@ -234,16 +234,16 @@ def test_a_fixed_cost_per_peer_grows_with_the_world():
 
 
 def test_the_per_peer_slope_is_fitted_and_never_negative(monkeypatch):
-    """specs._peer_us: the least-squares slope over 2, 4 and 8 ranks, each recipe its own
+    """specs_symm.peer_us: the least-squares slope over 2, 4 and 8 ranks, each recipe its own
     intercept (10 + 0.5 (w - 2) and 8 + 0.5 (w - 2) -> 0.5); a cost that falls with the
     world (no growth visible) is 0, not a negative cost per peer."""
-    from epmoe.plan import specs
+    from epmoe.plan import specs, specs_symm
 
-    monkeypatch.setattr(specs, "SYMM_PEERS", {
+    monkeypatch.setattr(specs_symm, "SYMM_PEERS", {
         "dispatch": {"fp8_block": [10.0, 11.0, 13.0], "bf16": [8.0, 9.0, 11.0]},
         "combine": {"fp8_block": [12.0, 11.5, 11.0], "bf16": [15.0, 14.6, 14.5]}})
-    assert abs(specs._peer_us("dispatch") - 0.5) < 1e-12
-    assert specs._peer_us("combine") == 0.0
+    assert abs(specs_symm.peer_us("dispatch") - 0.5) < 1e-12
+    assert specs_symm.peer_us("combine") == 0.0
     fits = specs.build_profiles()["h200"].comm["symm-ll"]["nvlink"]
     assert abs(fits["dispatch"].peer_us - 0.5) < 1e-12 and "+ 0.50 us per peer" in \
         fits["dispatch"].prov.note

@@ -71,7 +71,7 @@ def test_below_one_aligned_group_per_expert_the_curve_is_read_at_the_real_rows()
 
 def test_calibration_fits_take_the_fastest_size_as_their_floor():
     from epmoe.bench.calibrate import fit_ab
-    from epmoe.bench.calibrate_layer import LayerFits, finish
+    from epmoe.bench.layer_points import LayerFits, finish
 
     class Clock:
         def prov(self, what=""):

@@ -2,7 +2,8 @@
 setup (GPU kind, ranks on one node, timing) where one ships, the spec one elsewhere."""
 
 from epmoe.launch.cli import build_run, parser
-from epmoe.launch.planning import prepare, profile_for_device
+from epmoe.launch.device_profile import profile_for_device
+from epmoe.launch.planning import prepare
 
 
 def _args(*flags):

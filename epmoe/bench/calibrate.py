@@ -197,7 +197,8 @@ def calibrate(args, argv) -> tuple[HardwareProfile, Clock]:
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" \
         if kind == "cpu" else ""
     clock = Clock(argv, args.budget_s, f"{gpu_name}{load}")
-    from epmoe.bench.calibrate_layer import LayerFits, finish, measure_layer
+    from epmoe.bench.calibrate_layer import measure_layer
+    from epmoe.bench.layer_points import LayerFits, finish
     from epmoe.config import QuantConfig, default_scale_fmt, get_preset
 
     model = args.model or DEFAULT_MODEL[kind]

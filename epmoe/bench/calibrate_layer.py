@@ -54,36 +54,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
 
-from epmoe.plan import traffic as tr
-from epmoe.plan.beside import fully_beside
-from epmoe.plan.cost import BETWEEN, layer_body_us
-from epmoe.plan.profile import OVERLAPPED, QUEUED, AlphaBeta, GemmCurve, MlpCurve
+from epmoe.bench.layer_points import (LayerFits, Size, host_bound_points, kernel_points,
+                                      routed_points)
+from epmoe.plan.profile import QUEUED, GemmCurve, MlpCurve
 
 ROWS_PER_EXPERT = {("cuda", False): (4, 32, 128, 256, 512, 1024),
                    ("cuda", True): (4, 128, 512),
                    ("cpu", False): (4, 16, 64), ("cpu", True): (4, 16, 64)}
 GEMMS = (("gemm1", "2I", "D"), ("gemm2", "D", "I"))
-
-
-@dataclass
-class LayerFits:
-    """What the layer runs gave: curves, kernel fits per table, shared-MLP curves."""
-
-    gemm: list = field(default_factory=list)
-    kernels: dict = field(default_factory=dict)
-    mlp: list = field(default_factory=list)
-    points: dict = field(default_factory=dict)  # (table, name) -> [(bytes, us)], pooled
-    calls: dict = field(default_factory=dict)  # (table, name) -> [busy experts], per point
-    host_op_us: list = field(default_factory=list)  # the host's speed beside each issue time
-
-    def add_point(self, table: str, name: str, nbytes: float, us: float | None,
-                  calls: int = 0) -> None:
-        """calls: the stage's calls in this forward when it makes one per busy expert."""
-        if us and nbytes > 0:
-            self.points.setdefault((table, name), []).append((nbytes, us))
-            self.calls.setdefault((table, name), []).append(calls)
 
 
 def token_counts(cfg, rows_per_expert) -> list[int]:
@@ -246,14 +225,14 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
         try:
             x = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
             routing = balanced_routing(n, cfg, dev)
-            size = _Size.of(routing.topk_ids_TK, e, align, experts)
+            size = Size.of(routing.topk_ids_TK, e, align, experts)
             # the routed stages alone, then (CUDA, a shared MLP) beside the shared MLP on its side
             # stream, as a launch runs them by default: contention slows what overlaps it
             for side in modes:
                 st = _forward_stages(layer, x, routing, dev, reps, side, hold)
                 if not side and st.get("shared"):
                     shared[(False, False)].append((float(n), st["shared"]))
-                _routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
+                routed_points(fits, gemm, st, size, cfg, quant, experts, recipe, side)
             # the stages a launch's host and queue shape (small GPU work behind the router's):
             # timed in forwards that run the layer's own router, as a launch does by default;
             # so is the shared MLP on its side stream: what it overlaps is the launch's path
@@ -261,10 +240,10 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
                 st = _forward_stages(layer, x, None, dev, reps, modes[-1], queue if q else hold)
                 if modes[-1] and st.get("shared"):
                     shared[(True, q)].append((float(n), st["shared"]))
-                _host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
+                host_bound_points(fits, st, n, cfg, quant, experts, modes[-1], q)
                 if q:  # the routed stages too, as a later layer runs them (the router's rows)
-                    size_r = _Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
-                    _kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
+                    size_r = Size.of(layer.last_routing.topk_ids_TK, e, align, experts)
+                    kernel_points(fits, st, size_r, cfg, quant, experts, recipe, QUEUED)
             # the host's speed as it issued these forwards (hosts drift within a machine's lease;
             # the issue time's fit and the profile's host_op_us must come from the same host)
             fits.host_op_us.append(host_op_us(dev))
@@ -290,123 +269,3 @@ def measure_layer(model: str, cfg, quant, experts: str, dev, clock, fits: LayerF
     del layer, rt
     if kind == "cuda":
         torch.cuda.empty_cache()
-
-
-@dataclass(frozen=True)
-class _Size:
-    """One calibration size: tokens, (token, expert) pairs, the layout's alignment, aligned
-    GEMM rows, act+quant rows, experts given rows."""
-
-    tokens: int
-    real: int
-    align: int
-    rows: int
-    aq_rows: int
-    busy: int = 0
-
-    @staticmethod
-    def of(ids, e: int, align: int, experts: str) -> "_Size":
-        """The size of a routing (ids [n, k]) over e experts."""
-        import torch
-
-        counts = torch.bincount(ids.flatten().long().cpu(), minlength=e).tolist()
-        real = ids.numel()
-        return _Size(ids.shape[0], real, align, sum(-(-c // align) * align for c in counts),
-                     real if experts == "torch" else sum(  # the rows act+quant computes
-                         -(-c // tr.ACT_BLOCK_ROWS) * tr.ACT_BLOCK_ROWS for c in counts),
-                     sum(c > 0 for c in counts))
-
-
-def _routed_points(fits: LayerFits, gemm: dict, st: dict, size: _Size, cfg, quant,
-                   experts: str, recipe: str, overlapped: bool) -> None:
-    """The routed stages of one forward on balanced routing -> GEMM points (per aligned size
-    the least padded run; below one aligned group per expert keyed by the real rows, as
-    cost.py looks them up) and the permute / gather / act_quant fits (".overlapped": the
-    stages that ran entirely beside the shared MLP, in a forward that ran it on its side)."""
-    e, d, inter, align = cfg.num_experts, cfg.hidden, cfg.moe_intermediate, size.align
-    if overlapped:  # only what ran entirely beside the shared MLP (plan/beside.py)
-        inside = fully_beside(st)
-        st = {s: v for s, v in st.items() if not s.startswith("experts.") or s in inside}
-    for g, nn, kk in (("gemm1", 2 * inter, d), ("gemm2", d, inter)):
-        if st.get(f"experts.{g}"):
-            m_key = size.real / e if size.real / e < align else size.rows / e
-            prev = gemm[(g, overlapped)].get(m_key)
-            if prev is None or size.real > prev[0]:
-                gemm[(g, overlapped)][m_key] = (size.real, tr.gemm_flops(size.rows, nn, kk) /
-                                                st[f"experts.{g}"] / 1e6)
-    _kernel_points(fits, st, size, cfg, quant, experts, recipe,
-                   OVERLAPPED if overlapped else "")
-
-
-def _kernel_points(fits: LayerFits, st: dict, size: _Size, cfg, quant, experts: str,
-                   recipe: str, sfx: str) -> None:
-    """permute / gather / act_quant (pooled and per recipe) of one forward as "<name><sfx>"
-    (".overlapped": beside the shared MLP; ".queued": behind a device hold, a later layer's)."""
-    n, d, inter = size.tokens, cfg.hidden, cfg.moe_intermediate
-    for r in ("", f".{recipe}"):  # pooled, and per recipe (its rows, and beside the shared
-        # MLP its kernels: a W4A8 GEMM slows what runs beside it more than an fp8 one)
-        fits.add_point(experts, f"permute{r}{sfx}", tr.permute_bytes(n, size.real, d, quant),
-                       st.get("experts.permute"))
-        fits.add_point(experts, f"gather{r}{sfx}", tr.gather_bytes(n, size.real, d),
-                       st.get("experts.gather"))
-        fits.add_point(experts, f"act_quant{r}{sfx}",  # torch: its ops once per busy expert
-                       tr.act_quant_bytes(size.aq_rows, inter, quant), st.get("experts.act_quant"),
-                       size.busy if experts == "torch" else 0)
-
-
-def _host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
-                       overlapped: bool, queued: bool = False) -> None:
-    """Router, dispatch.quantize (pooled, per experts backend, per backend and recipe), the
-    local backend's dispatch / combine, and the layer's tail and the host's issue time, from
-    one forward with the layer's router (queued: behind a device hold -> the ".queued" fits,
-    the tail among them; no issue time)."""
-    d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
-    sfx = QUEUED if queued else ""
-    q = st.get("dispatch.quantize", 0.0)
-    for name in ("quantize", f"quantize.{experts}", f"quantize.{experts}.{quant.recipe}"):
-        # pooled, per backend, per backend and recipe
-        fits.add_point("comm", name + sfx, tr.quantize_bytes(n, d, quant), q or None)
-    if st.get("dispatch"):
-        fits.add_point("local", "dispatch" + sfx, tr.local_dispatch_bytes(n, k),
-                       max(st["dispatch"] - q, 1e-3))
-    fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
-    fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
-    for stage in BETWEEN:  # the pre-norm and the residual add around the forward
-        fits.add_point("layer", stage + sfx, tr.BETWEEN_BYTES[stage](n, d), st.get(stage))
-    if not queued:
-        for name in ("issue", f"issue.{experts}"):  # pooled, per backend (torch: host syncs)
-            fits.add_point("layer", name, n * d * 2.0, st.get("issue"))
-    tail = st["forward"] - layer_body_us(st, overlapped)  # queued: without the host's gaps
-    for name in ("tail", f"tail.{experts}"):  # pooled, and per backend (the torch
-        fits.add_point("layer", name + sfx, n * d * 2.0, max(tail, 1e-3))  # backend syncs)
-
-
-def finish(fits: LayerFits, clock, fit_ab) -> dict:
-    """The pooled points -> {table: {name: AlphaBeta}} (each fit says what it pooled). A fit's
-    floor is the fastest time it measured, but not for the ".overlapped" fits: their points
-    are the sizes whose stage ran entirely beside the shared MLP, often only the largest, whose
-    time is no floor for the sizes below them."""
-    out: dict = {}
-    for (table, name), pts in fits.points.items():
-        src = {"comm": "dispatch.quantize stage", "local": f"{name} stage of the local backend",
-               "router": f"router stage ({name})",
-               "layer": "the host's issue of a whole forward (median)" if name.startswith("issue")
-               else f"{name.split('.')[0]} stage around it (runtime.run_layer)"
-               if _between(table, name)
-               else "whole forward minus its stages as the model composes them"}
-        note = src.get(table, f"experts.{name} stage") + f", {len(pts)} sizes x recipes"
-        if name.endswith(QUEUED):
-            note += ", behind a device hold (queued)"
-        floor = min((t for b, t in pts if b > 0 and t > 0), default=0.0)
-        calls = fits.calls.get((table, name), [0])
-        out.setdefault(table, {})[name] = AlphaBeta(*fit_ab(pts), clock.prov(
-            f"MoELayer.forward at ep 1: {note}; floor: the fastest size"),
-            floor if (table != "layer" or _between(table, name))
-            and not name.endswith(OVERLAPPED) else 0.0,
-            statistics.fmean(calls) if all(calls) else 0.0)
-    return out
-
-
-def _between(table: str, name: str) -> bool:
-    """A fit of a stage between two layers (cost.BETWEEN), kept in the "layer" table."""
-    return table == "layer" and name.split(".")[0] in BETWEEN

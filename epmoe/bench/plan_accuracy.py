@@ -18,7 +18,7 @@ against the best measured (within 5%?).
     python -m epmoe.bench.plan_accuracy --json runs/plan_accuracy.json [--quick]
 
 --quick: CUDA 4096 tokens only (fp8 and bf16); CPU ep 1 and 2 only. Profile: --profile, else by
-device (epmoe.launch.planning.profile_for_device). --calibrate [full|quick]: first run
+device (epmoe.launch.device_profile.profile_for_device). --calibrate [full|quick]: first run
 `python -m epmoe.bench.calibrate` here (into --calibrate-out, default next to --json, else a
 temporary file; --profile, if given, is its base) and predict with the profile it wrote, so
 one command measures the machine and then judges the model on it:
@@ -173,11 +173,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # in-process ranks as the Ray workers: one thread each
     layers = args.layers or (1 if cuda else 2)
     steps = args.steps or (12 if cuda else 6)
-    from epmoe.launch.planning import local_device, profile_for_device, timing_kind
+    from epmoe.launch.device_profile import device_and_arch, profile_for_device, timing_kind
     from epmoe.plan.profile import load_profile
 
     profile = args.profile or profile_for_device(
-        *local_device(), args.ep, 1, timing_kind(args.timing, args.cuda_graph))[0]
+        *device_and_arch(), args.ep, 1, timing_kind(args.timing, args.cuda_graph))[0]
     prof = load_profile(profile)
     used = dict(name=prof.name, source=profile, calibrated=bool(args.calibrate),
                 provenance=prof.provenance_counts())

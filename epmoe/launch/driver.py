@@ -11,25 +11,21 @@ placement group removed, the private cluster stopped).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-import torch
-
 from epmoe.env import SAFETY_ENV, forwarded_env, logger
-from epmoe.launch.blame import Failure, Heartbeat, RankFailure, RankState, attribute
+from epmoe.launch.blame import Heartbeat, RankFailure, RankState, attribute
 from epmoe.launch.blame import death_detail, is_collective_error, oom_detail
 from epmoe.launch.cluster import ClusterAddress, RayCluster
 from epmoe.launch.console import Phases
 from epmoe.launch.errors import ClusterTooSmall, InputError, LaunchError  # noqa: F401
-from epmoe.launch.oracle import LayerCheck, LayerVerdict, check_deadline_s, solve
+from epmoe.launch.inprocess import InProcessDriver, first_line, run_steps
+from epmoe.launch.oracle import LayerCheck, LayerVerdict, check_deadline_s
 from epmoe.launch.worker import PROBE_GROUP
 from epmoe.plan.run import RunConfig
-from epmoe.plan.topology import local_cores
-from epmoe.runtime import Runtime
 
 HEARTBEAT_S = 1.0  # how often a waiting driver asks every rank where it is
 GRACE_S = 2.0  # after a first failure, how long to collect the other ranks' outcomes
@@ -39,11 +35,6 @@ PROBE_S = 3.0  # how long a rank has to answer the heartbeat that decides the bl
 GROUP_MARGIN_S = 30.0
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines() or [type(e).__name__])[0][:300]
-
-
 def rank_resources(gpu: bool, ranks_per_gpu: int = 1) -> tuple[dict, str]:
     """-> (the Ray resources of one rank, its process group backend): a GPU rank takes
     1 / ranks_per_gpu of a GPU and joins NCCL, unless ranks share GPUs (NCCL refuses two ranks
@@ -51,66 +42,6 @@ def rank_resources(gpu: bool, ranks_per_gpu: int = 1) -> tuple[dict, str]:
     if not gpu:
         return {"CPU": 1}, "gloo"
     return {"GPU": 1 / ranks_per_gpu, "CPU": 1}, "nccl" if ranks_per_gpu == 1 else "gloo"
-
-
-class InProcessDriver:
-    """One rank, no Ray, no process group (--timeout does not apply: nothing to wait for)."""
-
-    on_ray = False
-
-    def __init__(self, run: RunConfig, phases: Phases, device: str | None = None):
-        self.run, self.phases, self.device = run, phases, device
-        self.seconds: dict[str, float] = {}  # wall time of each stage of the launch
-
-    def _fail(self, stage: str, e: Exception) -> LaunchError:
-        f = Failure(stage=stage, kind="failed", ranks=(0,), waiting=(), finished=(),
-                    detail=f"{type(e).__name__}: {_first_line(e)}", where={0: stage})
-        return LaunchError(f.message(), f)
-
-    def start(self) -> list[dict]:
-        self.phases("building the layers (1 rank, in this process)")
-        t0 = time.monotonic()
-        try:
-            self.rt = Runtime(self.run, device=self.device)
-        except Exception as e:
-            raise self._fail("build", e) from None
-        self.seconds["build"] = round(time.monotonic() - t0, 3)
-        return [dict(rank=0, host=os.uname().nodename, node_id="local", device=str(self.rt.device),
-                     pid=os.getpid(), cpus=local_cores())]
-
-    def call_all(self, stage: str, method: str, *args) -> list:
-        t0 = time.monotonic()
-        try:
-            out = [self.rt.call(method, *args)]
-        except Exception as e:
-            raise self._fail(stage, e) from None
-        self.seconds[stage] = round(time.monotonic() - t0, 3)
-        return out
-
-    def execute(self) -> tuple[list[dict], list[dict]]:
-        return run_steps(self)
-
-    def solve_checks(self, checks: list[LayerCheck]) -> Iterator[LayerVerdict]:
-        """The float64 check of each layer here, on the rank's device."""
-        for c in checks:
-            try:
-                yield solve(self.run, c, self.rt.device)
-            except Exception as e:
-                raise self._fail("oracle", e) from None
-
-    def close(self):
-        """Close the runtime and hand its device memory back before the next launch in this
-        process (a sweep builds one model per candidate: without this the previous ones'
-        weights could still be held by reference cycles and the caching allocator)."""
-        rt, self.rt = getattr(self, "rt", None), None
-        if rt is None:
-            return
-        cuda = rt.device.type == "cuda"
-        rt.close()
-        del rt
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
 
 
 class RayDriver:
@@ -221,7 +152,7 @@ class RayDriver:
                 return None, RankState(r, "error", error=cause.error, collective=cause.collective,
                                        order=order, where=cause.where)
             return None, RankState(r, "error", error=f"{type(cause).__name__}: "
-                                   f"{_first_line(cause)}", collective=is_collective_error(cause),
+                                   f"{first_line(cause)}", collective=is_collective_error(cause),
                                    order=order)
 
     def _wait(self, stage: str, method: str, refs: list, timeout: float | None = None):
@@ -375,24 +306,6 @@ class RayDriver:
             self.cluster.close()  # stops a private cluster, else only disconnects
             self.cluster = None
         logger.debug("ray driver closed")
-
-
-def run_steps(d, on_step=None) -> tuple[list[dict], list[dict]]:
-    """Start the ranks, run every step (calling on_step(step) after each), collect reports."""
-    where = d.start()
-    d.phases(f"running {d.run.steps} step(s)")
-    bar = d.phases.steps(d.run.steps)
-    try:
-        for s in range(d.run.steps):
-            d.call_all(f"step {s}", "step", s)
-            if on_step is not None:
-                on_step(s)
-            if bar:
-                bar.advance(bar.task_ids[0])
-    finally:
-        if bar:
-            bar.stop()
-    return d.call_all("report", "report"), where
 
 
 @contextmanager

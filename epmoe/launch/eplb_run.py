@@ -7,7 +7,7 @@ import statistics
 import time
 
 from epmoe.launch.checks import flag
-from epmoe.launch.driver import run_steps
+from epmoe.launch.inprocess import run_steps
 
 
 def execute_eplb(d, run, args) -> tuple[list[dict], list[dict], dict]:

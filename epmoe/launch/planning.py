@@ -30,12 +30,13 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from epmoe.config import DEFAULT_PRESET
+from epmoe.launch.device_profile import device_and_arch, profile_for_device, timing_kind
 from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile, plan_stack
 from epmoe.plan.comm_cost import migration_links
 from epmoe.plan.planner import rule_violation
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
-from epmoe.plan.topology import LINK_SPECS, gpu_kind_of, local_cores
+from epmoe.plan.topology import LINK_SPECS, local_cores
 
 MODES = ("auto", "tp", "ep", "ep_dp", "sweep")
 
@@ -57,59 +58,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="--plan sweep: no new launch after this many seconds (default 600)")
 
 
-# ---------------------------------------------------------------------------- device -> profile
-# measured profiles that ship, by (GPU kind, ranks on one node, timing): a run on a machine
-# like the one measured predicts with what was measured there; any other shape gets the
-# kind's spec profile, whose mechanisms (links, fan-out to ranks and nodes, SMs) carry to
-# setups nobody measured (README "Planning")
-MEASURED_PROFILES = {("h200", 1, "launched"): "h200-calibrated",
-                     ("h200", 1, "device"): "h200-device-timed",
-                     ("h200", 2, "launched"): "h200x2-calibrated",
-                     ("h100", 1, "launched"): "h100-calibrated",
-                     ("h100", 1, "device"): "h100-device-timed"}
-
-
-def profile_for_device(device: str, sm_arch: int = 0, ranks: int = 0, nodes: int = 1,
-                       timing: str = "launched") -> tuple[str, str | None]:
-    """(shipped profile, warning or None) for a device description: "cpu", a GPU name, or a
-    worker's "cuda (NVIDIA H200, visible 0)"; sm_arch (capability x 10) picks the nearest.
-    With the run's ranks, nodes and timing ("device" also for CUDA-graph replays): the measured
-    profile of that setup when one ships (MEASURED_PROFILES), else the spec one."""
-    d = device.lower()
-    if "cuda" not in d and "nvidia" not in d:
-        return "cpu", None
-    key = gpu_kind_of(d)
-    if key is not None:
-        measured = MEASURED_PROFILES.get((key, ranks, timing)) if nodes == 1 else None
-        return measured or key, None
-    near = "b200" if sm_arch >= 100 else "h100"
-    return near, (f"no shipped profile for {device!r}: predicting with the nearest spec "
-                  f"profile {near!r} (SM{sm_arch or '?'}); calibrate this machine with python "
-                  f"-m epmoe.bench.calibrate --out mine.json and pass --profile mine.json")
-
-
-def timing_kind(timing: str, cuda_graph: bool) -> str:
-    """The timing a run's stages are measured under, as profiles record it (a CUDA-graph
-    replay issues nothing from the host: GPU time, as "device")."""
-    return "device" if cuda_graph else timing
-
-
 def _timing(run: RunConfig) -> str:
     return timing_kind(run.timing, run.cuda_graph)
 
 
 def _setup(run: RunConfig, nodes: int) -> str:
     return f"{run.world} rank(s) on {nodes} node(s), {_timing(run)} timing"
-
-
-def local_device(device_flag: str = "auto") -> tuple[str, int]:
-    """(device name, sm_arch) of this process's first device ("cpu", 0 without CUDA)."""
-    import torch
-
-    if device_flag != "cpu" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        return torch.cuda.get_device_name(0), 10 * major + minor
-    return "cpu", 0
 
 
 def _topology_gpu(prof: HardwareProfile) -> str:
@@ -277,7 +231,7 @@ def context(a, run: RunConfig, mode: str | None, tokens: int) -> Planning:
         prof = load_profile(a.profile)
         notes.append(f"profile {prof.name}: given")
     else:
-        dev, arch = local_device(getattr(a, "device", "auto"))
+        dev, arch = device_and_arch(getattr(a, "device", "auto"))
         name, warn = profile_for_device(dev, arch, run.world, 1, _timing(run))
         prof = load_profile(name)
         notes += [f"profile {name}: by device ({dev}), {_setup(run, 1)}"] + \

@@ -32,8 +32,9 @@ from epmoe.plan import traffic as tr
 from epmoe.plan.beside import blend
 from epmoe.plan.forms import FORMS, LayerPlan
 from epmoe.plan.grouped import expert_us, grouped_gemm_us
-from epmoe.plan.comm_cost import (BACKENDS, FITS_OF, HT_KERNELS, LL, MODELLED_ONLY, CommCase,
-                                  collective_us, combine_cost, dispatch_cost, launch_us)
+from epmoe.plan.memory import Memory, layer_memory
+from epmoe.plan.comm_cost import (BACKENDS, LL, MODELLED_ONLY, CommCase, collective_us,
+                                  combine_cost, dispatch_cost, launch_us)
 from epmoe.plan.profile import OVERLAPPED, SCHED_SLICE, HardwareProfile
 from epmoe.plan.routing import RoutingSpec, RoutingStats, SlotMap, finite_max, routing_stats
 from epmoe.plan.timeslice import base_slice_us, time_sliced
@@ -109,16 +110,6 @@ class Workload:
     @property
     def num_slots(self) -> int:
         return self.cfg.num_experts if self.slots is None else self.slots.num_slots
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes per rank: this layer's weights, the transient workspace of one layer call, and
-    the comm buffers a process allocates once (shared by every layer)."""
-
-    weights: float
-    workspace: float
-    buffers: float
 
 
 @dataclass(frozen=True)
@@ -225,7 +216,7 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
     if stats is not None:
         notes.update(ranks_per_token=stats.ranks_per_token, nodes_per_token=stats.nodes_per_token,
                      imbalance=stats.imbalance)
-    mem = _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
+    mem = layer_memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case)
     stages, tail = {s: st.get(s, 0.0) for s in STAGES}, _tail_us(cfg, prof, n_rep, cand.experts)
     f = topo.oversubscription  # CPU ranks sharing cores: time-sliced (timeslice.py)
     if f > 1:
@@ -372,31 +363,3 @@ def _shared_us(cand, cfg, quant, prof, plan, n, overlapped: bool) -> float:
         us = max(us, launch_us(prof, sum(TORCH_OPS.values())))
     q = tr.quantize_bytes(n, d, quant)
     return us + (prof.kernel("comm", "quantize").time_us(q) if q else 0.0)
-
-
-def _memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> Memory:
-    cfg, quant, d = work.cfg, work.quant, work.cfg.hidden
-    weights = tr.expert_weight_bytes(e_local, d, inter, quant) + cfg.num_experts * d * 4.0
-    if cfg.num_shared_experts:
-        _, sl = plan.shared_slice(cfg, quant)
-        width = sl[1] if sl is not None else cfg.shared_intermediate
-        weights += 3.0 * width * d * tr.weight_bytes_per_elem(quant)
-    row = tr.act_row_bytes(d, quant)
-    ws = n_in * (row + 4.0 * d) + pairs * (row + 4.0 * inter + tr.act_row_bytes(inter, quant)
-                                           + 2.0 * d)
-    buffers = 0.0
-    world = topo.world
-    if cand.backend in HT_KERNELS:  # NVL (and RDMA) ring buffers: channels x peers x 256 rows
-        sms = case.sms or case.prof.comm_fit(FITS_OF.get(cand.backend, cand.backend),
-                                             topo.intra if topo.num_nodes == 1 else "rdma",
-                                             "dispatch").sms or 20
-        buffers = sms / 2 * min(world, topo.gpus_per_node) * 256 * 2.0 * d
-        buffers *= 2 if topo.num_nodes > 1 else 1
-    elif cand.backend == "deepep-ll":  # DeepEP's own layout (send, receive, double-buffered)
-        from epmoe.comm.deepep import ll_rdma_bytes
-
-        buffers = float(ll_rdma_bytes(case.max_tokens, d, work.num_slots))
-    elif cand.backend in LL:  # per slot x max tokens, dispatch + combine, double-buffered
-        buffers = 2.0 * work.num_slots * case.max_tokens * (
-            row + tr.LL_HEADER_BYTES + 2.0 * d + tr.LL_HEADER_BYTES)
-    return Memory(weights, ws, buffers)
