@@ -114,6 +114,15 @@ def test_feasibility_reuses_the_runtime_rules():
         ll_shape_unsupported(wide)
     assert feasible(ht, dsv3, fp8, Topology.parse("1x16"), h200, available=ANY) == \
         shape_unsupported(dsv3, fp8, 16)
+    # model scope: where DeepEP V1's normal kernels run (8 GPUs per node across nodes)
+    from epmoe.comm.deepep import normal_layout_unsupported
+
+    for shape, ok in (("1x16", False), ("4x4", False), ("2x64", False), ("1x32", False),
+                      ("1x4", True), ("4x8", True)):
+        why = feasible(ht, dsv3, fp8, Topology.parse(shape), h200, scope="model")
+        assert (why is None) == ok, (shape, why)
+        t = Topology.parse(shape)
+        assert why == normal_layout_unsupported(t.world, t.num_nodes, t.gpus_per_node)
     b200 = load_profile("b200")
     dg = Candidate("ep_dp", "all2all", "deepgemm")
     assert feasible(dg, dsv3, fp8, Topology.parse("1x8", gpu="b200"), b200, available=ANY) \

@@ -52,6 +52,20 @@ def shape_unsupported(cfg: MoEConfig, quant: QuantConfig, world: int | None) -> 
     return None
 
 
+def normal_layout_unsupported(world: int, num_nodes: int, gpus_per_node: int) -> str | None:
+    """Where DeepEP V1's normal (HT) kernels run (the planner's model scope, which allows what
+    epmoe's wrapper does not run yet): in one node its intranode kernels at 2, 4 or 8 ranks;
+    across nodes its internode kernels, which take NUM_MAX_NVL_PEERS = 8 GPUs on every node
+    (so not a GB200 NVL72 domain, DeepEP issue #392)."""
+    if num_nodes == 1 and world not in HT_RANKS:
+        return (f"DeepEP V1's normal kernels run at ep in {HT_RANKS} within one node (more "
+                f"ranks: its internode kernels, 8 GPUs per node), got ep={world} on one node")
+    if num_nodes > 1 and gpus_per_node != 8:
+        return (f"DeepEP V1's internode normal kernels take 8 GPUs per node "
+                f"(NUM_MAX_NVL_PEERS), got {gpus_per_node}")
+    return None
+
+
 def ll_shape_unsupported(cfg: MoEConfig) -> str | None:
     """The low-latency kernels' extra pure rules: compiled hidden sizes, top-k."""
     if cfg.hidden not in LL_HIDDEN:

@@ -70,7 +70,8 @@ def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: To
     if scope == "runtime" and b not in (available or _registered()):
         return f"backend {b} is not registered in epmoe.comm"
     if b in HT_KERNELS + LL:
-        from epmoe.comm.deepep import ll_shape_unsupported, shape_unsupported
+        from epmoe.comm.deepep import (ll_shape_unsupported, normal_layout_unsupported,
+                                       shape_unsupported)
 
         if not sm_arch:
             return f"{b} needs CUDA GPUs"
@@ -79,6 +80,10 @@ def rule_violation(cand: Candidate, cfg: MoEConfig, quant: QuantConfig, topo: To
             return why
         if b.startswith("symm") and topo.num_nodes > 1:
             return f"{b} stores into peers over NVLink: one node only"
+        if b == "deepep-ht" and scope == "model":  # (runtime: intranode only, below)
+            why = normal_layout_unsupported(world, topo.num_nodes, topo.gpus_per_node)
+            if why:
+                return why
         if b.startswith("deepep") and scope == "runtime":
             why = shape_unsupported(cfg, quant, world)
             if why or topo.num_nodes > 1:
