@@ -27,6 +27,7 @@ from epmoe.memory import check_rank_fits
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds
+from epmoe.step_tokens import StepTokens
 from epmoe.timing import DeviceSleep, StageTimer, host_op_us
 from epmoe.weights import layer_weights
 
@@ -82,6 +83,7 @@ class Runtime:
         self.host_ms: list[float] = []  # the host's time to issue each step
         self.held_ms: list[float] = []  # device timing: how long the GPU was held first
         self.host_probes: list[float] = []  # this host's speed: after steps 0 and mid, report
+        self._tokens: StepTokens | None = None  # each step's input (tokens_for)
         self._probed_at_report = False
         from epmoe.comm import resolve_backend
 
@@ -198,10 +200,11 @@ class Runtime:
     def tokens_for(self, step: int) -> torch.Tensor:
         """This rank's input tokens: its own rows when the stack has ep_dp layers, else the one
         batch every rank holds (generated from the same seed everywhere)."""
-        src = self.rank if self.run.own_tokens else 0
-        g = torch.Generator().manual_seed(self.run.seed * 7919 + step * 131 + src + 1)
-        x = torch.randn(self.run.tokens, self.cfg.hidden, generator=g)
-        return x.to(torch.bfloat16).to(self.device)
+        if self._tokens is None:  # (epmoe/step_tokens.py: why not a fresh draw per step)
+            src = self.rank if self.run.own_tokens else 0
+            self._tokens = StepTokens(self.run.tokens, self.cfg.hidden, self.run.seed, src,
+                                      self.device)
+        return self._tokens(step)
 
     def routing_for(self, step: int, l: int) -> Routing | TokenIds | None:
         """Synthetic / replayed routing (None = the model's router; a hash layer's router:

@@ -153,12 +153,8 @@ def layer_miss_line(s: dict) -> str | None:
     if worst is None:
         return None
     _, name, l, m, p = worst
-    why = ""
-    if l == 0 and p < m and t.get("mode", "launched") == "launched" and not t.get("cuda_graph"):
-        why = ("; a step's first stages wait for the host to wake after the previous "
-               "step's synchronize, which the model leaves out (BENCHMARKS.md 34)")
     return (f"largest per-layer miss: {name}, layer {l}: {m:.3f} ms measured, {p:.3f} "
-            f"predicted ({p / m:.2f}x){why}; all in timing.stages_ms_per_layer")
+            f"predicted ({p / m:.2f}x); all in timing.stages_ms_per_layer")
 
 
 def rank_table(s: dict):
