@@ -83,7 +83,9 @@ class Runtime:
         self.host_ms: list[float] = []  # the host's time to issue each step
         self.held_ms: list[float] = []  # device timing: how long the GPU was held first
         self.host_probes: list[float] = []  # this host's speed: after steps 0 and mid, report
-        self._tokens: StepTokens | None = None  # each step's input (tokens_for)
+        # each step's input (tokens_for): a rank's own rows when the stack has ep_dp layers
+        self._tokens = StepTokens(run.tokens, self.cfg.hidden, run.seed,
+                                  rank if run.own_tokens else 0, self.device)
         self._probed_at_report = False
         from epmoe.comm import resolve_backend
 
@@ -200,11 +202,7 @@ class Runtime:
     def tokens_for(self, step: int) -> torch.Tensor:
         """This rank's input tokens: its own rows when the stack has ep_dp layers, else the one
         batch every rank holds (generated from the same seed everywhere)."""
-        if self._tokens is None:  # (epmoe/step_tokens.py: why not a fresh draw per step)
-            src = self.rank if self.run.own_tokens else 0
-            self._tokens = StepTokens(self.run.tokens, self.cfg.hidden, self.run.seed, src,
-                                      self.device)
-        return self._tokens(step)
+        return self._tokens(step)  # (epmoe/step_tokens.py: why not a fresh draw per step)
 
     def routing_for(self, step: int, l: int) -> Routing | TokenIds | None:
         """Synthetic / replayed routing (None = the model's router; a hash layer's router:

@@ -162,7 +162,7 @@ def _sm_rows(c: CommCase, per_token, direction: str, two_hop: bool = False) -> f
     rows = max(c.tokens * sum(per_token), _hot_rows(c, per_token))
     if two_hop and c.topo.num_nodes > 1:
         node_rows = c.tokens * sum(c.stats.hit_node)
-        rows, _ = internode.sm_rows(direction, c.topo.num_nodes, rows, node_rows)
+        rows = internode.sm_rows(direction, c.topo.num_nodes, rows, node_rows)
     return rows
 
 

@@ -55,10 +55,8 @@ def roles(direction: str, num_nodes: int) -> tuple[Role, ...]:
             Role("rdma_receiver", forwarders - NVL_PEERS, "node"))
 
 
-def sm_rows(direction: str, num_nodes: int, rank_rows: float, node_rows: float
-            ) -> tuple[float, str]:
-    """(rows at the intranode kernels' per-SM rate that take as long as the slowest role,
-    that role's name): a role's rows over its share of the intranode warps."""
+def sm_rows(direction: str, num_nodes: int, rank_rows: float, node_rows: float) -> float:
+    """Rows at the intranode kernels' per-SM rate that take as long as the slowest role: a
+    role's rows over its share of the intranode warps."""
     rows = {"rank": rank_rows, "node": node_rows}
-    return max((rows[r.per] * INTRANODE_WARPS / r.warps, r.name)
-               for r in roles(direction, num_nodes))
+    return max(rows[r.per] * INTRANODE_WARPS / r.warps for r in roles(direction, num_nodes))
