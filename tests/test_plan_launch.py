@@ -329,9 +329,10 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
     assert layers(Backlog(prof, True, 1e6), [1.0, 1.0]) == [40.0, 40.0]
     assert Backlog(base, True, 1e6).note() is None  # no queued figures: nothing to say
     # the same stack on a host twice as slow (at_host_speed): it issues a layer in 2 ms,
-    # after the GPU ran 1.5: nothing queues, and the idle-GPU router fit takes 2x as long
+    # after the GPU ran 1.5: nothing queues, and the idle-GPU router fit's 160 us beyond its
+    # GPU time (the queued twin's 40) take 2x as long
     assert layers(Backlog(prof, False, 1e6), [1500.0] * 3) == [200.0, 40.0, 40.0]
-    assert layers(Backlog(prof.at_host_speed(2.0), False, 1e6), [1500.0] * 3) == [400.0] * 3
+    assert layers(Backlog(prof.at_host_speed(2.0), False, 1e6), [1500.0] * 3) == [360.0] * 3
     # a comm backend whose calls take the host longer than the local backend's (the layer's
     # issue fit is timed at one rank): a symm-ht layer issues in 1000 + 900 - local's ops
     fits = {**prof.kernels["comm"], "host.symm-ht.dispatch": AlphaBeta(700.0, 1e9, m),
@@ -348,8 +349,9 @@ def test_a_stacks_later_layers_are_predicted_as_queued_behind_the_ones_before():
 @pytest.mark.timeout(120)
 def test_a_launch_scales_the_profile_to_its_hosts_speed(tmp_path, capsys):
     """The run measures its host's time per tiny op; a profile that recorded its own host's
-    is scaled by the ratio (its host-bound fits: here the router timed on an idle GPU), the
-    report says so and keeps what the profile's own host would have taken."""
+    is scaled by the ratio (its host time: here the router timed on an idle GPU beyond its
+    queued twin's GPU time), the report says so and keeps what the profile's own host would
+    have taken."""
     from epmoe.plan.profile import HOST_OP, AlphaBeta, Figure, Provenance, load_profile
 
     cpu, m = load_profile("cpu"), Provenance("measured", "test")
@@ -365,9 +367,10 @@ def test_a_launch_scales_the_profile_to_its_hosts_speed(tmp_path, capsys):
     host = t["prediction"]["host"]
     assert 0 < t["host_op_us"] == host["run_op_us"] and host["profile_op_us"] == 1e4
     assert host["factor"] == pytest.approx(t["host_op_us"] / 1e4)
-    assert t["predicted_ms"]["router"] == pytest.approx(5.0 * host["factor"], rel=1e-6)
+    router = 0.001 + 4.999 * host["factor"]  # the twin's 1 us, then the host's 4999 us
+    assert t["predicted_ms"]["router"] == pytest.approx(router, rel=1e-6)
     assert host["at_profile_host_step_ms"] - t["predicted_step_ms"] == pytest.approx(
-        5.0 * (1 - host["factor"]), rel=1e-6)
+        5.0 - router, rel=1e-6)
     assert host["at_profile_host_ms"]["router"] == pytest.approx(5.0)
     assert host["at_profile_host_ms"]["experts"] == t["predicted_ms"]["experts"]
     assert f"x{host['factor']:.2f}" in capsys.readouterr().out

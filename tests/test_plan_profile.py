@@ -289,9 +289,10 @@ def test_the_h100_calibrations_measured_every_layer_the_spec_profile_derives(nam
 
 
 def test_at_host_speed_scales_the_host_time_only():
-    """A host f times as slow per op: the layer's issue time and each stage fit that has a
-    queued twin (timed on an idle GPU: the host launching it) scale by f, never below the
-    twin's floor (its GPU time); the twins, fits without one, GEMMs and links stay."""
+    """A host f times as slow per op: the layer's issue time scales by f; a stage fit timed
+    on an idle GPU that has a queued twin (its GPU time) scales only by what each of its
+    terms takes beyond the twin's (a bandwidth-bound stage not at all); the twins, fits
+    without one, GEMMs and links stay."""
     from epmoe.plan.profile import HOST_OP, AlphaBeta, Figure
 
     base = load_profile("h200")
@@ -301,6 +302,9 @@ def test_at_host_speed_scales_the_host_time_only():
             "router": {"softmax": AlphaBeta(200.0, 1e3, m, 150.0),
                        "softmax.queued": AlphaBeta(40.0, 2e3, m, 90.0),
                        "sigmoid": AlphaBeta(70.0, 1e3, m)},
+            "triton": {**base.kernels["triton"],  # HBM-bound: idle or queued, the same
+                       "act_quant": AlphaBeta(10.0, 3e3, m, 17.0),
+                       "act_quant.queued": AlphaBeta(30.0, 3e3, m, 17.0)},
             "layer": {"issue": AlphaBeta(1000.0, 1e3, m),
                       "issue.triton": AlphaBeta(900.0, 1e3, m),
                       "tail": AlphaBeta(300.0, 1e3, m)}}
@@ -308,21 +312,29 @@ def test_at_host_speed_scales_the_host_time_only():
     assert prof.host_op_us == 8.0 and prof.at_host_speed(1.0) is prof
     for f in (2.5, 0.4):
         s = prof.at_host_speed(f)
-        for table, name in (("router", "softmax"), ("layer", "issue"), ("layer", "issue.triton")):
-            for nbytes in (1e3, 1e6, 1e8):
-                want = prof.kernel(table, name).time_us(nbytes) * f
-                if name == "softmax":  # never below the GPU time's floor
-                    want = max(want, 90.0)
-                assert s.kernel(table, name).time_us(nbytes) == pytest.approx(want), (f, name)
+        for nbytes in (1e3, 1e6, 1e8):
+            for name in ("issue", "issue.triton"):  # all host
+                assert s.kernel("layer", name).time_us(nbytes) == \
+                    pytest.approx(prof.kernel("layer", name).time_us(nbytes) * f)
+            # softmax: the twin's 40 us + 0.5 us/MB + its 90 us floor are GPU time, the
+            # 160 us + 0.5 us/MB + 60 us of floor beyond them the host's
+            want = max(90.0 + 60.0 * f, 40.0 + 160.0 * f + nbytes * (0.5 + 0.5 * f) / 1e6)
+            assert s.kernel("router", "softmax").time_us(nbytes) == pytest.approx(want)
+            assert s.kernel("triton", "act_quant").time_us(nbytes) == \
+                pytest.approx(prof.kernel("triton", "act_quant").time_us(nbytes))
         for table, name in (("router", "softmax.queued"), ("router", "sigmoid"),
-                            ("layer", "tail")):
+                            ("layer", "tail"), ("triton", "act_quant.queued")):
             assert s.kernel(table, name) == prof.kernel(table, name)
         assert s.gemm == prof.gemm and s.comm == prof.comm
         assert s.host_op_us == pytest.approx(8.0 * f)  # it now describes that host
-        if f > 1:  # back again (not from below: the twin's floor held the time up there)
-            assert s.at_host_speed(1 / f).kernel("router", "softmax") == \
-                prof.kernel("router", "softmax")
-    assert prof.at_host_speed(0.4).kernel("router", "softmax").floor_us == 90.0
+        back = s.at_host_speed(1 / f).kernel("router", "softmax")  # f then 1 / f: itself
+        want = prof.kernel("router", "softmax")
+        assert (back.alpha_us, back.beta_GBps, back.floor_us) == pytest.approx(
+            (want.alpha_us, want.beta_GBps, want.floor_us))
+    twice = prof.at_host_speed(2.0).at_host_speed(1.5).kernel("router", "softmax")
+    once = prof.at_host_speed(3.0).kernel("router", "softmax")
+    assert (twice.alpha_us, twice.beta_GBps, twice.floor_us) == pytest.approx(
+        (once.alpha_us, once.beta_GBps, once.floor_us))
 
 
 def _mutated(path: list, value):

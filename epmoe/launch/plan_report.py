@@ -124,8 +124,8 @@ def at_run_host(prof, reports: list[dict]):
     host's time per tiny eager op between its steps (`host_op_us`: the median of probes
     after step 0, the middle step and the last; the slowest rank's); a profile that recorded
     its own calibrating host's is scaled by the ratio (`HardwareProfile.at_host_speed`: the
-    host's issue time of a layer and the stages timed on an idle GPU): hosts differ by 2x
-    between leases of the same GPU machine."""
+    host's issue time of a layer, and what the stages timed on an idle GPU took beyond their
+    GPU time): hosts differ by 2x between leases of the same GPU machine."""
     from epmoe.launch.report import run_host_op_us
 
     run_us, cal_us = run_host_op_us(reports), prof.host_op_us
@@ -135,7 +135,8 @@ def at_run_host(prof, reports: list[dict]):
     return prof.at_host_speed(f), dict(
         run_op_us=run_us, profile_op_us=cal_us, factor=f,
         note=f"this host issues a tiny op in {run_us:.2f} us, the profile's in {cal_us:.2f}: "
-             f"its host time (layer issue, stages on an idle GPU) x{f:.2f}")
+             f"its host time (layer issue, idle-GPU stages beyond their GPU time) "
+                  f"x{f:.2f}")
 
 
 @dataclass

@@ -156,26 +156,22 @@ class HardwareProfile:
     def at_host_speed(self, factor: float) -> "HardwareProfile":
         """The profile on a host `factor` times as slow per op as the calibrating one (a run's
         `host_op_us` over the profile's). Host time scales by it: the host's issue time of a
-        forward (kernels["layer"]["issue*"]) and each stage fit timed on an idle GPU that
-        has a queued twin (what it measured there was the host launching the stage; the twin
-        is its GPU time and stays its floor), and the host's issue time of a comm call
-        (kernels["comm"]["host.*"]). GEMMs, copies, links: GPU time, unchanged."""
+        forward (kernels["layer"]["issue*"]) and of a comm call (kernels["comm"]["host.*"])
+        wholly; a stage fit timed on an idle GPU that has a queued twin by what it takes
+        beyond the twin (`_host_part_scaled`: the twin, timed behind earlier GPU work, is the
+        stage's GPU time, which no host changes). GEMMs, copies, links, twins: unchanged."""
         if factor == 1.0:
             return self
-
-        def scaled(fit: AlphaBeta, twin: AlphaBeta | None) -> AlphaBeta:
-            floor = max(fit.floor_us * factor, twin.floor_us if twin else 0.0)
-            return AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor, fit.prov, floor,
-                             fit.calls)
 
         kern = {}
         for b, t in self.kernels.items():
             kern[b] = dict(t)
             for k, fit in t.items():
-                host = (b == "layer" and k.split(".")[0] == "issue") or \
-                    k.startswith(HOST_PREFIX) or k + QUEUED in t
-                if host and not k.endswith(QUEUED):
-                    kern[b][k] = scaled(fit, t.get(k + QUEUED))
+                if k + QUEUED in t:
+                    kern[b][k] = _host_part_scaled(fit, t[k + QUEUED], factor)
+                elif (b == "layer" and k.split(".")[0] == "issue") or k.startswith(HOST_PREFIX):
+                    kern[b][k] = AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor,
+                                           fit.prov, fit.floor_us * factor, fit.calls)
         dev = dict(self.device)
         if HOST_OP in dev:  # the profile now describes that host
             f = dev[HOST_OP]
@@ -229,6 +225,20 @@ class HardwareProfile:
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
+
+
+def _host_part_scaled(plain: AlphaBeta, gpu: AlphaBeta, factor: float) -> AlphaBeta:
+    """`plain` (a stage timed on an idle GPU) on a host `factor` times as slow: each of its
+    terms (fixed cost, time per byte, floor) beyond the same term of `gpu` (its queued twin:
+    the GPU time) was the host's and scales; the rest is the GPU's and does not. A 300 MB
+    copy timed on an idle GPU is its HBM time plus a launch: only the launch scales. Scaling
+    by f then g is scaling by f x g (the twin is never scaled)."""
+    def term(p: float, g: float) -> float:
+        return p + (factor - 1.0) * max(0.0, p - g)
+
+    inv = term(1.0 / plain.beta_GBps, 1.0 / gpu.beta_GBps)
+    return AlphaBeta(term(plain.alpha_us, gpu.alpha_us), 1.0 / inv, plain.prov,
+                     term(plain.floor_us, gpu.floor_us), plain.calls)
 
 
 def _walk_provenance(d):
