@@ -311,3 +311,44 @@ def test_a_layer_whose_smallest_size_does_not_fit_is_not_measured(monkeypatch):
                           QuantConfig("bf16"), "torch", [10, 100], torch.device("cpu"),
                           Clock([], 100.0, "test"))
     assert built == [100, 10]
+
+
+def test_the_local_dispatch_is_fitted_per_recipe_and_bf16_keeps_its_empty_quantize_stage():
+    """bf16 runs no quantize kernel and the model predicts none, so its dispatch's whole
+    time (the empty quantize stage's host time included) is the local backend's; a quantized
+    recipe's local part is the dispatch less its quantize. The model reads the recipe's fit
+    first, else the pooled one."""
+    from epmoe.bench.layer_points import LayerFits, host_bound_points
+    from epmoe.config import MoEConfig, QuantConfig
+    from epmoe.plan import traffic as tr
+    from epmoe.plan.cost import Candidate, Workload, predict_layer
+    from epmoe.plan.figures import AlphaBeta, Provenance
+    from epmoe.plan.synthetic import synthetic_profile
+    from epmoe.plan.topology import Topology
+
+    cfg = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4)
+    fits = LayerFits()
+    st = {"dispatch": 80.0, "dispatch.quantize": 25.0, "forward": 1e3}
+    host_bound_points(fits, st, 64, cfg, QuantConfig("bf16"), "triton", False)
+    host_bound_points(fits, dict(st, dispatch=150.0, **{"dispatch.quantize": 100.0}), 64,
+                      cfg, QuantConfig("fp8_block"), "triton", False)
+    nb = tr.local_dispatch_bytes(64, cfg.top_k)
+    assert fits.points[("local", "dispatch.bf16")] == [(nb, 80.0)]
+    assert fits.points[("local", "dispatch.fp8_block")] == [(nb, 50.0)]
+    assert fits.points[("local", "dispatch")] == [(nb, 80.0), (nb, 50.0)]
+    # no quantize point at 0 bytes from bf16: only the fp8 forward's
+    assert fits.points[("comm", "quantize")] == \
+        [(tr.quantize_bytes(64, cfg.hidden, QuantConfig("fp8_block")), 100.0)]
+
+    m = Provenance("measured", "test")
+    prof = synthetic_profile()
+    prof = prof.replace(kernels={**prof.kernels, "local": {
+        "dispatch": AlphaBeta(30.0, 1e9, m), "dispatch.bf16": AlphaBeta(70.0, 1e9, m)}})
+    topo = Topology.parse("1x1", gpu="h200")
+    disp = {}
+    for rec in ("bf16", "fp8_block"):
+        q = QuantConfig(rec)
+        p = predict_layer(Candidate("ep_dp", "local", "triton"), Workload(cfg, q, 64), topo,
+                          prof).stages_us
+        disp[rec] = p["dispatch"] - p["dispatch.quantize"]
+    assert disp == pytest.approx({"bf16": 70.0, "fp8_block": 30.0})

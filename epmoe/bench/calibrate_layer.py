@@ -15,7 +15,8 @@ few token counts, so that every figure below covers exactly what the runtime's s
 |                                        | runtime runs it by default          |                |
 | - host-bound stages, from forwards that run the layer's own router (below) -               |
 | kernels["comm"]["quantize(.b(.r))"]    | dispatch.quantize (quantized recipes)| quantize_bytes |
-| kernels["local"]["dispatch"]           | dispatch - dispatch.quantize        | id/weight bytes|
+| kernels["local"]["dispatch(.recipe)"]  | dispatch - dispatch.quantize (bf16: | id/weight bytes|
+|                                        | the whole stage), pooled, per recipe|                |
 | kernels["local"]["combine"]            | combine                             | the cast       |
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
 | kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |

@@ -101,13 +101,17 @@ def host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: st
     the tail among them; no issue time)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
     sfx = QUEUED if queued else ""
-    q = st.get("dispatch.quantize", 0.0)
+    qbytes = tr.quantize_bytes(n, d, quant)
+    # bf16 runs no quantize kernel and the model predicts none (comm_cost.quantize_us): its
+    # empty stage's host time stays in the local dispatch's fit of the recipe
+    q = st.get("dispatch.quantize", 0.0) if qbytes else 0.0
     for name in ("quantize", f"quantize.{experts}", f"quantize.{experts}.{quant.recipe}"):
-        # pooled, per backend, per backend and recipe
-        fits.add_point("comm", name + sfx, tr.quantize_bytes(n, d, quant), q or None)
-    if st.get("dispatch"):
-        fits.add_point("local", "dispatch" + sfx, tr.local_dispatch_bytes(n, k),
-                       max(st["dispatch"] - q, 1e-3))
+        if qbytes:  # pooled, per backend, per backend and recipe
+            fits.add_point("comm", name + sfx, qbytes, q or None)
+    if st.get("dispatch"):  # pooled, and per recipe (what runs beside the mapping differs)
+        for name in ("dispatch", f"dispatch.{quant.recipe}"):
+            fits.add_point("local", name + sfx, tr.local_dispatch_bytes(n, k),
+                           max(st["dispatch"] - q, 1e-3))
     fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
     for stage in BETWEEN:  # the pre-norm and the residual add around the forward

@@ -236,8 +236,9 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
     d, k = c.cfg.hidden, c.cfg.top_k
     if backend == "local":  # quantize, then the id mapping (comm/local.py), one timed stage
         q = quantize_us(c, c.tokens)
-        if c.prof.has_kernel("local", "dispatch"):
-            rest = c.prof.kernel("local", "dispatch").time_us(local_dispatch_bytes(c.tokens, k))
+        fit = c.prof.most_specific("local", f"dispatch.{c.quant.recipe}", "dispatch")
+        if fit is not None:  # the recipe's own (bf16: with its empty quantize stage)
+            rest = fit.time_us(local_dispatch_bytes(c.tokens, k))
         else:  # host-bound: the mapping's torch ops are issued after the quantize
             rest = launch_us(c.prof, DISPATCH_OPS["local"])
         return CommCost(q + rest, q)
