@@ -71,6 +71,16 @@ def mem_available_bytes() -> float | None:
     return None
 
 
+def gpu_free_bytes(device) -> float:
+    """What this process can still allocate on a GPU: the driver's free memory and the
+    blocks torch's caching allocator holds but no tensor uses (a process that built and
+    dropped a model before, e.g. a calibration going from layer to layer, keeps them)."""
+    import torch
+
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return float(torch.cuda.mem_get_info(device)[0] + max(cached, 0))
+
+
 def _advice(run: RunConfig) -> str:
     return (f"lower --layers (now {run.num_layers}), spread the experts over more ranks or "
             f"machines, or pick a smaller recipe or model")
@@ -92,7 +102,7 @@ def check_fits_here(run: RunConfig, device: str) -> None:
 
     gpus = min(torch.cuda.device_count(), -(-run.world // run.ranks_per_gpu))
     for i in range(gpus):
-        free = torch.cuda.mem_get_info(i)[0]
+        free = gpu_free_bytes(i)
         if need.total * run.ranks_per_gpu > free:
             raise ValueError(f"the run does not fit GPU {i}: {need.describe(run)} x "
                              f"{run.ranks_per_gpu} rank(s) on it, {free / GiB:.1f} GiB free: "
@@ -104,9 +114,7 @@ def check_rank_fits(run: RunConfig, rank: int, device) -> None:
     ValueError naming the rank when its weights exceed its device's free memory."""
     need = rank_weight_bytes(run, rank, device.type)
     if device.type == "cuda":
-        import torch
-
-        free, where = torch.cuda.mem_get_info(device)[0] / run.ranks_per_gpu, "its GPU"
+        free, where = gpu_free_bytes(device) / run.ranks_per_gpu, "its GPU"
     else:
         free, where = mem_available_bytes(), "its host"
     if free is not None and need.total > free:

@@ -107,3 +107,24 @@ def test_a_rank_killed_by_rays_memory_monitor_is_one_line():
     assert "\n" not in line and line.startswith("its process was killed by Ray's out-of-memory")
     assert "(node 127.0.0.1: 22.74GB used of 23.54GB)" in line
     assert "lower --layers" in oom_detail("no node line")
+
+
+def test_a_gpu_counts_the_blocks_this_process_holds_free(monkeypatch):
+    """The caching allocator's free blocks are this process's to reuse: a calibration that
+    built and dropped a layer before keeps them reserved, and the next layer must not be
+    refused for them (what the driver calls free is then far below what fits)."""
+    import epmoe.memory as mem
+
+    run = _run(layers=1, world=1)  # 21.1 GiB of bf16 weights
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 50 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert mem.gpu_free_bytes(0) == 30 * GiB
+    check_rank_fits(run, 0, torch.device("cuda", 0))
+    check_fits_here(run, "cuda")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 45 * GiB)  # in use
+    with pytest.raises(ValueError, match=r"rank 0: .* its GPU has 15\.0 GiB free"):
+        check_rank_fits(run, 0, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"does not fit GPU 0: .* 15\.0 GiB free"):
+        check_fits_here(run, "cuda")

@@ -169,7 +169,7 @@ def _build_fitting(model: str, cfg, quant, experts: str, ns: list[int], dev, clo
     import torch
 
     for keep in range(len(ns), 0, -1):
-        if keep < len(ns):
+        if dev.type == "cuda":  # what an earlier backend built (or failed to) goes first
             gc.collect()
             torch.cuda.empty_cache()
         try:
