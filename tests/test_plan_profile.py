@@ -304,7 +304,10 @@ def test_at_host_speed_scales_the_host_time_only():
                        "sigmoid": AlphaBeta(70.0, 1e3, m)},
             "triton": {**base.kernels["triton"],  # HBM-bound: idle or queued, the same
                        "act_quant": AlphaBeta(10.0, 3e3, m, 17.0),
-                       "act_quant.queued": AlphaBeta(30.0, 3e3, m, 17.0)},
+                       "act_quant.queued": AlphaBeta(30.0, 3e3, m, 17.0),
+                       # beside the shared MLP on an idle GPU: the plain fit's twin is its own
+                       "permute.overlapped": AlphaBeta(300.0, 2e3, m),
+                       "permute.queued": AlphaBeta(0.0, 2e3, m, 25.0)},
             "layer": {"issue": AlphaBeta(1000.0, 1e3, m),
                       "issue.triton": AlphaBeta(900.0, 1e3, m),
                       "tail": AlphaBeta(300.0, 1e3, m)}}
@@ -322,6 +325,8 @@ def test_at_host_speed_scales_the_host_time_only():
             assert s.kernel("router", "softmax").time_us(nbytes) == pytest.approx(want)
             assert s.kernel("triton", "act_quant").time_us(nbytes) == \
                 pytest.approx(prof.kernel("triton", "act_quant").time_us(nbytes))
+            assert s.kernel("triton", "permute.overlapped").time_us(nbytes) == \
+                pytest.approx(300.0 * f + nbytes / 2e6)
         for table, name in (("router", "softmax.queued"), ("router", "sigmoid"),
                             ("layer", "tail"), ("triton", "act_quant.queued")):
             assert s.kernel(table, name) == prof.kernel(table, name)

@@ -157,9 +157,10 @@ class HardwareProfile:
         """The profile on a host `factor` times as slow per op as the calibrating one (a run's
         `host_op_us` over the profile's). Host time scales by it: the host's issue time of a
         forward (kernels["layer"]["issue*"]) and of a comm call (kernels["comm"]["host.*"])
-        wholly; a stage fit timed on an idle GPU that has a queued twin by what it takes
-        beyond the twin (`_host_part_scaled`: the twin, timed behind earlier GPU work, is the
-        stage's GPU time, which no host changes). GEMMs, copies, links, twins: unchanged."""
+        wholly; a stage fit timed on an idle GPU (alone or beside the shared MLP) that has a
+        queued twin by what it takes beyond the twin (`_host_part_scaled`: the twin, timed
+        behind earlier GPU work, is the stage's GPU time, which no host changes). GEMMs,
+        copies, links, twins: unchanged."""
         if factor == 1.0:
             return self
 
@@ -167,8 +168,11 @@ class HardwareProfile:
         for b, t in self.kernels.items():
             kern[b] = dict(t)
             for k, fit in t.items():
-                if k + QUEUED in t:
-                    kern[b][k] = _host_part_scaled(fit, t[k + QUEUED], factor)
+                # a fit timed beside the shared MLP: its twin is the plain one's (as_queued)
+                twin = t.get(k.removesuffix(OVERLAPPED) + QUEUED) if not k.endswith(QUEUED) \
+                    else None
+                if twin is not None:
+                    kern[b][k] = _host_part_scaled(fit, twin, factor)
                 elif (b == "layer" and k.split(".")[0] == "issue") or k.startswith(HOST_PREFIX):
                     kern[b][k] = AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor,
                                            fit.prov, fit.floor_us * factor, fit.calls)
