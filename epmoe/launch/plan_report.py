@@ -135,8 +135,7 @@ def at_run_host(prof, reports: list[dict]):
     return prof.at_host_speed(f), dict(
         run_op_us=run_us, profile_op_us=cal_us, factor=f,
         note=f"this host issues a tiny op in {run_us:.2f} us, the profile's in {cal_us:.2f}: "
-             f"its host time (layer issue, idle-GPU stages beyond their GPU time) "
-                  f"x{f:.2f}")
+             f"its host time (layer issue, idle-GPU stages beyond their GPU time) x{f:.2f}")
 
 
 @dataclass
