@@ -247,6 +247,7 @@ def test_ray_sweep_ep2(joined, tmp_path, capsys):
     for r in ok:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
         assert r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
+        assert r["host_factor"] is None  # the shipped cpu profile records no host speed
     best = min(ok, key=lambda r: r["measured_ms"])
     assert (s["fastest"], s["fastest_ms"]) == (best["candidate"], best["measured_ms"])
     au = s["auto"]
@@ -257,6 +258,10 @@ def test_ray_sweep_ep2(joined, tmp_path, capsys):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert any(line.startswith("planner (auto): ") for line in lines)
+    # the plan's prediction is at the routing the planner reads (the router's: uniform), a
+    # row's at its run's: both named, so two predictions of one stack are not a puzzle
+    assert au["planned_routing"] == "uniform"
+    assert "  (planned at uniform routing and the profile's host; a row: its run's)" in lines
 
 
 def test_compare_ratio_and_noise_floor():

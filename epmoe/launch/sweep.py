@@ -62,12 +62,14 @@ def _row(label: str, s: dict | None, error: str | None = None) -> dict:
         return dict(candidate=label, status="skipped" if error is None else "failed",
                     error=error, predicted_ms=None, measured_ms=None, ratio=None, passed=None)
     t, c = s["timing"], s["correctness"]
+    host = (t.get("prediction") or {}).get("host")  # the profile scaled to the run's host
     return dict(candidate=label, status="ok", error=None, predicted_ms=t["predicted_step_ms"],
                 measured_ms=t["step_ms_median"], ratio=t["step_ratio"],
                 passed=c["passed"] if c.get("checked") else None,
                 stages_ms=t["stages_ms"], predicted_stages_ms=t["predicted_ms"],
                 timing=t.get("mode", "launched"), host_issue_ms=t.get("host_issue_ms_median"),
-                predicted_issue_ms=t.get("predicted_issue_ms"))
+                predicted_issue_ms=t.get("predicted_issue_ms"),
+                host_factor=host["factor"] if host else None)
 
 
 def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
@@ -129,10 +131,13 @@ def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
         fastest=best and best["candidate"], fastest_ms=best and best["measured_ms"],
         auto=dict(stack=labels, label=uniform or "mixed", launched=launched,
                   predicted_ms=auto.step_us(tokens) / 1e3,
+                  planned_routing=routing_for_planner(base.routing),
                   measured_ms=auto_row["measured_ms"], passed=auto_row["passed"],
                   vs_best=gap, within_5pct=None if gap is None else gap <= NEAR_BEST),
         note="predicted / measured: the step (all layers; measured median excludes the "
-             "warm-up step); vs_best: auto's measured step / the fastest row's - 1")
+             "warm-up step); vs_best: auto's measured step / the fastest row's - 1; "
+             "auto.predicted_ms: the planner's, at planned_routing and the profile's host; a "
+             "row's predicted_ms: its launch report's, at the run's measured routing and host")
 
 
 def _launch(label, run, planning, address, use_gpu) -> dict:
@@ -170,6 +175,9 @@ def render(s: dict) -> str:
     lines.append(f"planner (auto): {what}"[:80])
     lines.append(f"  predicted {au['predicted_ms']:.3f} ms, measured "
                  f"{_ms(au['measured_ms'])} ms: {verdict}"[:80])
+    if au.get("planned_routing"):  # a row's prediction follows its run (launch report)
+        lines.append(f"  (planned at {au['planned_routing']} routing and the profile's host; "
+                     f"a row: its run's)"[:80])
     return "\n".join(line.rstrip() for line in lines)
 
 
