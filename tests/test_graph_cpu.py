@@ -140,6 +140,24 @@ def test_plan_accuracy_judges_the_host_issue_time_apart_from_the_stages():
     assert [r["within_20"] for r in rows if r["stage"] == "router"] == [False, False]
 
 
+def test_plan_accuracy_names_the_host_speed_its_predictions_were_scaled_to():
+    from epmoe.bench.plan_accuracy import render_group, stage_rows
+
+    row = dict(candidate="ep_dp/local/triton", status="ok", error=None, stages_ms={"router": 0.2},
+               predicted_stages_ms={"router": 0.21}, ratio=1.0, measured_ms=2.0,
+               predicted_ms=2.0, passed=None, host_factor=0.6561)
+    s = dict(model="m", recipe="fp8_block", ranks=1, topology="1x1", tokens_per_rank=128,
+             layers=1, steps=12, profile="p", seconds=1.0, rows=[row], fastest=row["candidate"],
+             fastest_ms=2.0, auto=dict(label=row["candidate"], stack=[row["candidate"]],
+                                       predicted_ms=2.1, measured_ms=2.0, vs_best=0.0,
+                                       within_5pct=True, planned_routing="uniform"))
+    text = render_group(s, stage_rows(s))
+    assert "host time at this host's speed: x0.66 the profile's" in text.splitlines()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    text = render_group(dict(s, rows=[dict(row, host_factor=None)]), stage_rows(s))
+    assert "host time at" not in text  # a profile without a host speed: nothing scaled
+
+
 def test_plan_accuracy_at_ep2_needs_two_gpus_and_sweeps_at_ep2(capsys):
     from epmoe.bench.plan_accuracy import groups, main as accuracy_main
 

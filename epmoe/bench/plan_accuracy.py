@@ -107,8 +107,13 @@ def stage_rows(sweep: dict) -> list[dict]:
 def render_group(s: dict, rows: list[dict]) -> str:
     from epmoe.launch.sweep import render
 
-    lines = [render(s), f"{'candidate':<24}{'stage':<19}{'measured':>10}{'predicted':>11}"
-                        f"{'error':>8}  {'<=20%':<6}"]
+    lines = [render(s)]
+    hosts = sorted({round(r["host_factor"], 2) for r in s["rows"] if r.get("host_factor")})
+    if hosts:  # the profile's host time was scaled to this host's (tiny-op probe)
+        lines.append("host time at this host's speed: x" + ", x".join(map(str, hosts))
+                     + " the profile's")
+    lines.append(f"{'candidate':<24}{'stage':<19}{'measured':>10}{'predicted':>11}"
+                 f"{'error':>8}  {'<=20%':<6}")
     for r in rows:
         ok = {True: "yes", False: "NO", None: "(<50us)"}[r["within_20"]]
         err = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
