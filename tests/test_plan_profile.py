@@ -342,6 +342,35 @@ def test_at_host_speed_scales_the_host_time_only():
         (once.alpha_us, once.beta_GBps, once.floor_us))
 
 
+def test_at_host_speed_scales_the_shared_mlp_beside_the_routed_path_by_its_host_part():
+    """The shared MLP on its side stream of an idle GPU: each point's time beyond the same
+    MLP timed alone (behind the routed path: its GPU time) scales; the alone and queued
+    curves, and a curve without an alone twin, stay; f then g is f x g."""
+    from epmoe.plan.profile import HOST_OP, Figure, MlpCurve
+
+    m = Provenance("measured", "t")
+    alone = MlpCurve("triton", "bf16", 64, 128, False, ((128, 50.0), (4096, 700.0)), m)
+    over = MlpCurve("triton", "bf16", 64, 128, True, ((128, 600.0), (4096, 1000.0)), m)
+    queued = MlpCurve("triton", "bf16", 64, 128, True, ((128, 2000.0), (4096, 4000.0)), m, True)
+    lone = MlpCurve("torch", "bf16", 64, 128, True, ((128, 900.0),), m)  # no alone twin
+    base = load_profile("h200")
+    prof = base.replace(mlp=(alone, over, queued, lone),
+                        device={**base.device, HOST_OP: Figure(8.0, m)})
+    for f in (0.5, 2.0):
+        s = prof.at_host_speed(f)
+        got = {c.key: c for c in s.mlp}
+        assert [t for _, t in got[over.key].points] == pytest.approx(
+            [50.0 + 550.0 * f, 700.0 + 300.0 * f])
+        for c in (alone, queued, lone):
+            assert got[c.key] == c
+        n = 1000.0  # between the points: the scaled points, interpolated
+        assert s.mlp_curve("triton", "bf16", 64, 128, True).time_us(n) == \
+            pytest.approx(got[over.key].time_us(n))
+    twice = prof.at_host_speed(2.0).at_host_speed(1.5).mlp_curve("triton", "bf16", 64, 128, True)
+    once = prof.at_host_speed(3.0).mlp_curve("triton", "bf16", 64, 128, True)
+    assert [t for _, t in twice.points] == pytest.approx([t for _, t in once.points])
+
+
 def _mutated(path: list, value):
     import copy
 

@@ -159,8 +159,9 @@ class HardwareProfile:
         forward (kernels["layer"]["issue*"]) and of a comm call (kernels["comm"]["host.*"])
         wholly; a stage fit timed on an idle GPU (alone or beside the shared MLP) that has a
         queued twin by what it takes beyond the twin (`_host_part_scaled`: the twin, timed
-        behind earlier GPU work, is the stage's GPU time, which no host changes). GEMMs,
-        copies, links, twins: unchanged."""
+        behind earlier GPU work, is the stage's GPU time, which no host changes); the shared
+        MLP beside the routed path on an idle GPU by what it takes beyond the MLP timed alone
+        (`_mlp_host_scaled`). GEMMs, copies, links, twins: unchanged."""
         if factor == 1.0:
             return self
 
@@ -176,12 +177,16 @@ class HardwareProfile:
                 elif (b == "layer" and k.split(".")[0] == "issue") or k.startswith(HOST_PREFIX):
                     kern[b][k] = AlphaBeta(fit.alpha_us * factor, fit.beta_GBps / factor,
                                            fit.prov, fit.floor_us * factor, fit.calls)
+        alone = {(c.backend, c.recipe, c.width, c.hidden): c for c in self.mlp
+                 if not c.overlapped and not c.queued}
+        mlp = tuple(_mlp_host_scaled(c, alone.get((c.backend, c.recipe, c.width, c.hidden)),
+                                     factor) for c in self.mlp)
         dev = dict(self.device)
         if HOST_OP in dev:  # the profile now describes that host
             f = dev[HOST_OP]
             dev[HOST_OP] = Figure(f.value * factor, Provenance("derived", (
                 f"{f.value:.2f} us x{factor:.3f} (at_host_speed), from: {f.prov.note}")))
-        return replace(self, kernels=kern, device=dev)
+        return replace(self, kernels=kern, mlp=mlp, device=dev)
 
     def has_kernel(self, table: str, name: str) -> bool:
         return name in self.kernels.get(table, {})
@@ -243,6 +248,19 @@ def _host_part_scaled(plain: AlphaBeta, gpu: AlphaBeta, factor: float) -> AlphaB
     inv = term(1.0 / plain.beta_GBps, 1.0 / gpu.beta_GBps)
     return AlphaBeta(term(plain.alpha_us, gpu.alpha_us), 1.0 / inv, plain.prov,
                      term(plain.floor_us, gpu.floor_us), plain.calls)
+
+
+def _mlp_host_scaled(c: MlpCurve, alone: MlpCurve | None, factor: float) -> MlpCurve:
+    """The shared MLP timed on its side stream beside the routed path of an idle GPU (the
+    first layer's), on a host `factor` times as slow: each point's time beyond the same
+    MLP timed alone at that size was the host's and scales. The alone stage runs after the
+    routed path, behind its kernels, so it times the GPU's work; beside the routed path at
+    decode sizes the stage ends when the host has issued it (BENCHMARKS.md section 39). Not
+    overlapped, queued (behind a device hold: GPU time), or without an alone twin: as is."""
+    if alone is None or not c.overlapped or c.queued:
+        return c
+    pts = tuple((n, t + (factor - 1.0) * max(0.0, t - alone.time_us(n))) for n, t in c.points)
+    return replace(c, points=pts)
 
 
 def _walk_provenance(d):
