@@ -231,3 +231,38 @@ def test_bias_in_the_epilogue(recipe, kernel, seed):
             assert _rel_err(ym[j, :c], refm[j, :c] + bias[j]) <= 1e-2
     with pytest.raises(ValueError, match=r"bias must be a contiguous fp32 \[E, N\]"):
         triton_m_grouped_gemm_nt_contiguous(xq, w, lay, bias=bias[:, :8])
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(32, 128, 4, 3), GemmConfig(16, 256, 8, 3)],
+                         ids=["bn128", "bn256_split"])
+@pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
+                                        ("fp8_block", "ue8m0_fp32")])
+def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, recipe, fmt, seed):
+    """rows_EC: masked row (e, c) read from x's row rows_EC[e, c] (a token once, its experts'
+    slots pointing at it, as symm-ll's staged receive leaves them) gives the same output as
+    the rows copied into [E, C, K] first; rows past a count (stale indices, out of range)
+    are not read. Outputs poisoned; the reference is the dequantized operands."""
+    e, cap, n, k, r = 3, 40, 256, 256, 29
+    quant = QuantConfig(recipe, fmt)
+    w = _weights(e, n, k, quant)
+    counts = torch.tensor([40, 0, 23], dtype=torch.int32, device=DEV)
+    x = quantize_act(torch.randn(r, k, device=DEV), quant)
+    rows = torch.randint(0, r, (e, cap), dtype=torch.int32, device=DEV)
+    for j, c in enumerate(counts.tolist()):
+        rows[j, c:] = 10 ** 6  # never read
+    out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=cfg.block_m, config=cfg,
+                                        out=out, rows_EC=rows)
+    assert y is out
+    ref = torch.einsum("eck,enk->ecn", dequantize_act(x)[rows.clamp(max=r - 1).long()],
+                       dequantize_weight(w))
+    safe = rows.clamp(max=r - 1).long()
+    copied = x.__class__(x.data[safe], None if x.scale is None else x.scale[safe], x.recipe,
+                         x.group, x.scale_fmt)
+    y_c = triton_m_grouped_gemm_nt_masked(copied, w, counts, block_m=cfg.block_m, config=cfg)
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            assert _rel_err(y[j, :c], ref[j, :c]) <= 1e-2
+            assert torch.equal(y[j, :c], y_c[j, :c])
+    with pytest.raises(ValueError, match=r"rows_EC must be a contiguous int32"):
+        triton_m_grouped_gemm_nt_masked(x, w, counts, rows_EC=rows.long())

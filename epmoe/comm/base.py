@@ -76,17 +76,42 @@ class MaskedBatch:
 
     x         QTensor [E_local, C, D] (rows past a count: any value)
     counts_E  int32 [E_local] valid rows per local expert (on the device: no host sync)
+    rows_EC   None, or int32 [E_local, C]: x is then [R, D] rows (each received once) and
+              masked row (e, c) is x[rows_EC[e, c]] for c < counts_E[e] (experts that gather
+              their GEMM's rows read it so: `Experts.gathers_rows`)
     """
 
     x: QTensor
     counts_E: torch.Tensor
+    rows_EC: torch.Tensor | None = None
+
+    @property
+    def shape_EC(self) -> tuple[int, int]:
+        return tuple(self.rows_EC.shape if self.rows_EC is not None else self.x.data.shape[:2])
 
     @property
     def num_rows(self) -> int:
-        return self.x.data.shape[0] * self.x.data.shape[1]
+        e, c = self.shape_EC
+        return e * c
+
+    def copied(self) -> QTensor:
+        """x as [E, C, D] rows (gathered through rows_EC: a copy; rows past a count hold
+        some row of x), for consumers that do not gather."""
+        if self.rows_EC is None:
+            return self.x
+        at = self.rows_EC.long().clamp(0, self.x.data.shape[0] - 1)
+        return QTensor(self.x.data[at], None if self.x.scale is None else self.x.scale[at],
+                       self.x.recipe, self.x.group, self.x.scale_fmt)
 
 
 Batch = Union[TokenBatch, LayoutBatch, MaskedBatch]
+
+
+def rows_shape(batch: Batch) -> tuple[int, ...]:
+    """The leading shape of what the experts return for `batch` (its rows without D)."""
+    if isinstance(batch, MaskedBatch):
+        return batch.shape_EC
+    return tuple(batch.x.data.shape[:-1])
 
 
 class Comm(ABC):

@@ -115,6 +115,12 @@ class Experts(ABC):
         return 1
 
     @property
+    def gathers_rows(self) -> bool:
+        """Whether run_masked reads a MaskedBatch's rows through its rows_EC index (no copy
+        into [E, C, D] first; `MaskedBatch`)."""
+        return False
+
+    @property
     def fp8_mma(self) -> bool:
         """Whether this backend's fp8 GEMMs run on a GPU's fp8 tensor cores, whose MMA sums a
         K block at reduced precision before the fp32 promotion (`reference.tolerance`)."""
@@ -127,6 +133,14 @@ class Experts(ABC):
     @abstractmethod
     def run_masked(self, x: QTensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x [E, C, D], counts [E] -> y [E, C, D] bf16 (rows past a count: any value)."""
+
+    def run_masked_rows(self, x: QTensor, counts_E: torch.Tensor,
+                        rows_EC: torch.Tensor) -> torch.Tensor:
+        """run_masked with x [R, D] and row (e, c) = x[rows_EC[e, c]] (`MaskedBatch`), for
+        backends that gather their GEMM's rows (`gathers_rows`)."""
+        raise ValueError(f"{self.name} experts cannot read masked rows through an index "
+                         f"(rows_EC); run the comm without gathered rows (symm-ll: ll_gather "
+                         f"off) or use the triton experts")
 
     def run(self, batch: Batch) -> torch.Tensor:
         """The one entry point: what a comm's dispatch returned -> what its combine takes.
@@ -144,7 +158,9 @@ class Experts(ABC):
             self.resolve_alignment(batch.layout.alignment)
             return self.run_contiguous(batch.x, batch.layout)
         if isinstance(batch, MaskedBatch):
-            return self.run_masked(batch.x, batch.counts_E)
+            if batch.rows_EC is None:
+                return self.run_masked(batch.x, batch.counts_E)
+            return self.run_masked_rows(batch.x, batch.counts_E, batch.rows_EC)
         raise TypeError(f"experts take a TokenBatch, LayoutBatch or MaskedBatch, got "
                         f"{type(batch).__name__}")
 

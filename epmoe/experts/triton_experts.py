@@ -109,11 +109,23 @@ class TritonExperts(Experts):
             return w4a8_block_m(rows_per_expert, cap)
         return cap
 
+    @property
+    def gathers_rows(self) -> bool:  # GEMM1 reads rows by index on the TMA kernel's recipes
+        return self.quant.recipe in ("bf16", "fp8_block")
+
+    def run_masked_rows(self, x: QTensor, counts_E: torch.Tensor,
+                        rows_EC: torch.Tensor) -> torch.Tensor:
+        if not self.gathers_rows:
+            return super().run_masked_rows(x, counts_E, rows_EC)
+        return self.run_masked(x, counts_E, rows_EC=rows_EC)
+
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
-                   rows_per_expert: float | None = None) -> torch.Tensor:
+                   rows_per_expert: float | None = None,
+                   rows_EC: torch.Tensor | None = None) -> torch.Tensor:
         """rows_per_expert: the rows an expert is expected to get (w4a8's BLOCK_M follows
-        it); default the capacity's share under uniform routing, C x top_k / experts."""
-        e, c, _ = x.data.shape
+        it); default the capacity's share under uniform routing, C x top_k / experts.
+        rows_EC: x is [R, D] rows, GEMM1 reads row (e, c) from x[rows_EC[e, c]]."""
+        e, c = rows_EC.shape if rows_EC is not None else x.data.shape[:2]
         counts_E = counts_E.to(torch.int32)
         expected = c * self.cfg.top_k / self.cfg.num_experts if rows_per_expert is None \
             else rows_per_expert
@@ -121,7 +133,8 @@ class TritonExperts(Experts):
         cap = self.block_m if self.quant.recipe == "w4a8_mxfp4" else min(self.block_m, 64)
         bm = self._block_m(cap, expected)
         rows = ValidRows.masked(counts_E, c)
-        h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm)
+        h = triton_m_grouped_gemm_nt_masked(x, self.weights.w13, counts_E, block_m=bm,
+                                            rows_EC=rows_EC)
         a = triton_act_quant(h.view(e * c, -1), self.cfg, self.quant, rows=rows,
                              bias_EF=self.weights.b13)
         a = QTensor(a.data.view(e, c, -1), a.scale, a.recipe, a.group, a.scale_fmt)

@@ -99,9 +99,10 @@ def _store_tile(c_desc, c_ptr, acc, e, row0, rows, row_mask, n0, N, stride_cm, b
 @triton.jit
 def _gemm_tma_kernel(
         a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, row_expert_ptr, counts_ptr, offsets_ptr,
-        bias_ptr, M, N, K, E, stride_as_m, stride_as_g, stride_bs_e, stride_bs_n, stride_bs_k,
+        bias_ptr, a_ptr, arow_ptr, M, N, K, E, stride_am, stride_as_m, stride_as_g,
+        stride_bs_e, stride_bs_n, stride_bs_k,
         stride_cm, stride_b, FP8: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, A_GATHER: tl.constexpr,
         INTERP: tl.constexpr, TMA_STORE: tl.constexpr, WARP_SPEC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -138,13 +139,24 @@ def _gemm_tma_kernel(
         if run:
             n0 = pid_n * BLOCK_N
             b_row = e * N + n0
-            as_row = as_ptr + rows_s.to(tl.int64) * stride_as_m
+            if A_GATHER:  # masked row (e, c) is A's row arow[e * M + c]; rows past the count
+                # read row 0 (their outputs are any value) and load nothing
+                offs_k = tl.arange(0, BLOCK_K)
+                live = local < tl.load(counts_ptr + e)
+                a_rows = tl.where(live, tl.load(arow_ptr + rows_s), 0).to(tl.int64)
+                a_at = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+                as_row = as_ptr + a_rows * stride_as_m
+            else:
+                as_row = as_ptr + rows_s.to(tl.int64) * stride_as_m
             bs_at = bs_ptr + e.to(tl.int64) * stride_bs_e + (n0 // 128) * stride_bs_n
             acc0 = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
             acc1 = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
             for kb in tl.range(0, k_tiles, warp_specialize=WARP_SPEC):
                 k0 = kb * BLOCK_K
-                if MASKED:
+                if A_GATHER:
+                    a = tl.load(a_at + k0, mask=live[:, None] & (offs_k < K - k0)[None, :],
+                                other=0.0)
+                elif MASKED:
                     a = tl.reshape(a_desc.load([e, row0, k0]), (BLOCK_M, BLOCK_K))
                 else:
                     a = a_desc.load([row0, k0])
@@ -199,9 +211,10 @@ def tma_supported(x_data: torch.Tensor, w_data: torch.Tensor, recipe: str) -> bo
 
 
 def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, masked: bool,
-               block_m: int, cfg: GemmConfig, bias=None) -> None:
+               block_m: int, cfg: GemmConfig, bias=None, rows_EC=None) -> None:
     """out [M, N] (contiguous) / [E, C, N] (masked) bf16 <- x (QTensor) @ w (QWeight)
-    (+ bias [E, N] fp32 of each row's expert)."""
+    (+ bias [E, N] fp32 of each row's expert). rows_EC (masked only): int32 [E, C], masked
+    row (e, c) is x's row rows_EC[e, c] (x [R, K]: read by pointer loads, not TMA)."""
     e_w, n, k = w.shape
     fp8 = w.recipe == "fp8_block"
     block_k = 128 if fp8 else 64
@@ -209,7 +222,9 @@ def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, maske
     split = 2 if block_n == 256 and fp8 else 1
     bn = block_n // split
     a = x.data
-    if masked:
+    if rows_EC is not None:
+        a_desc = None
+    elif masked:
         a_desc = TensorDescriptor(a, [num_e, m, k], [m * k, k, 1], [1, block_m, block_k])
     else:
         a_desc = TensorDescriptor(a, [m, k], [k, 1], [block_m, block_k])
@@ -230,10 +245,11 @@ def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, maske
     progs = min(tiles, num_sms(out.device)) if cfg.persistent else tiles
     _gemm_tma_kernel[(max(progs, 1),)](
         a_desc, b_desc, c_desc, out, s, w.scale if fp8 else out, row_expert, counts, offsets,
-        bias if bias is not None else out, m, n, k, num_e, ss[0], ss[1], bs[0], bs[1], bs[2], n,
+        bias if bias is not None else out, a, rows_EC if rows_EC is not None else counts, m,
+        n, k, num_e, a.stride(0), ss[0], ss[1], bs[0], bs[1], bs[2], n,
         bias.stride(0) if bias is not None else 0,
         FP8=fp8, MASKED=masked, A_PACKED=fp8 and x.scale_fmt == "ue8m0_packed",
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, A_GATHER=rows_EC is not None,
         INTERP=INTERPRET, TMA_STORE=cfg.tma_store, WARP_SPEC=cfg.warp_spec and not INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_N=split,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -315,12 +315,17 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
                                     block_m: int = 64, config: GemmConfig | None = None,
                                     out: torch.Tensor | None = None,
                                     kernel: str = "auto",
-                                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                                    bias: torch.Tensor | None = None,
+                                    rows_EC: torch.Tensor | None = None) -> torch.Tensor:
     """x [E, C, K] (scales [E, C, G], or [E*C, G] rows for packed UE8M0), counts [E] ->
     y [E, C, N] bf16; rows past each count are left unwritten (any value). config / out /
-    kernel / bias as for the contiguous layout."""
+    kernel / bias as for the contiguous layout.
+    rows_EC: int32 [E, C]: x is [R, K] rows (scales [R, G]) and masked row (e, c) is
+    x[rows_EC[e, c]] (read where c < counts[e] only); bf16 and fp8_block, the TMA kernel."""
     _check_operands(x, w)
     _check_bias(bias, w)
+    if rows_EC is not None:
+        return _masked_gathered(x, w, counts_E, rows_EC, block_m, config, out, kernel, bias)
     check(x.data.dim() == 3 and x.data.shape[0] == w.shape[0],
           f"x.data shape {tuple(x.data.shape)} must be [E, C, K] with E = {w.shape[0]}")
     check(x.data.is_contiguous(), "x.data must be contiguous [E, C, K]; call .contiguous()")
@@ -340,6 +345,29 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     else:
         _launch(x, w, x.data.view(e * c, k), s, y.view(e * c, -1), counts_E, counts_E, c,
                 triton.cdiv(c, block_m), e, block_m, masked=True, bias=bias, kernel=kernel)
+    return y
+
+
+def _masked_gathered(x: QTensor, w: QWeight, counts_E, rows_EC, block_m, config, out, kernel,
+                     bias) -> torch.Tensor:
+    e = w.shape[0]
+    check(rows_EC.dtype == torch.int32 and rows_EC.dim() == 2 and rows_EC.shape[0] == e
+          and rows_EC.is_contiguous(), f"rows_EC must be a contiguous int32 [E={e}, C] "
+          f"tensor, got {rows_EC.dtype} {tuple(rows_EC.shape)}")
+    check(x.data.dim() == 2, f"with rows_EC, x.data must be the [R, K] rows it indexes, got "
+          f"shape {tuple(x.data.shape)}")
+    check(counts_E.dtype == torch.int32 and tuple(counts_E.shape) == (e,),
+          f"counts_E must be int32 [{e}], got {counts_E.dtype} {tuple(counts_E.shape)}")
+    check(kernel in ("auto", "tma") and w.recipe in ("bf16", "fp8_block")
+          and x.scale_fmt != "ue8m0_packed",
+          f"gathered rows (rows_EC) run on the TMA kernel: recipes bf16 / fp8_block with "
+          f"fp32 scales, got {w.recipe} ({x.scale_fmt}), kernel={kernel!r}")
+    c = rows_EC.shape[1]
+    y = _out(out, (e, c, w.shape[1]), x.data.device)
+    if e * c == 0:
+        return y
+    launch_tma(x, w, y, counts_E, counts_E, counts_E, c, e, True, block_m,
+               config or TUNED[w.recipe], bias, rows_EC=rows_EC)
     return y
 
 
