@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from epmoe.ranks import run_ranks
+from epmoe.comm.base import MaskedBatch
 from epmoe.comm.context import CommContext
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.ll import SymmLowLatencyComm
@@ -26,6 +27,7 @@ from epmoe.config import QuantConfig
 from epmoe.quant import dequantize_act, quantize_act
 from test_symm_ht import CFG, MAX_T, case_inputs, on
 from test_symm_ht import run_round as ht_round
+from test_symm_ll import MODE_IDS, MODES, ll_options
 from test_symm_ll import run_round as ll_round
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +55,7 @@ def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, 
         c.check_errors()
 
 
-@pytest.mark.parametrize("dedup", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("dedup", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "fp8_block", "fp32", "uneven"), (4, "fp8_block", "ue8m0_fp32", "all_to_one"),
@@ -61,7 +63,7 @@ def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, 
 def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, dedup, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
-    opts = dataclasses.replace(OPTS if world > 2 else CHUNKED, ll_dedup=dedup)
+    opts = ll_options(OPTS if world > 2 else CHUNKED, dedup)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
                                options=opts)
     for _ in range(3):
@@ -72,7 +74,7 @@ def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, dedup, seed
 def _scaled_identity(batch, rank, e_l):
     """A capturable stand-in for experts: row of local expert e -> dequant(x) * (global e + 1),
     bf16 (masked [E, C, D] or contiguous [M, D])."""
-    x = dequantize_act(batch.x)
+    x = dequantize_act(batch.copied() if isinstance(batch, MaskedBatch) else batch.x)
     if x.dim() == 3:
         f = torch.arange(e_l, device=x.device, dtype=torch.float32) + rank * e_l + 1
         return (x * f[:, None, None]).to(torch.bfloat16)
@@ -137,7 +139,7 @@ def _refill(static, world, gen):
             d.copy_(s_)
 
 
-@pytest.mark.parametrize("dedup", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("dedup", MODES, ids=MODE_IDS)
 def test_ll_cuda_graph_1000_replays_match_eager(dedup, seed):
     """symm-ll of 2 loopback ranks captured once, replayed 1,000 times with fresh routing; each
     replay is bit-compared with an eager round on the same inputs (the device epochs advance
@@ -145,7 +147,7 @@ def test_ll_cuda_graph_1000_replays_match_eager(dedup, seed):
     world, quant = 2, QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, "cuda",
-                              options=dataclasses.replace(OPTS, ll_dedup=dedup))
+                              options=ll_options(OPTS, dedup))
     static = on("cuda", *case_inputs("full", world, gen))
     step, g, graph_out = _graph_round(comms, static, CFG.num_experts // world)
     for i in range(1000):
@@ -197,7 +199,7 @@ def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False, dedup=
     expert_map = torch.full((CFG.num_experts,), -1, dtype=torch.int32)
     expert_map[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
     comm = cls(CFG, quant, expert_map.cuda(), ctx,
-               options=dataclasses.replace(OPTS, chunk_rows=4, ll_dedup=dedup))
+               options=ll_options(dataclasses.replace(OPTS, chunk_rows=4), dedup))
     gen = torch.Generator().manual_seed(seed)
     try:
         for _ in range(3):
@@ -222,7 +224,8 @@ def test_nvshmem_arena_on_one_pe(world, seed):
 
 
 REAL_CASES = [("symm-ht", "fp8_block", False), ("symm-ll", "fp8_block", False),
-              ("symm-ll", "fp8_block", True), ("symm-ht", "bf16", False)]  # (.., ll_dedup)
+              ("symm-ll", "fp8_block", True), ("symm-ll", "fp8_block", "gather"),
+              ("symm-ht", "bf16", False)]  # (.., ll_options' mode)
 
 
 @pytest.mark.parametrize("name,recipe,dedup", REAL_CASES)

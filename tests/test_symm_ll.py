@@ -33,14 +33,31 @@ def u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def masked_shape(batch) -> tuple[int, int, int]:
+    """[E, C, D] of a MaskedBatch, its rows copied in or gathered through rows_EC."""
+    return (*batch.shape_EC, batch.x.data.shape[-1])
+
+
+def masked_row(batch, e: int, row: int):
+    """(data, scale or None) of masked row (e, row)."""
+    at = (e, row) if batch.rows_EC is None else (int(batch.rows_EC[e, row]),)
+    return batch.x.data[at], None if batch.x.scale is None else batch.x.scale[at]
+
+
+def ll_options(opts: SymmOptions, mode) -> SymmOptions:
+    """mode: False (a row per (token, expert)), True (staged: a token once per rank, copied
+    into its experts' rows), "gather" (staged, the rows read through rows_EC)."""
+    return dataclasses.replace(opts, ll_dedup=bool(mode), ll_gather=mode == "gather")
+
+
 def check_masked(lw, outs, world, quant, xs, ids):
     """-> {(src, t, k): (rank, expert, row)} after checking rows, scales and counts."""
     e_l = CFG.num_experts // world
     where = {}
     for r in range(world):
         batch, h = outs[r]
-        c = batch.x.data.shape[1]
-        assert batch.x.data.shape == (e_l, world * MAX_T, CFG.hidden)
+        c = masked_shape(batch)[1]
+        assert masked_shape(batch) == (e_l, world * MAX_T, CFG.hidden)
         meta = lw.rank(r).words("ll_meta").view(e_l, c).cpu()
         want = torch.zeros(e_l, dtype=torch.int32)
         for s in range(world):
@@ -55,9 +72,10 @@ def check_masked(lw, outs, world, quant, xs, ids):
                 assert int(ids[s][t, k]) == r * e_l + e and (s, t, k) not in where
                 where[(s, t, k)] = (r, e, row)
                 q = quantize_act(xs[s][t:t + 1], quant)
-                assert torch.equal(u8(batch.x.data[e, row]), u8(q.data[0])), (s, t, k)
+                data, scale = masked_row(batch, e, row)
+                assert torch.equal(u8(data), u8(q.data[0])), (s, t, k)
                 if q.scale is not None:
-                    assert torch.equal(batch.x.scale[e, row], q.scale[0]), (s, t, k)
+                    assert torch.equal(scale, q.scale[0]), (s, t, k)
     routed = sum(int((i >= 0).sum()) for i in ids)
     assert len(where) == routed
     return where
@@ -66,7 +84,7 @@ def check_masked(lw, outs, world, quant, xs, ids):
 def run_round(lw, comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False):
     outs = loopback_dispatch(comms, *on(device, xs, ids, ws), streams=streams)
     where = check_masked(lw, to_cpu(outs), world, quant, xs, ids)
-    ys = [torch.randn(b.x.data.shape, generator=gen).to(torch.bfloat16) for b, _ in outs]
+    ys = [torch.randn(masked_shape(b), generator=gen).to(torch.bfloat16) for b, _ in outs]
     res = [r.cpu() for r in loopback_combine(comms, *on(device, ys), [h for _, h in outs],
                                              streams=streams)]
     for s in range(world):
@@ -89,22 +107,23 @@ CASES = [  # (world, recipe, scale_fmt, scenario, rounds, chunk_cols: > 0 splits
     (2, "bf16", "fp32", "empty", 1, 0),
     (4, "fp8_block", "ue8m0_fp32", "all_to_one", 1, 128),
 ]
-MODES = [False, True]  # ll_dedup: a row per (token, expert), or a token once per rank
+MODES = [False, True, "gather"]  # ll_options
+MODE_IDS = ["direct", "staged", "gathered"]
 
 
-@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
+@pytest.mark.parametrize("dedup", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("world,recipe,fmt,scenario,rounds,chunk", CASES)
 def test_ll_masked_rows_and_combine(world, recipe, fmt, scenario, rounds, chunk, dedup, seed):
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = OPTS if world > 2 else SymmOptions(num_sms=2)
-    opts = dataclasses.replace(opts, chunk_cols=chunk, ll_dedup=dedup)
+    opts = ll_options(dataclasses.replace(opts, chunk_cols=chunk), dedup)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, world, MAX_T, options=opts)
     for _ in range(rounds):
         run_round(lw, comms, world, quant, *case_inputs(scenario, world, gen), gen)
 
 
-@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
+@pytest.mark.parametrize("dedup", MODES, ids=MODE_IDS)
 def test_ll_fewer_tokens_after_more_ignore_the_stale_messages(dedup, seed):
     """A round with every slot full, then rounds with fewer tokens and other routing on the
     same arenas: the earlier rounds' messages (tokens past the new T, ranks a token no longer
@@ -112,7 +131,7 @@ def test_ll_fewer_tokens_after_more_ignore_the_stale_messages(dedup, seed):
     quant = QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
     lw, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
-                               options=dataclasses.replace(OPTS, ll_dedup=dedup))
+                               options=ll_options(OPTS, dedup))
     for scenario in ("full", "uneven", "empty", "all_to_one"):
         run_round(lw, comms, 2, quant, *case_inputs(scenario, 2, gen), gen)
 
@@ -140,13 +159,13 @@ def test_ll_second_dispatch_without_combine_times_out():
         loopback_dispatch(comms, xs, ids, ws)
 
 
-@pytest.mark.parametrize("dedup", MODES, ids=["direct", "staged"])
+@pytest.mark.parametrize("dedup", MODES, ids=MODE_IDS)
 def test_ll_receive_from_a_silent_peer_names_it_and_hands_out_no_rows(dedup):
     """Rank 1 never sends: rank 0's receive gives up naming peer 1 and the phase, and the
     masked batch it returns has no rows (counts 0), whatever rank 0's own send placed."""
     quant = QuantConfig("fp8_block")
     _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
-                              options=SymmOptions(num_sms=2, timeout_s=0.02, ll_dedup=dedup))
+                              options=ll_options(SymmOptions(num_sms=2, timeout_s=0.02), dedup))
     xs, ids, ws = case_inputs("full", 2, torch.Generator().manual_seed(0))
     batch, _ = comms[0].dispatch_recv(comms[0].dispatch_send(xs[0], ids[0], ws[0]))
     assert torch.equal(batch.counts_E, torch.zeros_like(batch.counts_E))
@@ -215,6 +234,16 @@ def test_comm_options_reach_a_symm_layer_and_only_symm_layers():
     assert comm.options.ll_dedup and comm.options.num_sms == 2 and comm._dispatch.staged
     plain = make_comm("local", CFG, quant, emap, None, SymmOptions(ll_dedup=True))
     assert not hasattr(plain, "options")
+    gather = ["--ep", "2", "--comm-option", "ll_dedup=1", "--comm-option", "ll_gather=1"]
+    run = build_run(parser().parse_args(gather + ["--experts", "triton"]))
+    assert dict(run.comm_options) == {"ll_dedup": True, "ll_gather": True}
+    for argv, why in ((gather + ["--experts", "torch"], "needs --experts triton"),
+                      (gather + ["--experts", "triton", "--quant", "mxfp8"],
+                       "needs --experts triton"),
+                      (["--ep", "2", "--comm-option", "ll_gather=1", "--experts", "triton"],
+                       "turn ll_dedup on too")):
+        with pytest.raises(ValueError, match=why):
+            build_run(parser().parse_args(argv))
 
 
 def test_the_direct_send_refuses_an_arena_its_destination_words_cannot_address():
@@ -232,3 +261,46 @@ def test_the_direct_send_refuses_an_arena_its_destination_words_cannot_address()
         _check_dest_words(arena(0, 2 ** 45), 10)
     with pytest.raises(ValueError, match="at most 16777214"):
         _check_dest_words(arena(0, 128), 2 ** 24 - 1)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+def test_ll_gathered_rows_through_the_triton_experts(recipe, seed):
+    """ll_gather: the batch is the staged rows with an index (no row copied in); Triton's
+    GEMM reads through it: its output equals the same experts on the staged way's copied
+    batch bit for bit (same arenas' routing, same weights), and the float64 oracle per row.
+    Experts that cannot gather refuse the batch, naming themselves."""
+    from epmoe.experts.torch_experts import TorchExperts
+    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.quant import dequantize_act, dequantize_weight
+    from epmoe.reference import expert_mlp_ref
+    from epmoe.weights import synthetic_layer
+
+    quant = QuantConfig(recipe)
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, ws = case_inputs("uneven", 2, gen)
+    e_l = CFG.num_experts // 2
+    lw = synthetic_layer(CFG, quant, 0, seed, list(range(e_l)))  # rank 0's experts
+    experts = TritonExperts(lw.experts, CFG, quant, block_m=16)
+    got = {}
+    for mode in (True, "gather"):
+        _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
+                                  options=ll_options(SymmOptions(num_sms=2), mode))
+        batch, _ = loopback_dispatch(comms, xs, ids, ws)[0]
+        assert (batch.rows_EC is not None) == (mode == "gather")
+        got[mode] = (batch, experts.run(batch))
+    (copied, y_c), (gathered, y_g) = got[True], got["gather"]
+    assert gathered.x.data.shape == (2 * MAX_T, CFG.hidden)  # a token once, not per expert
+    assert torch.equal(copied.counts_E, gathered.counts_E)
+    w13, w2 = dequantize_weight(lw.experts.w13).double(), dequantize_weight(lw.experts.w2).double()
+    for e in range(e_l):  # rows land in atomic order: match them by content
+        for row in range(int(gathered.counts_E[e])):
+            data, scale = masked_row(gathered, e, row)
+            hits = [j for j in range(int(copied.counts_E[e]))
+                    if torch.equal(u8(masked_row(copied, e, j)[0]), u8(data))]
+            assert hits and all(torch.equal(y_g[e, row], y_c[e, j]) for j in hits)
+            xq = type(gathered.x)(data[None], None if scale is None else scale[None],
+                                  gathered.x.recipe, gathered.x.group, gathered.x.scale_fmt)
+            ref = expert_mlp_ref(dequantize_act(xq).double(), w13[e], w2[e], CFG, quant)[0]
+            assert float((y_g[e, row].double() - ref).abs().max() / ref.abs().max()) <= 3e-2
+    with pytest.raises(ValueError, match=r"torch experts cannot read masked rows through"):
+        TorchExperts(lw.experts, CFG, quant).run(gathered)

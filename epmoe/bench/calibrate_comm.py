@@ -103,6 +103,7 @@ def _backends(rank, world, dev, cfg, quick, reps):
     import torch.distributed as dist
 
     from epmoe.comm import TokenBatch
+    from epmoe.comm.base import rows_shape
     from epmoe.config import QuantConfig
 
     quant = QuantConfig("fp8_block" if dev.type == "cuda" else "bf16")
@@ -132,7 +133,7 @@ def _backends(rank, world, dev, cfg, quick, reps):
             # routing is new every step)
             d_us, (batch, _) = _timed(lambda: comm.dispatch(x, ids.clone(), w.clone()), dev,
                                       reps)
-            y = torch.zeros((*batch.x.data.shape[:-1], cfg.hidden), device=dev,
+            y = torch.zeros((*rows_shape(batch), cfg.hidden), device=dev,
                             dtype=torch.float32 if isinstance(batch, TokenBatch)
                             else torch.bfloat16)
             c_us = []

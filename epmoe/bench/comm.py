@@ -133,10 +133,11 @@ def parser() -> argparse.ArgumentParser:
                         "SM, deepep-ht 24)")
     p.add_argument("--sweep", type=sweep_spec, default="",
                    help="knob sets num_sms:recv_sms:tile_tokens:"
-                   "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup, comma-separated (0 or "
-                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, 2: "
-                   "send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: "
-                   "once per expert); overrides --num-sms for symm-* (real ranks: their "
+                   "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup:ll_gather, comma-"
+                   "separated (0 or missing: default; pipelined 1: symm-ht's one-kernel "
+                   "dispatch and combine, 2: send then receive; ll_dedup 1: symm-ll sends a "
+                   "token once per rank, 2: once per expert; ll_gather 1: with ll_dedup the "
+                   "rows stay staged, indexed); overrides --num-sms for symm-* (real ranks: their "
                    "jobs run once per set, the others once)")
     p.add_argument("--iters", type=at_least(1), default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")

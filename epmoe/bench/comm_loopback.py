@@ -14,6 +14,7 @@ import statistics
 import torch
 
 from epmoe.bench.comm_ranks import sends_once_per_rank, sent_rows
+from epmoe.comm.base import rows_shape
 from epmoe.config import MoEConfig, QuantConfig
 
 HIDDEN, NUM_EXPERTS, TOP_K = 7168, 256, 8
@@ -183,7 +184,7 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
             return [c.combine_recv(s_) for c, s_ in zip(comms, sent)]
 
         outs = dispatch()  # warm-up (compiles), then stand-in expert outputs of the shape
-        ys = [torch.randn(b.x.data.shape[:-1] + (d,), device="cuda").to(torch.bfloat16)
+        ys = [torch.randn(rows_shape(b) + (d,), device="cuda").to(torch.bfloat16)
               for b, _ in outs]
         res = combine(outs, ys)
         verdict = (check_ht if mode == "ht" else check_ll)(comms, ids, ws, outs, ys, res) \
@@ -221,15 +222,16 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
 
 
 KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipelined",
-         "chunk_rows", "ll_dedup")
-ON_OFF = ("pipelined", "ll_dedup")  # 1: on, 2: off (0: the backend's default)
+         "chunk_rows", "ll_dedup", "ll_gather")
+ON_OFF = ("pipelined", "ll_dedup", "ll_gather")  # 1: on, 2: off (0: the backend's default)
 
 
 def sweep_spec(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
-    pipelined, chunk_rows, ll_dedup}] (missing or 0: the default; pipelined 1: symm-ht's
-    one-kernel dispatch and combine, ranks on their own streams; 2: two launches, send then
-    receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert). An
+    pipelined, chunk_rows, ll_dedup, ll_gather}] (missing or 0: the default; pipelined 1:
+    symm-ht's one-kernel dispatch and combine, ranks on their own streams; 2: two launches,
+    send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert;
+    ll_gather 1: with ll_dedup, the receive copies no row, the batch is indexed). An
     argparse type: a malformed item is `argparse.ArgumentTypeError` naming it."""
     out = []
     for item in filter(None, spec.split(",")):

@@ -151,8 +151,14 @@ def _comm_options(a: argparse.Namespace) -> tuple:
     if a.backend not in ("auto", *SYMM):
         raise ValueError(f"--comm-option tunes symm-ht / symm-ll (SymmOptions); --backend "
                          f"{a.backend} takes none")
-
-    return parse_knobs(items)
+    knobs = parse_knobs(items)
+    if dict(knobs).get("ll_gather") and (a.experts != "triton"
+                                         or a.quant not in ("bf16", "fp8_block")):
+        raise ValueError(f"--comm-option ll_gather leaves symm-ll's rows staged for an expert "
+                         f"GEMM that reads them through an index: it needs --experts triton "
+                         f"with --quant bf16 or fp8_block (got --experts {a.experts}, --quant "
+                         f"{a.quant})")
+    return knobs
 
 
 def _check_weights(path: str, cfg, model: str, layers: int | None) -> None:

@@ -108,8 +108,8 @@ class SymmLowLatencyComm(BoundOptions, Comm):
 
     def dispatch_recv(self, pending: SymmLLPending) -> tuple[MaskedBatch, SymmLLHandle]:
         opts = self.options.for_call(self.arena.end(LL_DISPATCH))
-        x, counts = self._dispatch.dispatch_recv(pending.counts_E, opts)
-        return MaskedBatch(x, counts), SymmLLHandle(counts, pending.msg_TW)
+        x, counts, rows = self._dispatch.dispatch_recv(pending.counts_E, opts)
+        return MaskedBatch(x, counts, rows), SymmLLHandle(counts, pending.msg_TW)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))

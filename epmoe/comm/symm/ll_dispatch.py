@@ -10,7 +10,9 @@ the send (the combine is in `ll_combine.py`). A token travels one of two ways
   SM) takes each slot's row with a local atomic and copies the staged row into it. At ep 2
   with top-8 a token hits ~4 experts per rank: a quarter of the direct way's bytes cross the
   link (ep 8: ~2/3), and the send waits for no remote atomic; the copy costs the receive
-  2-8 us (BENCHMARKS.md 21, one H200).
+  2-8 us (BENCHMARKS.md 21, one H200). With ll_gather the receive copies nothing: it
+  writes each row's staged row into ll_arow and the batch is the staged rows with that index,
+  which the experts' GEMM reads through (`MaskedBatch.rows_EC`).
 
 Regions of the LL arena (`LLShape.layout`), C = W * TMAX:
 
@@ -20,6 +22,8 @@ Regions of the LL arena (`LLShape.layout`), C = W * TMAX:
   ll_data   [E_L][C][D]          fp8 or bf16 rows: the MaskedBatch x is a view of this region
   ll_scale  [E_L][G][C] fp32     scales per 128 columns, C unit stride (DeepGEMM's TMA layout)
   ll_meta   [E_L][C] int32       (source rank * TMAX + token) * K + k of each row
+  ll_arow   [E_L][C] int32       ll_gather: the staged row (source rank * TMAX + token) each
+                                 masked row reads (the MaskedBatch's rows_EC)
   ll_msg    [W][TMAX] MW words   source s's token t, if it went to this rank: the dispatch
                                  epoch, then per slot k its row here (le * C + slot; staged:
                                  the local expert, which the receive replaces with the row;
@@ -94,6 +98,7 @@ class LLShape:
             ("ll_data", e_l * c * d * (1 if self.fp8 else 2)),
             ("ll_scale", e_l * self.num_groups * c * 4),
             ("ll_meta", e_l * c * 4),
+            ("ll_arow", e_l * c * 4),
             ("ll_msg", c * self.msg_words * 4),
             ("ll_stage", c * d * (1 if self.fp8 else 2)),
             ("ll_sstage", c * self.num_groups * 4),
@@ -103,15 +108,18 @@ class LLShape:
 
 @triton.jit
 def _place_staged(arena_ptr, counts_ptr, e, pid, G, SLOTS: tl.constexpr, DATA: tl.constexpr,
-                  SCALE: tl.constexpr, META: tl.constexpr, MSG: tl.constexpr, MW: tl.constexpr,
+                  SCALE: tl.constexpr, META: tl.constexpr, AROW: tl.constexpr,
+                  MSG: tl.constexpr, MW: tl.constexpr,
                   STAGE: tl.constexpr, SSTAGE: tl.constexpr, NTOK: tl.constexpr,
                   TMAX: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, C: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
-                  NG: tl.constexpr, NGP: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr):
+                  NG: tl.constexpr, NGP: tl.constexpr, FP8: tl.constexpr,
+                  GATHER: tl.constexpr, BT: tl.constexpr):
     """Staged: per block of BT staged tokens of one source, a row per slot here (one vector
     of local atomics), the rows written into the message (for combine_send) and meta, then
-    the staged row copied to each. counts_E (zeroed by this rank's send) is raised to each row
-    taken + 1 (a reduction nothing waits for), so no CTA waits for the others."""
+    the staged row copied to each (GATHER: its index written instead). counts_E (zeroed by
+    this rank's send) is raised to each row taken + 1 (a reduction nothing waits for), so no
+    CTA waits for the others."""
     msg = (arena_ptr + MSG).to(tl.pointer_type(tl.int32))
     ss = tl.arange(0, WP)
     ntok = tl.minimum(tl.load((arena_ptr + NTOK).to(tl.pointer_type(tl.int32)) + ss,
@@ -125,7 +133,9 @@ def _place_staged(arena_ptr, counts_ptr, e, pid, G, SLOTS: tl.constexpr, DATA: t
         nm = nm & (tl.load(msg + n64 * MW, mask=nm, other=0) == e)  # current only
         m2 = nm[:, None] & km[None, :]
         le2 = tl.load(msg + n64[:, None] * MW + 1 + kk[None, :], mask=m2, other=-1)
-        if FP8:
+        if GATHER:
+            pass
+        elif FP8:
             xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.float8e4nv))
                          + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
             sr = tl.load((arena_ptr + SSTAGE).to(tl.pointer_type(tl.float32))
@@ -133,6 +143,7 @@ def _place_staged(arena_ptr, counts_ptr, e, pid, G, SLOTS: tl.constexpr, DATA: t
         else:
             xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.bfloat16))
                          + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
+            sr = xr  # no scales
         v2 = le2 >= 0
         slot2 = tl.atomic_add((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + le2, 1,
                               mask=v2, sem="relaxed", scope="gpu")
@@ -142,34 +153,48 @@ def _place_staged(arena_ptr, counts_ptr, e, pid, G, SLOTS: tl.constexpr, DATA: t
         tl.store(msg + n64[:, None] * MW + 1 + kk[None, :], tl.where(v2, row2, -1), mask=m2)
         tl.store((arena_ptr + META).to(tl.pointer_type(tl.int32)) + row2,
                  (n64[:, None] * K + kk[None, :]).to(tl.int32), mask=v2)
-        tl.debug_barrier()  # the rows, CTA-wide: each slot's is its own [BT] load below
-        for k in tl.static_range(K):
-            rk = tl.load(msg + n64 * MW + 1 + k, mask=nm, other=-1)
-            vk = rk >= 0
-            r64 = rk.to(tl.int64)
-            if FP8:
-                dst = (arena_ptr + DATA).to(tl.pointer_type(tl.float8e4nv)) + r64 * D
-                tl.store(dst[:, None] + cols[None, :], xr, mask=vk[:, None] & cm[None, :])
-                lek = rk // C
-                sdst = (arena_ptr + SCALE).to(tl.pointer_type(tl.float32)) \
-                    + lek.to(tl.int64) * NG * C + (rk - lek * C)
-                tl.store(sdst[:, None] + g[None, :].to(tl.int64) * C, sr,
-                         mask=vk[:, None] & gm[None, :])
-            else:
-                dst = (arena_ptr + DATA).to(tl.pointer_type(tl.bfloat16)) + r64 * D
-                tl.store(dst[:, None] + cols[None, :], xr, mask=vk[:, None] & cm[None, :])
+        if GATHER:  # the row reads the staged one where it is
+            tl.store((arena_ptr + AROW).to(tl.pointer_type(tl.int32)) + row2,
+                     n64[:, None].to(tl.int32) + 0 * kk[None, :], mask=v2)
+        else:
+            _copy_staged(arena_ptr, msg, n64, nm, xr, sr, DATA, SCALE, MW, K, C, D, cols, cm,
+                         g, gm, NG, FP8)
+
+
+@triton.jit
+def _copy_staged(arena_ptr, msg, n64, nm, xr, sr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                 MW: tl.constexpr, K: tl.constexpr, C: tl.constexpr, D: tl.constexpr, cols, cm,
+                 g, gm, NG: tl.constexpr, FP8: tl.constexpr):
+    """Each slot's row of a block of staged tokens: the token's row and scales copied in."""
+    tl.debug_barrier()  # the rows, CTA-wide: each slot's is its own [BT] load below
+    for k in tl.static_range(K):
+        rk = tl.load(msg + n64 * MW + 1 + k, mask=nm, other=-1)
+        vk = rk >= 0
+        r64 = rk.to(tl.int64)
+        if FP8:
+            dst = (arena_ptr + DATA).to(tl.pointer_type(tl.float8e4nv)) + r64 * D
+            tl.store(dst[:, None] + cols[None, :], xr, mask=vk[:, None] & cm[None, :])
+            lek = rk // C
+            sdst = (arena_ptr + SCALE).to(tl.pointer_type(tl.float32)) \
+                + lek.to(tl.int64) * NG * C + (rk - lek * C)
+            tl.store(sdst[:, None] + g[None, :].to(tl.int64) * C, sr,
+                     mask=vk[:, None] & gm[None, :])
+        else:
+            dst = (arena_ptr + DATA).to(tl.pointer_type(tl.bfloat16)) + r64 * D
+            tl.store(dst[:, None] + cols[None, :], xr, mask=vk[:, None] & cm[None, :])
 
 
 @triton.jit(do_not_specialize=["limit"])
 def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, DATA: tl.constexpr,
-                          SCALE: tl.constexpr, META: tl.constexpr, MSG: tl.constexpr,
+                          SCALE: tl.constexpr, META: tl.constexpr, AROW: tl.constexpr,
+                          MSG: tl.constexpr,
                           MW: tl.constexpr, STAGE: tl.constexpr, SSTAGE: tl.constexpr,
                           NTOK: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
                           WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                           E_L: tl.constexpr, EP: tl.constexpr, C: tl.constexpr,
                           D: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
                           NGP: tl.constexpr, FP8: tl.constexpr, STAGED: tl.constexpr,
-                          BT: tl.constexpr, USE_TIMER: tl.constexpr):
+                          GATHER: tl.constexpr, BT: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait for every source's send of this call (the epoch this rank's send stored); staged:
     place the staged rows (every CTA); direct (one CTA): counts_E = the rows taken here."""
     e = send_epoch(arena_ptr, OP_D) - 1
@@ -177,8 +202,8 @@ def _dispatch_recv_kernel(arena_ptr, counts_ptr, limit, SLOTS: tl.constexpr, DAT
     if STAGED:
         if ok != 0:
             _place_staged(arena_ptr, counts_ptr, e, tl.program_id(0), tl.num_programs(0),
-                          SLOTS, DATA, SCALE, META, MSG, MW, STAGE, SSTAGE, NTOK, TMAX, W, WP,
-                          K, KP, C, D, CH, NG, NGP, FP8, BT)
+                          SLOTS, DATA, SCALE, META, AROW, MSG, MW, STAGE, SSTAGE, NTOK, TMAX, W,
+                          WP, K, KP, C, D, CH, NG, NGP, FP8, GATHER, BT)
     else:
         ee = tl.arange(0, EP)
         cnt = tl.load((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + ee, mask=ee < E_L,
@@ -207,7 +232,7 @@ class LLDispatch:
         lay, d, dev = arena.layout, shape.hidden, arena.base.device
         self.arena, self.shape = arena, shape
         e_l, c = shape.num_local_experts, shape.capacity
-        self.staged = bool(opts.ll_dedup)
+        self.staged, self.gather = bool(opts.ll_dedup), bool(opts.ll_gather)
         if not self.staged:
             _check_dest_words(arena, e_l * c)
         common = dict(SLOTS=lay.offset("ll_slots"), DATA=lay.offset("ll_data"),
@@ -227,11 +252,21 @@ class LLDispatch:
         self.send_grid = (grid(opts, dev, send_default=LL_SMS),)
         # staged: every SM copies, two staged tokens a block (at 128 tokens per rank and ep 2
         # one block per CTA of an H200); direct: one CTA reads the counts
-        self.recv = Launcher(_dispatch_recv_kernel, dict(common, BT=opts.tile(2)),
+        self.recv = Launcher(_dispatch_recv_kernel, dict(
+            common, AROW=lay.offset("ll_arow"), GATHER=self.gather, BT=opts.tile(2)),
                              num_warps=opts.warps() if self.staged else 4)
         self.recv_grid = (grid(opts, dev, recv=True) if self.staged else 1,)
         fmt = "ue8m0_fp32" if quant.scale_fmt == "ue8m0_packed" else quant.scale_fmt
-        if shape.fp8:
+        self.rows_EC = arena.words("ll_arow", torch.int32).view(e_l, c) if self.gather \
+            else None
+        if self.gather:  # the staged rows [W * TMAX, D] as they travelled, and their scales
+            dt = FP8_DTYPE if shape.fp8 else torch.bfloat16
+            data = arena.words("ll_stage", torch.uint8).view(dt).view(c, d)
+            scale = arena.words("ll_sstage", torch.float32).view(c, shape.num_groups) \
+                if shape.fp8 else None
+            self.x = QTensor(data, scale, quant.recipe if shape.fp8 else "bf16",
+                             GROUP if shape.fp8 else 0, fmt)
+        elif shape.fp8:
             data = arena.words("ll_data", torch.uint8).view(FP8_DTYPE).view(e_l, c, d)
             scale = arena.words("ll_scale", torch.float32).view(e_l, shape.num_groups, c)
             self.x = QTensor(data, scale.transpose(1, 2), quant.recipe, GROUP, fmt)
@@ -263,12 +298,13 @@ class LLDispatch:
         return msg, counts
 
     def dispatch_recv(self, counts: torch.Tensor,
-                      opts: SymmOptions) -> tuple[QTensor, torch.Tensor]:
+                      opts: SymmOptions) -> tuple[QTensor, torch.Tensor, torch.Tensor | None]:
         """Wait for every rank (staged: then copy each staged token into its experts' rows) ->
         (x [E_L, C, D], a view of the arena valid until this rank's next combine_send;
-        counts_E int32 [E_L], from dispatch_send)."""
+        counts_E int32 [E_L], from dispatch_send; rows_EC None). ll_gather: x is the staged
+        rows [C, D] and rows_EC int32 [E_L, C] the one each masked row reads (`MaskedBatch`)."""
         self.recv(self.recv_grid, self.arena.base, counts, opts.spin_limit)
-        return self.x, counts
+        return self.x, counts, self.rows_EC
 
 
 __all__ = ["LLShape", "LLDispatch"]

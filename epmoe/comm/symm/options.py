@@ -42,6 +42,9 @@ class SymmOptions:
                 of the link bytes at ep 2 with top-8), instead of one row per (token, expert)
                 straight into the peers' masked layout (DeepEP LL's way, the default: on one
                 H200 the staged copy costs 2-8 us more; not yet measured on a link)
+    ll_gather   with ll_dedup: the receive copies no row; the masked batch is the staged
+                rows with an index (`MaskedBatch.rows_EC`) that the experts' GEMM reads
+                through (Triton experts, bf16 / fp8_block)
     """
 
     num_sms: int = 0
@@ -55,8 +58,12 @@ class SymmOptions:
     pipelined: bool | None = None
     chunk_rows: int = 0
     ll_dedup: bool = False
+    ll_gather: bool = False
 
     def __post_init__(self):
+        if self.ll_gather and not self.ll_dedup:
+            raise ValueError("ll_gather reads the staged rows of ll_dedup: turn ll_dedup on "
+                             "too (ll_dedup=1)")
         if self.num_sms < 0:
             raise ValueError(f"num_sms ({self.num_sms}) must be >= 0 (0: the backend's "
                              f"default)")
