@@ -14,7 +14,8 @@ Two backends behind the comm contract (`epmoe.comm.base`):
 |         |             | [E_l, C, D] (C = W x max tokens), plus | message: rows, weights); a  |
 |         |             | one message per (token, rank); or      | bf16 row per (token, rank)  |
 |         |             | (ll_dedup) once per (token, rank), the |                             |
-|         |             | receiver copying it into its rows      |                             |
+|         |             | receiver copying it into its rows (or, |                             |
+|         |             | ll_gather, indexing it: rows_EC)       |                             |
 
     ctx = CommContext(group, rank, world, device, max_tokens_per_rank=T)   # the Runtime's
     ht = SymmHighThroughputComm(cfg, quant, expert_map_E, ctx)  # options=SymmOptions(...),
@@ -43,7 +44,8 @@ rows of one [W, bytes] tensor). Kernels are identical for both.
     | ht_meta   [2][W][T] t, e_k, pos_k,w_k|  | ll_scale  [E_l][G][C] fp32 (C-major)  |
     | ht_counts [2][W] n, pairs/expert,G,CK|  | ll_meta   [E_l][C] (src*T + t)*K + k  |
     | ht_prog   [W][1024] i64 chunk rounds |  | ll_msg    [W][T] epoch, row_k, w_k    |
-    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_stage  [W][T] data|scale (ll_dedup)|
+    | ht_comb   [2][W][T] bf16 [D] partial |  | ll_arow   [E_l][C] src*T + t (gather) |
+    |                                      |  | ll_stage  [W][T] data|scale (ll_dedup)|
     |                                      |  | ll_comb   [2][W][T] bf16 [D] partial  |
     +--------------------------------------+  +---------------------------------------+
     [2] = buffer epoch % 2, [W] = source rank, T = max tokens per rank, C = W x T
