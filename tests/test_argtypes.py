@@ -45,7 +45,7 @@ REFUSED = [
     ("comm", ["--hidden", "0"], "--hidden: 0 must be >= 128"),
     ("comm", ["--num-sms", "-1"], "--num-sms: -1 must be >= 0"),
     ("comm", ["--job-timeout", "0"], "--job-timeout: 0 must be a finite number"),
-    ("comm", ["--sweep", "24:x"], "--sweep: item '24:x': 1 to 8 whole numbers >= 0"),
+    ("comm", ["--sweep", "24:x"], "--sweep: item '24:x': 1 to 9 whole numbers >= 0"),
     ("comm", ["--sweep", "24:0:0:0:0:3"], "pipelined must be 0 (default), 1 (on) or 2 (off)"),
     ("comm", ["--backends", "all2all,nope"], "--backends: 'nope' is not one of all2all"),
     ("calibrate", ["--out", "{tmp}/p.json", "--ranks", "0"], "--ranks: 0 must be >= 1"),
@@ -73,6 +73,9 @@ REFUSED = [
     ("expert_bias", ["--recipes", "fp8_block"], "--recipes: 'fp8_block' is not one of bf16, "
                                                 "mxfp8"),
     ("w4a8_gemm", ["--tokens", "1,,2"], "--tokens: '1,,2': give comma-separated"),
+    ("ll_gather", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block, bf16"),
+    ("ll_gather", ["--iters", "0"], "--iters: 0 must be >= 1"),
+    ("ll_gather", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
 ]
 
 
