@@ -8,8 +8,9 @@ experts, top-8, 128 local experts a rank).
               through the index (`MaskedBatch.rows_EC`)
 
 Each iteration runs both ranks' dispatch (every send, then every receive), the Triton experts
-on each rank's batch and the combine; CUDA events around the dispatch and the experts, median
-over iterations, per rank (the pair's time / 2). A way's cost to the step is dispatch +
+on each rank's batch and the combine, behind a device sleep so that the GPU, not the host's
+launches, sets the pace; CUDA events around the dispatch and the experts, median over
+iterations, per rank (the pair's time / 2). A way's cost to the step is dispatch +
 experts: the staged copy moves into the receive, the gather into GEMM1's row loads.
 """
 
@@ -25,6 +26,7 @@ from epmoe.bench.comm_loopback import HIDDEN, _cfg, routing
 from epmoe.config import QuantConfig
 from epmoe.outputs import dump_json
 
+SPACER_CYCLES = 2_000_000  # ~1 ms of device sleep: longer than the host takes to issue a round
 WAYS = {"direct": {}, "staged": {"ll_dedup": True},
         "gathered": {"ll_dedup": True, "ll_gather": True}}
 
@@ -71,7 +73,8 @@ def measure(quant: QuantConfig, tokens: tuple, iters: int, world: int = 2) -> li
             times = {"dispatch": [], "experts": []}
             for i in range(iters + 2):  # two warm-ups (compiles, autotune)
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record()
+                torch.cuda._sleep(SPACER_CYCLES)  # the GPU busy while the host issues: the
+                ev[0].record()  # events then time the kernels, not the host's launches
                 pend = [c.dispatch_send(x, r[0], r[1]) for c, x, r in zip(comms, xs, rt)]
                 outs = [c.dispatch_recv(p) for c, p in zip(comms, pend)]
                 ev[1].record()
