@@ -133,17 +133,16 @@ def _place_staged(arena_ptr, counts_ptr, e, pid, G, SLOTS: tl.constexpr, DATA: t
         nm = nm & (tl.load(msg + n64 * MW, mask=nm, other=0) == e)  # current only
         m2 = nm[:, None] & km[None, :]
         le2 = tl.load(msg + n64[:, None] * MW + 1 + kk[None, :], mask=m2, other=-1)
-        if GATHER:
-            pass
-        elif FP8:
-            xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.float8e4nv))
-                         + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
-            sr = tl.load((arena_ptr + SSTAGE).to(tl.pointer_type(tl.float32))
-                         + n64[:, None] * NG + g[None, :], mask=nm[:, None] & gm[None, :])
-        else:
-            xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.bfloat16))
-                         + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
-            sr = xr  # no scales
+        if not GATHER:  # the staged rows first: their loads overlap the atomics below
+            if FP8:
+                xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.float8e4nv))
+                             + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
+                sr = tl.load((arena_ptr + SSTAGE).to(tl.pointer_type(tl.float32))
+                             + n64[:, None] * NG + g[None, :], mask=nm[:, None] & gm[None, :])
+            else:
+                xr = tl.load((arena_ptr + STAGE).to(tl.pointer_type(tl.bfloat16))
+                             + n64[:, None] * D + cols[None, :], mask=nm[:, None] & cm[None, :])
+                sr = xr  # no scales
         v2 = le2 >= 0
         slot2 = tl.atomic_add((arena_ptr + SLOTS).to(tl.pointer_type(tl.int32)) + le2, 1,
                               mask=v2, sem="relaxed", scope="gpu")
