@@ -76,6 +76,8 @@ REFUSED = [
     ("ll_gather", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block, bf16"),
     ("ll_gather", ["--iters", "0"], "--iters: 0 must be >= 1"),
     ("ll_gather", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
+    ("gather_gemm", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
+    ("gather_gemm", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block"),
 ]
 
 

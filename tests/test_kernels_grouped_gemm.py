@@ -266,3 +266,26 @@ def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, recipe, fmt, seed
             assert torch.equal(y[j, :c], y_c[j, :c])
     with pytest.raises(ValueError, match=r"rows_EC must be a contiguous int32"):
         triton_m_grouped_gemm_nt_masked(x, w, counts, rows_EC=rows.long())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_contiguous_gathered_rows_equal_the_permuted_rows(recipe, seed):
+    """rows_M: layout row m read from the token x[rows_M[m]] (-1 on padding: not read) gives
+    the permuted rows' output bit for bit (the route a receive that writes only the index
+    would take); padding rows poisoned in the index are never read."""
+    n_tok, top_k, e, n, k, align = 30, 2, 3, 256, 256, 32
+    quant = QuantConfig(recipe)
+    w = _weights(e, n, k, quant)
+    ids = torch.randint(0, e, (n_tok, top_k), dtype=torch.int32, device=DEV)
+    lay = make_contiguous_layout(ids, e, align)
+    x = quantize_act(torch.randn(n_tok, k, device=DEV), quant)
+    rows = torch.full((lay.num_rows,), -1, dtype=torch.int32, device=DEV)
+    inv = lay.inv_perm_NK.long()
+    tok = torch.arange(n_tok, device=DEV)[:, None].expand_as(inv)
+    rows[inv[inv >= 0]] = tok[inv >= 0].to(torch.int32)
+    cfg = GemmConfig(32, 128, 4, 3)
+    y_g = triton_m_grouped_gemm_nt_contiguous(x, w, lay, config=cfg, rows_M=rows)
+    y_p = triton_m_grouped_gemm_nt_contiguous(permute_qtensor(x, lay), w, lay, config=cfg)
+    valid = lay.row_expert_M >= 0
+    assert int(valid.sum()) == n_tok * top_k
+    assert torch.equal(y_g[valid], y_p[valid])

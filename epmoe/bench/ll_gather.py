@@ -31,25 +31,28 @@ WAYS = {"direct": {}, "staged": {"ll_dedup": True},
         "gathered": {"ll_dedup": True, "ll_gather": True}}
 
 
-def random_experts(cfg, quant: QuantConfig, e_l: int, device):
-    """Triton experts over random weights (a timing stand-in: no checkpoint, no quantization
-    pass over 5-11 GB), built in chunks of experts to bound the temporaries."""
-    from epmoe.experts.base import ExpertWeights
-    from epmoe.experts.triton_experts import TritonExperts
+def random_weight(quant: QuantConfig, e: int, n: int, k: int, device):
+    """Random [E, N, K] expert weights of the recipe (a timing stand-in: no checkpoint, no
+    quantization pass over GBs; unit block scales), filled 8 experts at a time."""
     from epmoe.quant import FP8_DTYPE, QWeight
 
-    def weight(n, k):
-        fp8 = quant.recipe == "fp8_block"
-        data = torch.empty(e_l, n, k, device=device,
-                           dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-        for e0 in range(0, e_l, 8):
-            data[e0:e0 + 8] = (torch.randn(min(8, e_l - e0), n, k, device=device)
-                               / k ** 0.5).to(data.dtype)
-        scale = torch.ones(e_l, n // 128, k // 128, device=device) if fp8 else None
-        return QWeight(data, scale, quant.recipe)
+    fp8 = quant.recipe == "fp8_block"
+    data = torch.empty(e, n, k, device=device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    for e0 in range(0, e, 8):
+        data[e0:e0 + 8] = (torch.randn(min(8, e - e0), n, k, device=device)
+                           / k ** 0.5).to(data.dtype)
+    scale = torch.ones(e, n // 128, k // 128, device=device) if fp8 else None
+    return QWeight(data, scale, quant.recipe)
+
+
+def random_experts(cfg, quant: QuantConfig, e_l: int, device):
+    """Triton experts over random weights (`random_weight`)."""
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.experts.triton_experts import TritonExperts
 
     i, d = cfg.moe_intermediate, cfg.hidden
-    w = ExpertWeights(weight(2 * i, d), weight(d, i),
+    w = ExpertWeights(random_weight(quant, e_l, 2 * i, d, device),
+                      random_weight(quant, e_l, d, i, device),
                       torch.arange(e_l, device=device, dtype=torch.long))
     return TritonExperts(w, cfg, quant)
 

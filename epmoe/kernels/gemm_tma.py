@@ -139,11 +139,16 @@ def _gemm_tma_kernel(
         if run:
             n0 = pid_n * BLOCK_N
             b_row = e * N + n0
-            if A_GATHER:  # masked row (e, c) is A's row arow[e * M + c]; rows past the count
-                # read row 0 (their outputs are any value) and load nothing
+            if A_GATHER:  # row m (masked: (e, c)) is A's row arow[m]; rows past the count
+                # (contiguous: arow < 0, padding) read row 0 (their outputs are any value) and
+                # load nothing
                 offs_k = tl.arange(0, BLOCK_K)
-                live = local < tl.load(counts_ptr + e)
-                a_rows = tl.where(live, tl.load(arow_ptr + rows_s), 0).to(tl.int64)
+                arow = tl.load(arow_ptr + rows_s)
+                if MASKED:
+                    live = local < tl.load(counts_ptr + e)
+                else:
+                    live = row_mask & (arow >= 0)
+                a_rows = tl.where(live, arow, 0).to(tl.int64)
                 a_at = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
                 as_row = as_ptr + a_rows * stride_as_m
             else:
@@ -213,8 +218,9 @@ def tma_supported(x_data: torch.Tensor, w_data: torch.Tensor, recipe: str) -> bo
 def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, masked: bool,
                block_m: int, cfg: GemmConfig, bias=None, rows_EC=None) -> None:
     """out [M, N] (contiguous) / [E, C, N] (masked) bf16 <- x (QTensor) @ w (QWeight)
-    (+ bias [E, N] fp32 of each row's expert). rows_EC (masked only): int32 [E, C], masked
-    row (e, c) is x's row rows_EC[e, c] (x [R, K]: read by pointer loads, not TMA)."""
+    (+ bias [E, N] fp32 of each row's expert). rows_EC: int32 [E, C] (masked) / [M]
+    (contiguous, -1 on padding): row (e, c) / m is x's row rows_EC[...] (x [R, K]: read by
+    pointer loads, not TMA)."""
     e_w, n, k = w.shape
     fp8 = w.recipe == "fp8_block"
     block_k = 128 if fp8 else 64
@@ -222,7 +228,7 @@ def launch_tma(x, w, out, row_expert, counts, offsets, m: int, num_e: int, maske
     split = 2 if block_n == 256 and fp8 else 1
     bn = block_n // split
     a = x.data
-    if rows_EC is not None:
+    if rows_EC is not None:  # [E, C] masked, [M] contiguous
         a_desc = None
     elif masked:
         a_desc = TensorDescriptor(a, [num_e, m, k], [m * k, k, 1], [1, block_m, block_k])

@@ -272,7 +272,8 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
                                         config: GemmConfig | None = None,
                                         out: torch.Tensor | None = None,
                                         kernel: str = "auto",
-                                        bias: torch.Tensor | None = None) -> torch.Tensor:
+                                        bias: torch.Tensor | None = None,
+                                        rows_M: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] rows of `layout` (QTensor of w's recipe), w [E, N, K] -> y [M, N] bf16.
     Padding rows of y are left unwritten or hold garbage (any value). No host sync: the
     number of row tiles is read on the device from layout.offsets_E1.
@@ -283,9 +284,13 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
             kernel for w4a8_mxfp4, the pointer kernel otherwise), 'tma', 'pointer' (the
             pre-TMA kernel, every recipe; w4a8_mxfp4 decoded to bf16 there)
     bias    optional fp32 [E, N]: each row's expert's row added in fp32 before the bf16 cast
-            (gpt-oss's down bias)"""
+            (gpt-oss's down bias)
+    rows_M  optional int32 [M]: x is [R, K] rows and layout row m is x[rows_M[m]] (-1 on
+            padding), read by pointer on the TMA kernel (bf16 / fp8_block, fp32 scales)"""
     _check_operands(x, w)
     _check_bias(bias, w)
+    if rows_M is not None:
+        return _contiguous_gathered(x, w, layout, rows_M, block_m, config, out, kernel, bias)
     check(x.data.dim() == 2 and x.data.shape[0] == layout.num_rows,
           f"x.data shape {tuple(x.data.shape)} must be [M, K] with M = layout.num_rows "
           f"({layout.num_rows})")
@@ -348,20 +353,42 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     return y
 
 
+def _check_gather(x: QTensor, w: QWeight, rows, want: tuple, name: str, kernel: str) -> None:
+    check(rows.dtype == torch.int32 and rows.is_contiguous() and rows.dim() == len(want)
+          and all(a == b for a, b in zip(rows.shape, want) if b is not None),
+          f"{name} must be a contiguous int32 {list(want)} tensor, got {rows.dtype} "
+          f"{tuple(rows.shape)}")
+    check(x.data.dim() == 2, f"with {name}, x.data must be the [R, K] rows it indexes, got "
+          f"shape {tuple(x.data.shape)}")
+    check(kernel in ("auto", "tma") and w.recipe in ("bf16", "fp8_block")
+          and x.scale_fmt != "ue8m0_packed",
+          f"gathered rows ({name}) run on the TMA kernel: recipes bf16 / fp8_block with "
+          f"fp32 scales, got {w.recipe} ({x.scale_fmt}), kernel={kernel!r}")
+
+
+def _contiguous_gathered(x: QTensor, w: QWeight, layout: ContiguousLayout, rows_M, block_m,
+                         config, out, kernel, bias) -> torch.Tensor:
+    m = layout.num_rows
+    _check_gather(x, w, rows_M, (m,), "rows_M", kernel)
+    check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
+          f"weights {w.shape[0]}")
+    cfg = config or TUNED[w.recipe]
+    bm = _pick_block_m(layout.alignment, cfg.block_m) if block_m is None else block_m
+    check(layout.alignment % bm == 0, f"BLOCK_M ({bm}) must divide the layout's alignment "
+          f"({layout.alignment})")
+    y = _out(out, (m, w.shape[1]), x.data.device)
+    if m:
+        launch_tma(x, w, y, layout.row_expert_M, layout.counts_E, layout.offsets_E1, m,
+                   w.shape[0], False, bm, cfg, bias, rows_EC=rows_M)
+    return y
+
+
 def _masked_gathered(x: QTensor, w: QWeight, counts_E, rows_EC, block_m, config, out, kernel,
                      bias) -> torch.Tensor:
     e = w.shape[0]
-    check(rows_EC.dtype == torch.int32 and rows_EC.dim() == 2 and rows_EC.shape[0] == e
-          and rows_EC.is_contiguous(), f"rows_EC must be a contiguous int32 [E={e}, C] "
-          f"tensor, got {rows_EC.dtype} {tuple(rows_EC.shape)}")
-    check(x.data.dim() == 2, f"with rows_EC, x.data must be the [R, K] rows it indexes, got "
-          f"shape {tuple(x.data.shape)}")
+    _check_gather(x, w, rows_EC, (e, None), "rows_EC", kernel)
     check(counts_E.dtype == torch.int32 and tuple(counts_E.shape) == (e,),
           f"counts_E must be int32 [{e}], got {counts_E.dtype} {tuple(counts_E.shape)}")
-    check(kernel in ("auto", "tma") and w.recipe in ("bf16", "fp8_block")
-          and x.scale_fmt != "ue8m0_packed",
-          f"gathered rows (rows_EC) run on the TMA kernel: recipes bf16 / fp8_block with "
-          f"fp32 scales, got {w.recipe} ({x.scale_fmt}), kernel={kernel!r}")
     c = rows_EC.shape[1]
     y = _out(out, (e, c, w.shape[1]), x.data.device)
     if e * c == 0:

@@ -1,0 +1,93 @@
+"""`python -m epmoe.bench.gather_gemm`: what reading the grouped GEMM's rows through an index
+costs at prefill sizes (one GPU).
+
+The contiguous layout's GEMM1 (N = 2 x intermediate, K = hidden) on the TMA kernel, two ways
+over the same tokens and routing: the rows permuted into the layout first (`triton_permute`,
+then A by TMA: today's path, the copy symm-ht's receive does for it) and the tokens read in
+place through the layout's row -> token index (`rows_M`, A by pointer loads: no copy). Times:
+CUDA events, median of `--iters` after warm-up; the ratio is gathered / (permute + GEMM).
+DeepSeek-V3 dims by default: hidden 7168, intermediate 2048, 128 local experts (256 at ep 2),
+top-8, `--tokens` received tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from epmoe.argtypes import at_least, int_list, name_list
+
+
+def _median_us(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # the GPU busy while the host issues
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def measure(recipe: str, tokens: int, iters: int, experts: int = 128, top_k: int = 8,
+            hidden: int = 7168, inter: int = 2048) -> dict:
+    from epmoe.config import QuantConfig
+    from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous
+    from epmoe.bench.ll_gather import random_weight
+    from epmoe.kernels.permute import triton_permute
+    from epmoe.layout import contiguous_rows_upper_bound
+    from epmoe.quant import quantize_act
+
+    quant, dev = QuantConfig(recipe), "cuda"
+    w = random_weight(quant, experts, 2 * inter, hidden, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.rand(tokens, experts, generator=g, device=dev).topk(top_k // 2).indices
+    ids = ids.to(torch.int32)  # ~half a token's 8 experts are on this rank at ep 2
+    x = quantize_act(torch.randn(tokens, hidden, generator=g, device=dev), quant)
+    bound = contiguous_rows_upper_bound(tokens * ids.shape[1], experts, 128)
+    xp, lay = triton_permute(x, ids, experts, 128, num_rows=bound)  # no host sync
+    rows = torch.full((lay.num_rows,), -1, dtype=torch.int32, device=dev)
+    inv = lay.inv_perm_NK.long()
+    tok = torch.arange(tokens, device=dev)[:, None].expand_as(inv)
+    rows[inv[inv >= 0]] = tok[inv >= 0].to(torch.int32)
+    permute = _median_us(lambda: triton_permute(x, ids, experts, 128, num_rows=bound), iters)
+    gemm = _median_us(lambda: triton_m_grouped_gemm_nt_contiguous(xp, w, lay), iters)
+    gathered = _median_us(lambda: triton_m_grouped_gemm_nt_contiguous(x, w, lay, rows_M=rows),
+                          iters)
+    y_p = triton_m_grouped_gemm_nt_contiguous(xp, w, lay)
+    y_g = triton_m_grouped_gemm_nt_contiguous(x, w, lay, rows_M=rows)
+    valid = lay.row_expert_M >= 0
+    return dict(recipe=recipe, tokens=tokens, rows=int(valid.sum()), permute_us=permute,
+                gemm_us=gemm, gathered_us=gathered, ratio=gathered / (permute + gemm),
+                equal=bool(torch.equal(y_p[valid], y_g[valid])))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.gather_gemm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int_list(1), default=(8192,),
+                   help="tokens received (ep 2 at 4096 a rank: 8192)")
+    p.add_argument("--recipes", type=name_list(("fp8_block", "bf16")),
+                   default=("fp8_block", "bf16"), help="comma-separated")
+    p.add_argument("--iters", type=at_least(1), default=10)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    print(f"{'recipe':10} {'tokens':>6} {'rows':>7} {'permute':>8} {'gemm':>8} "
+          f"{'gathered':>9} {'ratio':>6} equal")
+    for r in a.recipes:
+        for t in a.tokens:
+            m = measure(r, t, a.iters)
+            print(f"{r:10} {t:>6} {m['rows']:>7} {m['permute_us']:>8.1f} {m['gemm_us']:>8.1f} "
+                  f"{m['gathered_us']:>9.1f} {m['ratio']:>6.3f} {m['equal']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
