@@ -289,27 +289,27 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
             padding), read by pointer on the TMA kernel (bf16 / fp8_block, fp32 scales)"""
     _check_operands(x, w)
     _check_bias(bias, w)
+    m = layout.num_rows
     if rows_M is not None:
-        return _contiguous_gathered(x, w, layout, rows_M, block_m, config, out, kernel, bias)
-    check(x.data.dim() == 2 and x.data.shape[0] == layout.num_rows,
-          f"x.data shape {tuple(x.data.shape)} must be [M, K] with M = layout.num_rows "
-          f"({layout.num_rows})")
+        _check_gather(x, w, rows_M, (m,), "rows_M", kernel)
+    else:
+        check(x.data.dim() == 2 and x.data.shape[0] == m, f"x.data shape "
+              f"{tuple(x.data.shape)} must be [M, K] with M = layout.num_rows ({m})")
     check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
           f"weights {w.shape[0]}; build the layout with num_experts = w.shape[0]")
-    tma = _use_tma(x, w, kernel)
+    tma = rows_M is not None or _use_tma(x, w, kernel)
     cfg = (config or TUNED[w.recipe]) if tma else None
     bm = (_pick_block_m(layout.alignment, cfg.block_m if tma else 128) if block_m is None
           else block_m)
     check(layout.alignment % bm == 0, f"BLOCK_M ({bm}) must divide the layout's alignment "
           f"({layout.alignment}): a tile must not straddle two experts; pass a smaller "
           f"block_m or build the layout with alignment a multiple of {bm}")
-    m = layout.num_rows
     y = _out(out, (m, w.shape[1]), x.data.device)
     if m == 0:
         return y
     if tma:
         launch_tma(x, w, y, layout.row_expert_M, layout.counts_E, layout.offsets_E1, m,
-                   w.shape[0], False, bm, cfg, bias)
+                   w.shape[0], False, bm, cfg, bias, rows_EC=rows_M)
     else:
         _launch(x, w, x.data, x.scale, y, layout.row_expert_M, layout.counts_E, m,
                 triton.cdiv(m, bm), 1, bm, masked=False, bias=bias, kernel=kernel)
@@ -364,23 +364,6 @@ def _check_gather(x: QTensor, w: QWeight, rows, want: tuple, name: str, kernel: 
           and x.scale_fmt != "ue8m0_packed",
           f"gathered rows ({name}) run on the TMA kernel: recipes bf16 / fp8_block with "
           f"fp32 scales, got {w.recipe} ({x.scale_fmt}), kernel={kernel!r}")
-
-
-def _contiguous_gathered(x: QTensor, w: QWeight, layout: ContiguousLayout, rows_M, block_m,
-                         config, out, kernel, bias) -> torch.Tensor:
-    m = layout.num_rows
-    _check_gather(x, w, rows_M, (m,), "rows_M", kernel)
-    check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
-          f"weights {w.shape[0]}")
-    cfg = config or TUNED[w.recipe]
-    bm = _pick_block_m(layout.alignment, cfg.block_m) if block_m is None else block_m
-    check(layout.alignment % bm == 0, f"BLOCK_M ({bm}) must divide the layout's alignment "
-          f"({layout.alignment})")
-    y = _out(out, (m, w.shape[1]), x.data.device)
-    if m:
-        launch_tma(x, w, y, layout.row_expert_M, layout.counts_E, layout.offsets_E1, m,
-                   w.shape[0], False, bm, cfg, bias, rows_EC=rows_M)
-    return y
 
 
 def _masked_gathered(x: QTensor, w: QWeight, counts_E, rows_EC, block_m, config, out, kernel,
