@@ -45,7 +45,7 @@ REFUSED = [
     ("comm", ["--hidden", "0"], "--hidden: 0 must be >= 128"),
     ("comm", ["--num-sms", "-1"], "--num-sms: -1 must be >= 0"),
     ("comm", ["--job-timeout", "0"], "--job-timeout: 0 must be a finite number"),
-    ("comm", ["--sweep", "24:x"], "--sweep: item '24:x': 1 to 9 whole numbers >= 0"),
+    ("comm", ["--sweep", "24:x"], "--sweep: item '24:x': 1 to 10 whole numbers >= 0"),
     ("comm", ["--sweep", "24:0:0:0:0:3"], "pipelined must be 0 (default), 1 (on) or 2 (off)"),
     ("comm", ["--backends", "all2all,nope"], "--backends: 'nope' is not one of all2all"),
     ("calibrate", ["--out", "{tmp}/p.json", "--ranks", "0"], "--ranks: 0 must be >= 1"),
@@ -76,6 +76,8 @@ REFUSED = [
     ("ll_gather", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block, bf16"),
     ("ll_gather", ["--iters", "0"], "--iters: 0 must be >= 1"),
     ("ll_gather", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
+    ("ht_gather", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block, bf16"),
+    ("ht_gather", ["--tokens", "4096,x"], "--tokens: 'x' is not a whole number"),
     ("gather_gemm", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
     ("gather_gemm", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block"),
 ]

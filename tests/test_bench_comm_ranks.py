@@ -186,7 +186,8 @@ def test_a_sweeps_knobs_reach_symm_jobs_and_only_theirs():
 
     sets = _sweep("32:0:0:0:0:2:64,0")
     assert sets[0] == dict(num_sms=32, recv_sms=0, tile_tokens=0, chunk_cols=0, num_warps=0,
-                           pipelined=2, chunk_rows=64, ll_dedup=0, ll_gather=0)
+                           pipelined=2, chunk_rows=64, ll_dedup=0, ll_gather=0,
+                           ht_gather=0)
     job = RankJob("ht", ("symm-ht",), "bf16", (64,), **KW, knobs=tuple(sets[0].items()))
     opts = _kwargs("symm-ht", job)["options"]
     assert (opts.num_sms, opts.pipelined, opts.chunk_rows, opts.recv_sms) == (32, False, 64, 0)

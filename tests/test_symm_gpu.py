@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from epmoe.ranks import run_ranks
-from epmoe.comm.base import MaskedBatch
 from epmoe.comm.context import CommContext
 from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.ll import SymmLowLatencyComm
@@ -35,18 +34,21 @@ OPTS = SymmOptions(num_sms=4, timeout_s=5.0)
 CHUNKED = SymmOptions(num_sms=4, timeout_s=5.0, chunk_cols=128)  # D = 256: 2 chunks per row
 
 
-@pytest.mark.parametrize("streams,pipelined", [(False, None), (True, None), (True, True)])
+@pytest.mark.parametrize("streams,pipelined,gather", [
+    (False, None, False), (True, None, False), (True, True, False), (False, None, True),
+    (True, True, True)])
 @pytest.mark.parametrize("world,recipe,fmt,scenario", [
     (2, "bf16", "fp32", "uneven"), (4, "fp8_block", "ue8m0_packed", "full"),
     (2, "fp8_block", "fp32", "empty"), (8, "bf16", "fp32", "uneven"),
     (8, "fp8_block", "fp32", "all_to_one")])
-def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, seed):
+def test_ht_loopback_compiled(world, recipe, fmt, scenario, streams, pipelined, gather, seed):
     """pipelined: each rank's dispatch is one kernel (send and receive roles) on its own
-    stream, its receive waiting chunk by chunk on the other ranks' sends as they run."""
+    stream, its receive waiting chunk by chunk on the other ranks' sends as they run.
+    gather: ht_gather (the layout's rows read from the arena through rows_M)."""
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = dataclasses.replace(OPTS if world > 2 else CHUNKED, pipelined=pipelined,
-                               chunk_rows=4 if pipelined else 0)
+                               chunk_rows=4 if pipelined else 0, ht_gather=gather)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
                               options=opts, alignment=8)
     for _ in range(3):
@@ -74,7 +76,7 @@ def test_ll_loopback_compiled(world, recipe, fmt, scenario, streams, dedup, seed
 def _scaled_identity(batch, rank, e_l):
     """A capturable stand-in for experts: row of local expert e -> dequant(x) * (global e + 1),
     bf16 (masked [E, C, D] or contiguous [M, D])."""
-    x = dequantize_act(batch.copied() if isinstance(batch, MaskedBatch) else batch.x)
+    x = dequantize_act(batch.copied())
     if x.dim() == 3:
         f = torch.arange(e_l, device=x.device, dtype=torch.float32) + rank * e_l + 1
         return (x * f[:, None, None]).to(torch.bfloat16)
@@ -164,15 +166,16 @@ def test_ll_cuda_graph_1000_replays_match_eager(dedup, seed):
         c.check_errors()
 
 
-@pytest.mark.parametrize("pipelined", [None, True])
-def test_ht_cuda_graph_replays_match_reference(pipelined, seed):
+@pytest.mark.parametrize("pipelined,gather", [(None, False), (True, False), (True, True)])
+def test_ht_cuda_graph_replays_match_reference(pipelined, gather, seed):
     """200 replays on fresh routing; pipelined: each rank's one dispatch kernel on its own
-    stream inside the graph (the progress words' epochs advance on the device)."""
+    stream inside the graph (the progress words' epochs advance on the device); gather: the
+    rows read from the arena through rows_M (its -1 fill captured too)."""
     world, quant = 2, QuantConfig("bf16")
     gen = torch.Generator().manual_seed(seed)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
                               options=dataclasses.replace(OPTS, pipelined=pipelined,
-                                                          chunk_rows=4))
+                                                          chunk_rows=4, ht_gather=gather))
     static = on("cuda", *case_inputs("full", world, gen))
     _, g, graph_out = _graph_round(comms, static, CFG.num_experts // world,
                                    streams=bool(pipelined))
@@ -184,6 +187,31 @@ def test_ht_cuda_graph_replays_match_reference(pipelined, seed):
             assert torch.equal(graph_out[r], want), f"replay {i}, rank {r}"
     for c in comms:
         c.check_errors()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+def test_ht_gathered_batch_through_the_compiled_triton_experts(recipe, seed):
+    """The same routing dispatched with rows copied and with ht_gather: Triton's experts (TMA
+    kernel; gathered: A by pointer through rows_M) give the same rows bit for bit."""
+    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.weights import synthetic_layer
+
+    quant, world = QuantConfig(recipe), 2
+    xs, ids, ws = on("cuda", *case_inputs("full", world, torch.Generator().manual_seed(seed)))
+    lw = synthetic_layer(CFG, quant, 0, seed, list(range(CFG.num_experts // world)))
+    experts = TritonExperts(lw.experts.to("cuda"), CFG, quant)
+    got = []
+    for gather in (False, True):
+        _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, "cuda",
+                                  options=dataclasses.replace(OPTS, ht_gather=gather),
+                                  alignment=experts.alignment)
+        batch, _ = loopback_dispatch(comms, xs, ids, ws)[0]
+        got.append((batch.layout.row_expert_M, experts.run(batch)))
+        comms[0].check_errors()
+    (lay_c, y_c), (lay_g, y_g) = got
+    used = lay_c >= 0
+    assert torch.equal(lay_c, lay_g) and int(used.sum()) > 0
+    assert torch.equal(y_c[used], y_g[used])
 
 
 def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False, dedup=False):
@@ -198,8 +226,11 @@ def _real_ranks(rank, world, group, cls_name, recipe, seed, shared=False, dedup=
     ctx = CommContext(group, rank, world, dev, max_tokens_per_rank=MAX_T)
     expert_map = torch.full((CFG.num_experts,), -1, dtype=torch.int32)
     expert_map[rank * e_l:(rank + 1) * e_l] = torch.arange(e_l, dtype=torch.int32)
-    comm = cls(CFG, quant, expert_map.cuda(), ctx,
-               options=ll_options(dataclasses.replace(OPTS, chunk_rows=4), dedup))
+    opts = ll_options(dataclasses.replace(OPTS, chunk_rows=4), dedup)
+    if cls_name == "symm-ht":  # the mode's "gather": ht_gather
+        opts = dataclasses.replace(opts, ll_dedup=False, ll_gather=False,
+                                   ht_gather=dedup == "gather")
+    comm = cls(CFG, quant, expert_map.cuda(), ctx, options=opts)
     gen = torch.Generator().manual_seed(seed)
     try:
         for _ in range(3):
@@ -225,7 +256,7 @@ def test_nvshmem_arena_on_one_pe(world, seed):
 
 REAL_CASES = [("symm-ht", "fp8_block", False), ("symm-ll", "fp8_block", False),
               ("symm-ll", "fp8_block", True), ("symm-ll", "fp8_block", "gather"),
-              ("symm-ht", "bf16", False)]  # (.., ll_options' mode)
+              ("symm-ht", "bf16", False), ("symm-ht", "fp8_block", "gather")]  # (.., mode)
 
 
 @pytest.mark.parametrize("name,recipe,dedup", REAL_CASES)

@@ -107,10 +107,13 @@ def check_received(comms, outs, world, quant, xs, ids, ws):
         assert got == src
         if n:
             used = ref.row_expert_M >= 0
+            x = batch.copied()  # ht_gather: through rows_M
             want = permute_rows(rows[0], ref)
-            assert torch.equal(batch.x.data.view(torch.uint8)[used], want[used])
+            assert torch.equal(x.data.view(torch.uint8)[used], want[used])
             if rows[1] is not None:
-                assert torch.equal(batch.x.scale[used], permute_rows(rows[1], ref)[used])
+                assert torch.equal(x.scale[used], permute_rows(rows[1], ref)[used])
+        if batch.rows_M is not None:  # gathered: rows in use point at a row, padding nowhere
+            assert torch.equal(batch.rows_M >= 0, lay.row_expert_M >= 0)
 
 
 def a2a_combine(world, outs, ys, num_tokens):
@@ -171,23 +174,27 @@ def run_round(comms, world, quant, xs, ids, ws, gen, device="cpu", streams=False
     return outs
 
 
-CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds, chunk_cols); the
-    (2, "bf16", "fp32", "uneven", 8, 3, 64),  # interpreter costs ~1 s per rank and round
-    (2, "fp8_block", "fp32", "empty", 128, 1, 0),  # (few rounds at 4 ranks)
-    (4, "fp8_block", "ue8m0_packed", "all_to_one", 4, 1, 0),
-    (4, "bf16", "fp32", "full", 8, 1, 128),
+CASES = [  # (world, recipe, scale_fmt, scenario, alignment, rounds, chunk_cols, ht_gather);
+    (2, "bf16", "fp32", "uneven", 8, 3, 64, False),  # the interpreter costs ~1 s per rank and
+    (2, "fp8_block", "fp32", "empty", 128, 1, 0, False),  # round (few rounds at 4 ranks)
+    (4, "fp8_block", "ue8m0_packed", "all_to_one", 4, 1, 0, False),
+    (4, "bf16", "fp32", "full", 8, 1, 128, False),
+    (2, "fp8_block", "fp32", "uneven", 8, 3, 0, True),
+    (4, "fp8_block", "ue8m0_packed", "empty", 8, 2, 0, True),
+    (4, "bf16", "fp32", "all_to_one", 4, 1, 0, True),
 ]
 
 
-@pytest.mark.parametrize("world,recipe,fmt,scenario,align,rounds,chunk", CASES)
-def test_ht_matches_all2all(world, recipe, fmt, scenario, align, rounds, chunk, seed):
+@pytest.mark.parametrize("world,recipe,fmt,scenario,align,rounds,chunk,gather", CASES)
+def test_ht_matches_all2all(world, recipe, fmt, scenario, align, rounds, chunk, gather, seed):
     """Rounds on one arena with fresh routing each (3 rounds: epochs 1..3 use both buffers and
     reuse one, whose stale rows must not leak into the result). chunk_cols > 0 splits the
-    combines' rows into several column chunks (work items), as on the GPU."""
+    combines' rows into several column chunks (work items), as on the GPU. ht_gather: the
+    layout rows read through rows_M from the arena."""
     quant = QuantConfig(recipe, fmt)
     gen = torch.Generator().manual_seed(seed)
     opts = OPTS if world > 2 else SymmOptions(num_sms=2)  # 2 CTAs: the last-arrival path
-    opts = dataclasses.replace(opts, chunk_cols=chunk)
+    opts = dataclasses.replace(opts, chunk_cols=chunk, ht_gather=gather)
     _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T, options=opts,
                               alignment=align)
     for _ in range(rounds):
@@ -271,7 +278,8 @@ def test_ht_exact_rows_returns_only_the_used_rows(seed):
         assert batch.num_rows == m == batch.layout.num_rows == int(h.recv.info_I[1])
 
 
-def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
+@pytest.mark.parametrize("gather", [False, True])
+def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(gather, seed):
     """Rank 0 runs the pipelined dispatch and combine (one launch each: its first CTAs to
     start send, the rest receive; reduce, push, then sum), rank 1 the split launches; the
     roles' protocol is the same, so they mix. Order: rank 1 sends, rank 0's one kernel (its
@@ -279,9 +287,10 @@ def test_ht_pipelined_kernel_matches_all2all_beside_split_ranks(seed):
     epochs and the role counters' reset."""
     world, quant = 2, QuantConfig("fp8_block")
     gen = torch.Generator().manual_seed(seed)
+    opts = SymmOptions(num_sms=2, recv_sms=3, ht_gather=gather)
     lw, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, world, MAX_T,
-                               options=SymmOptions(num_sms=2, recv_sms=3), alignment=8)
-    comms[0].options = SymmOptions(num_sms=2, recv_sms=3, pipelined=True)
+                               options=opts, alignment=8)
+    comms[0].options = dataclasses.replace(opts, pipelined=True)
     assert comms[0].pipelined and not comms[1].pipelined
     for _ in range(3):
         xs, ids, ws = case_inputs("full", world, gen)

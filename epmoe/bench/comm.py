@@ -132,13 +132,14 @@ def parser() -> argparse.ArgumentParser:
                         "default: symm-ht 24 + every SM for its local receives, symm-ll every "
                         "SM, deepep-ht 24)")
     p.add_argument("--sweep", type=sweep_spec, default="",
-                   help="knob sets num_sms:recv_sms:tile_tokens:"
-                   "chunk_cols:num_warps:pipelined:chunk_rows:ll_dedup:ll_gather, comma-"
-                   "separated (0 or missing: default; pipelined 1: symm-ht's one-kernel "
-                   "dispatch and combine, 2: send then receive; ll_dedup 1: symm-ll sends a "
-                   "token once per rank, 2: once per expert; ll_gather 1: with ll_dedup the "
-                   "rows stay staged, indexed); overrides --num-sms for symm-* (real ranks: their "
-                   "jobs run once per set, the others once)")
+                   help="knob sets num_sms:recv_sms:tile_tokens:chunk_cols:num_warps:"
+                   "pipelined:chunk_rows:ll_dedup:ll_gather:ht_gather, comma-separated (0 or "
+                   "missing: default; pipelined 1: symm-ht's one-kernel dispatch and combine, "
+                   "2: send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: "
+                   "once per expert; ll_gather 1: with ll_dedup the rows stay staged, "
+                   "indexed; ht_gather 1: symm-ht's receive writes the layout's index, not its "
+                   "rows); overrides --num-sms for symm-* (real ranks: their jobs run once per "
+                   "set, the others once)")
     p.add_argument("--iters", type=at_least(1), default=20)
     p.add_argument("--quick", action="store_true", help="4096 (HT) and 128 (LL) tokens only")
     p.add_argument("--ht-tokens", type=int_list(1),

@@ -222,16 +222,18 @@ def bench_loopback(mode: str, quant: QuantConfig, world: int, tokens: tuple, ite
 
 
 KNOBS = ("num_sms", "recv_sms", "tile_tokens", "chunk_cols", "num_warps", "pipelined",
-         "chunk_rows", "ll_dedup", "ll_gather")
-ON_OFF = ("pipelined", "ll_dedup", "ll_gather")  # 1: on, 2: off (0: the backend's default)
+         "chunk_rows", "ll_dedup", "ll_gather", "ht_gather")
+ON_OFF = ("pipelined", "ll_dedup", "ll_gather", "ht_gather")  # 1: on, 2: off (0: default)
 
 
 def sweep_spec(spec: str) -> list[dict]:
     """"24:0:0,32:132:2:512:4" -> [{num_sms, recv_sms, tile_tokens, chunk_cols, num_warps,
-    pipelined, chunk_rows, ll_dedup, ll_gather}] (missing or 0: the default; pipelined 1:
+    pipelined, chunk_rows, ll_dedup, ll_gather, ht_gather}] (missing or 0: the default;
+    pipelined 1:
     symm-ht's one-kernel dispatch and combine, ranks on their own streams; 2: two launches,
     send then receive; ll_dedup 1: symm-ll sends a token once per rank, 2: once per expert;
-    ll_gather 1: with ll_dedup, the receive copies no row, the batch is indexed). An
+    ll_gather 1: with ll_dedup, the receive copies no row, the batch is indexed; ht_gather
+    1: symm-ht's receive writes the layout's index, not its rows). An
     argparse type: a malformed item is `argparse.ArgumentTypeError` naming it."""
     out = []
     for item in filter(None, spec.split(",")):

@@ -112,16 +112,14 @@ def identity_experts(batch):
     weighted by the token's local top-k weights, fp32; the others unweighted bf16)."""
     import torch
 
-    from epmoe.comm.base import MaskedBatch, TokenBatch
+    from epmoe.comm.base import TokenBatch
     from epmoe.quant import dequantize_act
 
-    if isinstance(batch, MaskedBatch):
-        return dequantize_act(batch.copied()).to(torch.bfloat16)
-    x = dequantize_act(batch.x)
     if isinstance(batch, TokenBatch):
         local = (batch.topk_ids_NK >= 0).float()
-        return x * (batch.topk_weights_NK.float() * local).sum(1, keepdim=True)
-    return x.to(torch.bfloat16)
+        return dequantize_act(batch.x) * (batch.topk_weights_NK.float() * local).sum(
+            1, keepdim=True)
+    return dequantize_act(batch.copied()).to(torch.bfloat16)
 
 
 def wire_reference(x, backend: str, quant):

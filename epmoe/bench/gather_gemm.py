@@ -39,7 +39,7 @@ def measure(recipe: str, tokens: int, iters: int, experts: int = 128, top_k: int
             hidden: int = 7168, inter: int = 2048) -> dict:
     from epmoe.config import QuantConfig
     from epmoe.kernels.grouped_gemm import triton_m_grouped_gemm_nt_contiguous
-    from epmoe.bench.ll_gather import random_weight
+    from epmoe.bench.gather_ways import random_weight
     from epmoe.kernels.permute import triton_permute
     from epmoe.layout import contiguous_rows_upper_bound
     from epmoe.quant import quantize_act

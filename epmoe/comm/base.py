@@ -60,14 +60,23 @@ class LayoutBatch:
     x       QTensor [M, D] (padding rows: any value)
     layout  ContiguousLayout: row -> local expert (-1 padding), groups aligned to the experts'
             GEMM alignment; its `inv_perm_NK` is the backend's business (combine reads it)
+    rows_M  None, or int32 [M]: x is then [R, D] rows (each received once) and layout row m
+            is x[rows_M[m]] (-1 on padding and on rows that never came); experts that gather
+            their GEMM's rows read it so (`Experts.gathers_rows`)
     """
 
     x: QTensor
     layout: ContiguousLayout
+    rows_M: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.x.data.shape[0]
+        return self.x.data.shape[0] if self.rows_M is None else self.rows_M.shape[0]
+
+    def copied(self) -> QTensor:
+        """x as [M, D] layout rows (gathered through rows_M: a copy; padding rows hold some
+        row of x), for consumers that do not gather."""
+        return _gathered(self.x, self.rows_M)
 
 
 @dataclass(frozen=True)
@@ -97,11 +106,16 @@ class MaskedBatch:
     def copied(self) -> QTensor:
         """x as [E, C, D] rows (gathered through rows_EC: a copy; rows past a count hold
         some row of x), for consumers that do not gather."""
-        if self.rows_EC is None:
-            return self.x
-        at = self.rows_EC.long().clamp(0, self.x.data.shape[0] - 1)
-        return QTensor(self.x.data[at], None if self.x.scale is None else self.x.scale[at],
-                       self.x.recipe, self.x.group, self.x.scale_fmt)
+        return _gathered(self.x, self.rows_EC)
+
+
+def _gathered(x: QTensor, rows: torch.Tensor | None) -> QTensor:
+    """x's rows at `rows` (any shape; -1 and past the end read some row), or x itself."""
+    if rows is None:
+        return x
+    at = rows.long().clamp(0, x.data.shape[0] - 1)
+    return QTensor(x.data[at], None if x.scale is None else x.scale[at], x.recipe, x.group,
+                   x.scale_fmt)
 
 
 Batch = Union[TokenBatch, LayoutBatch, MaskedBatch]
@@ -111,7 +125,7 @@ def rows_shape(batch: Batch) -> tuple[int, ...]:
     """The leading shape of what the experts return for `batch` (its rows without D)."""
     if isinstance(batch, MaskedBatch):
         return batch.shape_EC
-    return tuple(batch.x.data.shape[:-1])
+    return (batch.num_rows,)
 
 
 class Comm(ABC):

@@ -116,8 +116,8 @@ class Experts(ABC):
 
     @property
     def gathers_rows(self) -> bool:
-        """Whether run_masked reads a MaskedBatch's rows through its rows_EC index (no copy
-        into [E, C, D] first; `MaskedBatch`)."""
+        """Whether the GEMMs read a batch's rows through its index (a MaskedBatch's rows_EC,
+        a LayoutBatch's rows_M: no copy into the layout first)."""
         return False
 
     @property
@@ -138,9 +138,18 @@ class Experts(ABC):
                         rows_EC: torch.Tensor) -> torch.Tensor:
         """run_masked with x [R, D] and row (e, c) = x[rows_EC[e, c]] (`MaskedBatch`), for
         backends that gather their GEMM's rows (`gathers_rows`)."""
-        raise ValueError(f"{self.name} experts cannot read masked rows through an index "
-                         f"(rows_EC); run the comm without gathered rows (symm-ll: ll_gather "
-                         f"off) or use the triton experts")
+        raise self._cannot_gather("masked rows (rows_EC)", "symm-ll: ll_gather")
+
+    def run_contiguous_rows(self, x: QTensor, layout: ContiguousLayout,
+                            rows_M: torch.Tensor) -> torch.Tensor:
+        """run_contiguous with x [R, D] and layout row m = x[rows_M[m]] (`LayoutBatch`), for
+        backends that gather their GEMM's rows (`gathers_rows`)."""
+        raise self._cannot_gather("layout rows (rows_M)", "symm-ht: ht_gather")
+
+    def _cannot_gather(self, what: str, knob: str) -> ValueError:
+        return ValueError(f"{self.name} experts ({self.quant.recipe}) cannot read {what} "
+                          f"through an index; run the comm without gathered rows ({knob} "
+                          f"off) or use the triton experts with bf16 / fp8_block")
 
     def run(self, batch: Batch) -> torch.Tensor:
         """The one entry point: what a comm's dispatch returned -> what its combine takes.
@@ -156,7 +165,9 @@ class Experts(ABC):
                 raise ValueError(f"layout has {batch.layout.num_experts} experts, these experts "
                                  f"hold {self.weights.num_experts}")
             self.resolve_alignment(batch.layout.alignment)
-            return self.run_contiguous(batch.x, batch.layout)
+            if batch.rows_M is None:
+                return self.run_contiguous(batch.x, batch.layout)
+            return self.run_contiguous_rows(batch.x, batch.layout, batch.rows_M)
         if isinstance(batch, MaskedBatch):
             if batch.rows_EC is None:
                 return self.run_masked(batch.x, batch.counts_E)

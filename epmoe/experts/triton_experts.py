@@ -87,14 +87,17 @@ class TritonExperts(Experts):
         with t.stage("experts.gather"):
             return self.unpermute(y, layout, topk_weights_NK)
 
-    def run_contiguous(self, x: QTensor, layout: ContiguousLayout) -> torch.Tensor:
+    def run_contiguous(self, x: QTensor, layout: ContiguousLayout,
+                       rows_M: torch.Tensor | None = None) -> torch.Tensor:
+        """rows_M: x is [R, D] rows, GEMM1 reads layout row m from x[rows_M[m]]."""
         bm = self.block_m if layout.alignment % self.block_m == 0 else None
         if bm is not None:  # the mean (token, k) pairs per expert, from shapes: no sync (an
             # upper bound where the layout is sized for the worst case)
             bm = self._block_m(bm, layout.inv_perm_NK.numel() / layout.num_experts)
         t = self.timer
         with t.stage("experts.gemm1"):
-            h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm)
+            h = triton_m_grouped_gemm_nt_contiguous(x, self.weights.w13, layout, block_m=bm,
+                                                    rows_M=rows_M)
         rows = ValidRows.contiguous(layout.row_expert_M)
         with t.stage("experts.act_quant"):
             a = triton_act_quant(h, self.cfg, self.quant, rows=rows, bias_EF=self.weights.b13)
@@ -118,6 +121,12 @@ class TritonExperts(Experts):
         if not self.gathers_rows:
             return super().run_masked_rows(x, counts_E, rows_EC)
         return self.run_masked(x, counts_E, rows_EC=rows_EC)
+
+    def run_contiguous_rows(self, x: QTensor, layout: ContiguousLayout,
+                            rows_M: torch.Tensor) -> torch.Tensor:
+        if not self.gathers_rows:
+            return super().run_contiguous_rows(x, layout, rows_M)
+        return self.run_contiguous(x, layout, rows_M=rows_M)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,
                    rows_per_expert: float | None = None,

@@ -152,12 +152,14 @@ def _comm_options(a: argparse.Namespace) -> tuple:
         raise ValueError(f"--comm-option tunes symm-ht / symm-ll (SymmOptions); --backend "
                          f"{a.backend} takes none")
     knobs = parse_knobs(items)
-    if dict(knobs).get("ll_gather") and (a.experts != "triton"
-                                         or a.quant not in ("bf16", "fp8_block")):
-        raise ValueError(f"--comm-option ll_gather leaves symm-ll's rows staged for an expert "
-                         f"GEMM that reads them through an index: it needs --experts triton "
-                         f"with --quant bf16 or fp8_block (got --experts {a.experts}, --quant "
-                         f"{a.quant})")
+    for knob, rows in (("ll_gather", "symm-ll's rows staged"), ("ht_gather",
+                                                               "symm-ht's rows in its arena")):
+        if dict(knobs).get(knob) and (a.experts != "triton"
+                                      or a.quant not in ("bf16", "fp8_block")):
+            raise ValueError(f"--comm-option {knob} leaves {rows} for an expert GEMM that "
+                             f"reads them through an index: it needs --experts triton with "
+                             f"--quant bf16 or fp8_block (got --experts {a.experts}, --quant "
+                             f"{a.quant})")
     return knobs
 
 

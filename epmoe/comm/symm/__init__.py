@@ -8,7 +8,9 @@ Two backends behind the comm contract (`epmoe.comm.base`):
 |         |             | one of its experts (dedup); counts on  | a token's local slots, one  |
 |         |             | the device; the receiver writes rows   | bf16 row per (token, rank)  |
 |         |             | straight into the experts' contiguous  | back; source: fp32 sum in   |
-|         |             | layout (groups padded to `alignment`)  | rank order, one cast        |
+|         |             | layout (groups padded to `alignment`); | rank order, one cast        |
+|         |             | or (ht_gather) the layout's index into |                             |
+|         |             | the arena's rows: rows_M               |                             |
 | symm-ll | MaskedBatch | per (token, k), fp8 quantized in the   | as symm-ht: the expert rank |
 |         |             | send, straight into the peer's         | reduces a token's rows (the |
 |         |             | [E_l, C, D] (C = W x max tokens), plus | message: rows, weights); a  |

@@ -114,6 +114,8 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         view = self.arena.view
         self._dispatch = ht_dispatch.HTDispatch(view, self.shape, self._options)
         self._combine = ht_combine.HTCombine(view, self.shape, self._options)
+        self._rows = ht_dispatch.arena_rows(view, self.shape, self.fmt) \
+            if self._options.ht_gather else None
 
     @staticmethod
     def arena_shape(cfg: MoEConfig, quant: QuantConfig, world: int,
@@ -158,7 +160,7 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         args = ht_dispatch.prepare(self.shape, xq, topk_ids_TK, topk_weights_TK, rt)
         out = None
         if self.pipelined:  # both roles now: the receive overlaps the link
-            out = ht_dispatch.allocate(self.arena.view, self.shape, self.alignment)
+            out = self._allocate()
             self._dispatch.launch(self.alignment, args, out, ht_dispatch.PIPELINED, opts)
         else:
             self._dispatch.launch(self.alignment, args, None, ht_dispatch.SPLIT_SEND, opts)
@@ -168,14 +170,19 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         opts = self.options.for_call(self.arena.end(HT_DISPATCH))
         out = pending.outputs
         if out is None:
-            out = ht_dispatch.allocate(self.arena.view, self.shape, self.alignment)
+            out = self._allocate()
             self._dispatch.launch(self.alignment, pending.args, out, ht_dispatch.SPLIT_RECV,
                                   opts)
-        x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out)
+        x, layout, recv = ht_dispatch.received(self.shape, self.fmt, self.alignment, out,
+                                               self._rows)
+        batch = LayoutBatch(x, layout, out.rows_M)
         if self.options.exact_rows:
-            x, layout = _exact(x, layout, int(recv.info_I[1]))  # the one host sync
-        return LayoutBatch(x, layout), SymmHTHandle(recv, pending.msg_TW,
-                                                     pending.msg_TW.shape[0])
+            batch = _exact(batch, int(recv.info_I[1]))  # the one host sync
+        return batch, SymmHTHandle(recv, pending.msg_TW, pending.msg_TW.shape[0])
+
+    def _allocate(self) -> ht_dispatch.HTOutputs:
+        return ht_dispatch.allocate(self.arena.view, self.shape, self.alignment,
+                                    self._rows is not None)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK):
         return self.dispatch_recv(self.dispatch_send(x_TD, topk_ids_TK, topk_weights_TK))
@@ -216,12 +223,17 @@ class SymmHighThroughputComm(BoundOptions, Comm):
         self.alignment = alignment
 
 
-def _exact(x: QTensor, layout: ContiguousLayout, m: int) -> tuple[QTensor, ContiguousLayout]:
-    """The first m rows (every group lies in them): views, no copy."""
-    scale = None if x.scale is None else x.scale[:m]
-    return (QTensor(x.data[:m], scale, x.recipe, x.group, x.scale_fmt),
-            ContiguousLayout(layout.row_expert_M[:m], layout.inv_perm_NK, layout.counts_E,
-                             layout.offsets_E1, layout.alignment))
+def _exact(batch: LayoutBatch, m: int) -> LayoutBatch:
+    """The first m rows (every group lies in them): views, no copy (gathered: the index's
+    first m; the rows it reads stay as they are)."""
+    x, layout = batch.x, batch.layout
+    if batch.rows_M is None:
+        scale = None if x.scale is None else x.scale[:m]
+        x = QTensor(x.data[:m], scale, x.recipe, x.group, x.scale_fmt)
+    return LayoutBatch(x, ContiguousLayout(layout.row_expert_M[:m], layout.inv_perm_NK,
+                                           layout.counts_E, layout.offsets_E1,
+                                           layout.alignment),
+                       None if batch.rows_M is None else batch.rows_M[:m])
 
 
 __all__ = ["SymmHighThroughputComm", "SymmHTHandle", "SymmHTPending", "check_blocks",

@@ -63,7 +63,7 @@ RECV_ROWS = 8  # rows per receive step on GPU (tile_tokens overrides; BENCHMARKS
 @triton.jit(do_not_specialize=["TS", "me", "limit"])
 def _dispatch_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr,
                      total_ptr, TS, xo_ptr, so_ptr, row_expert_ptr, inv_ptr, wo_ptr,
-                     src_tok_ptr, info_ptr, align, me, limit, G_SEND, G_RECV,
+                     src_tok_ptr, info_ptr, arow_ptr, align, me, limit, G_SEND, G_RECV,
                      ROWS: tl.constexpr, META: tl.constexpr, CNT: tl.constexpr,
                      PROG: tl.constexpr, GMAX: tl.constexpr, TMAX: tl.constexpr,
                      W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
@@ -71,7 +71,8 @@ def _dispatch_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr
                      DW: tl.constexpr, SW: tl.constexpr, CH: tl.constexpr, BSW: tl.constexpr,
                      ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
                      CK: tl.constexpr, BT_S: tl.constexpr, BT_R: tl.constexpr,
-                     BR: tl.constexpr, MODE: tl.constexpr, USE_TIMER: tl.constexpr):
+                     BR: tl.constexpr, MODE: tl.constexpr, GATHER: tl.constexpr,
+                     USE_TIMER: tl.constexpr):
     """MODE 1: the send role on every CTA; 2: the receive role; 0 (pipelined): G_SEND + G_RECV
     CTAs, the first G_SEND to start send and the rest receive, so a chunk is placed in the
     layout while the next ones are still on the link."""
@@ -92,8 +93,9 @@ def _dispatch_kernel(arena_ptr, delta_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr
         e = epoch(arena_ptr, OP_D)
         recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_ptr, TS,
                   xo_ptr, so_ptr, row_expert_ptr, inv_ptr, wo_ptr, src_tok_ptr, info_ptr,
-                  align, me, i, G_RECV, e, limit, ROWS, META, CNT, PROG, GMAX, TMAX, W, WP, K,
-                  KP, E_L, EP, M_MAX, DW, SW, CH, BSW, ROW_W, MW, CW, CK, BT_R, BR, USE_TIMER)
+                  arow_ptr, align, me, i, G_RECV, e, limit, ROWS, META, CNT, PROG, GMAX, TMAX,
+                  W, WP, K, KP, E_L, EP, M_MAX, DW, SW, CH, BSW, ROW_W, MW, CW, CK, BT_R, BR,
+                  GATHER, USE_TIMER)
         finish_recv_of(arena_ptr, delta_ptr, OP_D, e, me, W, G_RECV)
 
 
@@ -133,7 +135,7 @@ def _consts(arena: RankArena, shape: HTShape, opts: SymmOptions) -> dict:
                 # time than 2 rows of a [BT, K, CH] store on a lent H200 with 48 receive CTAs,
                 # 4-12% less with 132
                 BT_S=min(tile, ck), BT_R=min(opts.tile(RECV_ROWS), ck),
-                BR=1024 if INTERPRET else 2048,
+                BR=1024 if INTERPRET else 2048, GATHER=bool(opts.ht_gather),
                 USE_TIMER=USE_TIMER)
 
 
@@ -167,12 +169,15 @@ class HTDispatchArgs:
 
 @dataclass(frozen=True)
 class HTOutputs:
-    """The receive's outputs, allocated before its launch (worst-case M rows)."""
+    """The receive's outputs, allocated before its launch (worst-case M rows). ht_gather:
+    rows_M int32 [M] (-1 until the receive points a row at its arena slot) instead of the
+    rows (xo, so: one row each, never written)."""
 
     xo: torch.Tensor
     so: torch.Tensor
     row_expert: torch.Tensor
     recv: HTReceived
+    rows_M: torch.Tensor | None = None
 
 
 def prepare(shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
@@ -186,20 +191,23 @@ def prepare(shape: HTShape, x: QTensor, topk_ids_TK: torch.Tensor,
                           topk_weights_TK.float().contiguous(), rt)
 
 
-def allocate(arena: RankArena, shape: HTShape, alignment: int) -> HTOutputs:
+def allocate(arena: RankArena, shape: HTShape, alignment: int, gather: bool) -> HTOutputs:
     dev = arena.base.device
     e_l, w, k = shape.num_local_experts, shape.world, shape.top_k
     m = max_rows(shape, alignment)
     n = w * max(1, shape.max_tokens)
     dw, sw = shape.data_bytes // 4, shape.scale_bytes // 4
+    rows = 1 if gather else m
     return HTOutputs(
-        torch.empty((m, dw), dtype=torch.int32, device=dev),
-        torch.empty((m, max(sw, 1)), dtype=torch.int32, device=dev),
+        torch.empty((rows, dw), dtype=torch.int32, device=dev),
+        torch.empty((rows, max(sw, 1)), dtype=torch.int32, device=dev),
         torch.empty(m, dtype=torch.int32, device=dev),
         HTReceived(torch.empty((n, k), dtype=torch.int32, device=dev),
                    torch.empty((n, k), dtype=torch.float32, device=dev),
                    torch.empty(n, dtype=torch.int32, device=dev),
-                   torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)))
+                   torch.empty(3 + 2 * e_l + w * e_l + w, dtype=torch.int32, device=dev)),
+        # -1 first: a row whose tokens never came (a timeout) must not point anywhere
+        torch.full((m,), -1, dtype=torch.int32, device=dev) if gather else None)
 
 
 class HTDispatch:
@@ -244,20 +252,33 @@ class HTDispatch:
         if out is None:  # the send role writes none of these
             out = HTOutputs(a.data, a.data, a.data, HTReceived(a.data, a.data, a.data, a.data))
         r, rt, arena = out.recv, a.route, self.arena
-        self.kernel(mode, out.xo.shape[0] if mode != SPLIT_SEND else 1)(
+        self.kernel(mode, out.row_expert.shape[0] if mode != SPLIT_SEND else 1)(
             g, arena.base, arena.peer_delta_W, a.data, a.scale, a.ids_TK, a.w_TK, rt.pos_TK,
             rt.tok_WT, rt.total_C, rt.tok_WT.shape[1], out.xo, out.so, out.row_expert,
-            r.inv_NK, r.w_NK, r.src_tok_N, r.info_I, alignment, arena.rank, opts.spin_limit,
-            g_send, g_recv)
+            r.inv_NK, r.w_NK, r.src_tok_N, r.info_I,
+            out.row_expert if out.rows_M is None else out.rows_M, alignment, arena.rank,
+            opts.spin_limit, g_send, g_recv)
 
 
-def received(shape: HTShape, fmt: RowFormat, alignment: int,
-             out: HTOutputs) -> tuple[QTensor, ContiguousLayout, HTReceived]:
-    """The receive's outputs as the experts' batch (valid in stream order after its launch)."""
+def arena_rows(arena: RankArena, shape: HTShape, fmt: RowFormat) -> QTensor:
+    """ht_rows as the rows a gathered batch indexes: [2 * W * TMAX, D], row stride ROW_W
+    words (data, then its scales in the same row: views, no copy)."""
+    u8 = arena.words("ht_rows", torch.uint8).view(-1, shape.row_words * 4)
+    data = u8[:, :shape.data_bytes].view(fmt.data_dtype)
+    scale = None if fmt.scale_dtype is None else u8[:, shape.data_bytes:shape.data_bytes + (
+        fmt.scale_cols * fmt.scale_dtype.itemsize)].view(fmt.scale_dtype)
+    return QTensor(data, scale, fmt.recipe, fmt.group, fmt.scale_fmt)
+
+
+def received(shape: HTShape, fmt: RowFormat, alignment: int, out: HTOutputs,
+             rows: QTensor | None) -> tuple[QTensor, ContiguousLayout, HTReceived]:
+    """The receive's outputs as the experts' batch (valid in stream order after its launch);
+    ht_gather: x is `rows` (`arena_rows`), read through out.rows_M."""
     e_l, sw = shape.num_local_experts, shape.scale_bytes // 4
     info = out.recv.info_I
     scale = None if sw == 0 else out.so.view(fmt.scale_dtype)[:, :fmt.scale_cols]
-    x = QTensor(out.xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
+    x = rows if out.rows_M is not None else \
+        QTensor(out.xo.view(fmt.data_dtype), scale, fmt.recipe, fmt.group, fmt.scale_fmt)
     layout = ContiguousLayout(row_expert_M=out.row_expert, inv_perm_NK=out.recv.inv_NK,
                               counts_E=info[2:2 + e_l], offsets_E1=info[2 + e_l:3 + 2 * e_l],
                               alignment=alignment)

@@ -10,7 +10,9 @@ of the chunk the step lies in, then the step's received tokens (whole rows, one 
 load, with their meta) stored to the layout rows of their local experts (a [BT, CH] store
 per slot k of the same registers). Items are single steps so that every CTA has work at
 small token counts.
-A rank's own rows and meta are read from its wire rows and routing, never staged in the arena.
+A rank's own rows and meta are read from its wire rows and routing, never staged in the arena
+(GATHER: the rows are copied once into its own-source slots, and every layout row gets the
+arena slot its row lies in instead of the row: `LayoutBatch.rows_M`).
 After a timeout the outputs stay well formed and in bounds, so the experts and the combine
 run to the caller's sync point (where `check_errors` raises): a peer's counts that never came
 give an empty layout; a step whose chunks never landed is dropped (its tokens' slots -1, their
@@ -38,14 +40,15 @@ def _pick(v, s, i):
 
 @triton.jit
 def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_ptr, TS,
-              xo_ptr, so_ptr, row_expert_ptr, inv_ptr, wo_ptr, src_tok_ptr, info_ptr, align,
-              me, c, G, e, limit,
+              xo_ptr, so_ptr, row_expert_ptr, inv_ptr, wo_ptr, src_tok_ptr, info_ptr,
+              arow_ptr, align, me, c, G, e, limit,
               ROWS: tl.constexpr, META: tl.constexpr, CNT: tl.constexpr, PROG: tl.constexpr,
               GMAX: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
               K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr, EP: tl.constexpr,
               M_MAX: tl.constexpr, DW: tl.constexpr, SW: tl.constexpr, CH: tl.constexpr,
               BSW: tl.constexpr, ROW_W: tl.constexpr, MW: tl.constexpr, CW: tl.constexpr,
-              CK: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, USE_TIMER: tl.constexpr):
+              CK: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, GATHER: tl.constexpr,
+              USE_TIMER: tl.constexpr):
     buf = e % 2
     ok = tl.full((), 1, dtype=tl.int32)
     for d in tl.static_range(W):
@@ -141,14 +144,14 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
             first = _pick(excl_s, s, src)
             if src == me:
                 _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS,
-                       xo_ptr, so_ptr, inv_ptr, wo_ptr, src_tok_ptr, rb, me, src, ns,
-                       first, m0, buf, ROWS, META, TMAX, W, K, KP, E_L, M_MAX, DW, SW,
-                       CH, BSW, ROW_W, MW, BT, True)
+                       xo_ptr, so_ptr, inv_ptr, wo_ptr, src_tok_ptr, arow_ptr, rb, me, src,
+                       ns, first, m0, buf, ROWS, META, TMAX, W, K, KP, E_L, M_MAX, DW, SW,
+                       CH, BSW, ROW_W, MW, BT, True, GATHER)
             elif go != 0:
                 _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS,
-                       xo_ptr, so_ptr, inv_ptr, wo_ptr, src_tok_ptr, rb, me, src, ns,
-                       first, m0, buf, ROWS, META, TMAX, W, K, KP, E_L, M_MAX, DW, SW,
-                       CH, BSW, ROW_W, MW, BT, False)
+                       xo_ptr, so_ptr, inv_ptr, wo_ptr, src_tok_ptr, arow_ptr, rb, me, src,
+                       ns, first, m0, buf, ROWS, META, TMAX, W, K, KP, E_L, M_MAX, DW, SW,
+                       CH, BSW, ROW_W, MW, BT, False, GATHER)
             else:  # timed out: the step's tokens are not here (nothing reads their rows)
                 n = (first + m0 + tl.arange(0, BT)).to(tl.int64)
                 nm = (m0 + tl.arange(0, BT)) < ns
@@ -160,14 +163,17 @@ def recv_rows(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, total_p
 
 @triton.jit
 def _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS, xo_ptr, so_ptr,
-           inv_ptr, wo_ptr, src_tok_ptr, rb, me, src, ns, first, m0, buf,
+           inv_ptr, wo_ptr, src_tok_ptr, arow_ptr, rb, me, src, ns, first, m0, buf,
            ROWS: tl.constexpr, META: tl.constexpr, TMAX: tl.constexpr, W: tl.constexpr,
            K: tl.constexpr, KP: tl.constexpr, E_L: tl.constexpr, M_MAX: tl.constexpr,
            DW: tl.constexpr, SW: tl.constexpr, CH: tl.constexpr, BSW: tl.constexpr,
-           ROW_W: tl.constexpr, MW: tl.constexpr, BT: tl.constexpr, OWN: tl.constexpr):
+           ROW_W: tl.constexpr, MW: tl.constexpr, BT: tl.constexpr, OWN: tl.constexpr,
+           GATHER: tl.constexpr):
     """One step: source src's slots [m0, m0 + BT) (< ns) into the layout: received token
     n = first + slot. Own rows: token from the routing table, row from the wire rows,
-    (local expert, pos, weight) from the routing; a peer's: from its meta and staged row."""
+    (local expert, pos, weight) from the routing; a peer's: from its meta and staged row.
+    GATHER: no row copied into the layout; each of its layout rows gets the row's arena slot
+    (`arow_ptr`), and own rows are copied once into the arena's own-source slots."""
     kk = tl.arange(0, KP)
     km = kk < K
     cols = tl.arange(0, CH)
@@ -202,9 +208,12 @@ def _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS, xo_ptr
     # then one [BT, CH] store of the same registers per slot k (no [BT, KP, CH] tile: BT rows
     # fit the registers); picking slot k's rows out of the tile is a cross-thread reduction,
     # but only stores follow it
-    row = tl.load(rows[:, None] + cols[None, :], mask=nm[:, None] & cm[None, :])
-    if SW > 0:
-        srow = tl.load(srows[:, None] + scols[None, :], mask=nm[:, None] & (scols < SW)[None, :])
+    rm = nm[:, None] & cm[None, :]
+    sm = nm[:, None] & (scols < SW)[None, :]
+    if OWN or not GATHER:
+        row = tl.load(rows[:, None] + cols[None, :], mask=rm)
+        if SW > 0:
+            srow = tl.load(srows[:, None] + scols[None, :], mask=sm)
     valid = pm & (le >= 0) & (le < E_L)
     r = tl.load(rb + src * E_L + le, mask=valid, other=0) + pos
     valid = valid & (r >= 0) & (r < M_MAX)
@@ -212,13 +221,22 @@ def _place(arena_ptr, x_ptr, s_ptr, ids_ptr, w_ptr, pos_ptr, tok_ptr, TS, xo_ptr
     tl.store(inv_ptr + n64[:, None] * K + kk[None, :], r, mask=pm)
     tl.store(wo_ptr + n64[:, None] * K + kk[None, :], tl.where(valid, wk, 0.0), mask=pm)
     tl.store(src_tok_ptr + n64, src * TMAX + t, mask=nm)
-    for k in tl.static_range(K):
-        rk = tl.max(tl.where(kk[None, :] == k, r, -1), axis=1).to(tl.int64)
-        vk = rk >= 0
-        tl.store(xo_ptr + rk[:, None] * DW + cols[None, :], row, mask=vk[:, None] & cm[None, :])
-        if SW > 0:
-            tl.store(so_ptr + rk[:, None] * SW + scols[None, :], srow,
-                     mask=vk[:, None] & (scols < SW)[None, :])
+    if GATHER:  # the layout rows point at the arena slot (own rows: copied there once)
+        tl.store(arow_ptr + r, slot.to(tl.int32)[:, None] + 0 * r, mask=valid)
+        if OWN:
+            dst = (arena_ptr + ROWS).to(tl.pointer_type(tl.int32)) + slot * ROW_W
+            tl.store(dst[:, None] + cols[None, :], row, mask=rm)
+            if SW > 0:
+                tl.store(dst[:, None] + DW + scols[None, :], srow, mask=sm)
+    else:
+        for k in tl.static_range(K):
+            rk = tl.max(tl.where(kk[None, :] == k, r, -1), axis=1).to(tl.int64)
+            vk = rk >= 0
+            tl.store(xo_ptr + rk[:, None] * DW + cols[None, :], row,
+                     mask=vk[:, None] & cm[None, :])
+            if SW > 0:
+                tl.store(so_ptr + rk[:, None] * SW + scols[None, :], srow,
+                         mask=vk[:, None] & (scols < SW)[None, :])
 
 
 __all__ = ["recv_rows"]

@@ -45,6 +45,12 @@ class SymmOptions:
     ll_gather   with ll_dedup: the receive copies no row; the masked batch is the staged
                 rows with an index (`MaskedBatch.rows_EC`) that the experts' GEMM reads
                 through (Triton experts, bf16 / fp8_block)
+    ht_gather   symm-ht dispatch: the receive writes each layout row's index into the rows
+                that landed in the arena (its own rows copied there once) instead of the
+                rows themselves; the batch is those rows with the index
+                (`LayoutBatch.rows_M`) that the experts' GEMM1 reads through (Triton experts,
+                bf16 / fp8_block). The batch then views the arena: valid until this rank's
+                combine_send of the next dispatch
     """
 
     num_sms: int = 0
@@ -59,6 +65,7 @@ class SymmOptions:
     chunk_rows: int = 0
     ll_dedup: bool = False
     ll_gather: bool = False
+    ht_gather: bool = False
 
     def __post_init__(self):
         if self.ll_gather and not self.ll_dedup:
