@@ -86,7 +86,9 @@ class HTShape:
 
     @property
     def row_words(self) -> int:
-        return _align(self.data_bytes + self.scale_bytes, 16) // 4
+        """Words per arena row, 128-byte aligned (only data + scale words travel): an
+        ht_gather GEMM loads each K block of a row from one cache line."""
+        return _align(self.data_bytes + self.scale_bytes, 128) // 4
 
     @property
     def meta_words(self) -> int:
