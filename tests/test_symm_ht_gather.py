@@ -18,10 +18,43 @@ from epmoe.comm.symm.ht import SymmHighThroughputComm
 from epmoe.comm.symm.loopback import loopback_comms, loopback_dispatch
 from epmoe.comm.symm.options import SymmOptions
 from epmoe.config import QuantConfig
+from epmoe.quant import QTensor
 from test_symm_ht import CFG, MAX_T, case_inputs, run_round
 
 pytestmark = pytest.mark.interpreter
 GATHER = SymmOptions(num_sms=2, ht_gather=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsCase:
+    """Two loopback ranks' inputs and rank 0's Triton experts (synthetic weights), for the
+    gathered batches of symm-ht and symm-ll (tests/test_symm_ll.py)."""
+
+    quant: QuantConfig
+    inputs: tuple  # (xs, ids, ws) per rank
+    layer: object  # synthetic_layer of rank 0's experts
+    experts: object  # TritonExperts over them
+
+    def oracle_error(self, y_D: torch.Tensor, x: QTensor, e: int) -> float:
+        """y_D (the experts' row for x [1, D] on local expert e) against the float64 oracle:
+        max abs error over max abs value."""
+        from epmoe.quant import dequantize_act, dequantize_weight
+        from epmoe.reference import expert_mlp_ref
+
+        w = self.layer.experts
+        ref = expert_mlp_ref(dequantize_act(x).double(), dequantize_weight(w.w13)[e].double(),
+                             dequantize_weight(w.w2)[e].double(), CFG, self.quant)[0]
+        return float((y_D.double() - ref).abs().max() / ref.abs().max())
+
+
+def experts_case(recipe: str, seed: int) -> ExpertsCase:
+    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.weights import synthetic_layer
+
+    quant = QuantConfig(recipe)
+    inputs = case_inputs("uneven", 2, torch.Generator().manual_seed(seed))
+    lw = synthetic_layer(CFG, quant, 0, seed, list(range(CFG.num_experts // 2)))
+    return ExpertsCase(quant, inputs, lw, TritonExperts(lw.experts, CFG, quant, block_m=16))
 
 
 @pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
@@ -31,41 +64,30 @@ def test_ht_gathered_rows_through_the_triton_experts(recipe, seed):
     the same rows bit for bit on both, and each row matches the float64 oracle. Experts that
     cannot gather refuse the batch, naming themselves."""
     from epmoe.experts.torch_experts import TorchExperts
-    from epmoe.experts.triton_experts import TritonExperts
-    from epmoe.quant import dequantize_act, dequantize_weight
-    from epmoe.reference import expert_mlp_ref
-    from epmoe.weights import synthetic_layer
 
-    quant = QuantConfig(recipe)
-    gen = torch.Generator().manual_seed(seed)
-    xs, ids, ws = case_inputs("uneven", 2, gen)
-    e_l = CFG.num_experts // 2
-    lw = synthetic_layer(CFG, quant, 0, seed, list(range(e_l)))  # rank 0's experts
-    experts = TritonExperts(lw.experts, CFG, quant, block_m=16)
+    case = experts_case(recipe, seed)
     got = {}
     for gather in (False, True):
-        _, comms = loopback_comms(SymmHighThroughputComm, CFG, quant, 2, MAX_T, alignment=16,
+        _, comms = loopback_comms(SymmHighThroughputComm, CFG, case.quant, 2, MAX_T,
+                                  alignment=16,
                                   options=dataclasses.replace(GATHER, ht_gather=gather))
-        batch, _ = loopback_dispatch(comms, xs, ids, ws)[0]
+        batch, _ = loopback_dispatch(comms, *case.inputs)[0]
         assert (batch.rows_M is not None) == gather
-        got[gather] = (batch, experts.run(batch))
+        got[gather] = (batch, case.experts.run(batch))
     (copied, y_c), (gathered, y_g) = got[False], got[True]
     assert gathered.x.data.shape == (2 * 2 * MAX_T, CFG.hidden)  # [2 buffers][W][TMAX] rows
     lay = gathered.layout
     assert torch.equal(lay.row_expert_M, copied.layout.row_expert_M)
     used = lay.row_expert_M >= 0
     assert int(used.sum()) > 0 and torch.equal(y_g[used], y_c[used])
-    w13, w2 = dequantize_weight(lw.experts.w13).double(), dequantize_weight(lw.experts.w2).double()
     x = gathered.copied()
     for m in used.nonzero().flatten().tolist():
-        e = int(lay.row_expert_M[m])
-        xq = type(x)(x.data[m:m + 1], None if x.scale is None else x.scale[m:m + 1], x.recipe,
+        xq = QTensor(x.data[m:m + 1], None if x.scale is None else x.scale[m:m + 1], x.recipe,
                      x.group, x.scale_fmt)
-        ref = expert_mlp_ref(dequantize_act(xq).double(), w13[e], w2[e], CFG, quant)[0]
-        assert float((y_g[m].double() - ref).abs().max() / ref.abs().max()) <= 3e-2, m
+        assert case.oracle_error(y_g[m], xq, int(lay.row_expert_M[m])) <= 3e-2, m
     with pytest.raises(ValueError, match=r"torch experts \(\w+\) cannot read layout rows "
                                          r"\(rows_M\) through an index"):
-        TorchExperts(lw.experts, CFG, quant).run(gathered)
+        TorchExperts(case.layer.experts, CFG, case.quant).run(gathered)
 
 
 def test_ht_gather_exact_rows_cuts_the_index_not_the_rows(seed):

@@ -270,29 +270,20 @@ def test_ll_gathered_rows_through_the_triton_experts(recipe, seed):
     batch bit for bit (same arenas' routing, same weights), and the float64 oracle per row.
     Experts that cannot gather refuse the batch, naming themselves."""
     from epmoe.experts.torch_experts import TorchExperts
-    from epmoe.experts.triton_experts import TritonExperts
-    from epmoe.quant import dequantize_act, dequantize_weight
-    from epmoe.reference import expert_mlp_ref
-    from epmoe.weights import synthetic_layer
+    from test_symm_ht_gather import experts_case
 
-    quant = QuantConfig(recipe)
-    gen = torch.Generator().manual_seed(seed)
-    xs, ids, ws = case_inputs("uneven", 2, gen)
-    e_l = CFG.num_experts // 2
-    lw = synthetic_layer(CFG, quant, 0, seed, list(range(e_l)))  # rank 0's experts
-    experts = TritonExperts(lw.experts, CFG, quant, block_m=16)
+    case = experts_case(recipe, seed)
     got = {}
     for mode in (True, "gather"):
-        _, comms = loopback_comms(SymmLowLatencyComm, CFG, quant, 2, MAX_T,
+        _, comms = loopback_comms(SymmLowLatencyComm, CFG, case.quant, 2, MAX_T,
                                   options=ll_options(SymmOptions(num_sms=2), mode))
-        batch, _ = loopback_dispatch(comms, xs, ids, ws)[0]
+        batch, _ = loopback_dispatch(comms, *case.inputs)[0]
         assert (batch.rows_EC is not None) == (mode == "gather")
-        got[mode] = (batch, experts.run(batch))
+        got[mode] = (batch, case.experts.run(batch))
     (copied, y_c), (gathered, y_g) = got[True], got["gather"]
     assert gathered.x.data.shape == (2 * MAX_T, CFG.hidden)  # a token once, not per expert
     assert torch.equal(copied.counts_E, gathered.counts_E)
-    w13, w2 = dequantize_weight(lw.experts.w13).double(), dequantize_weight(lw.experts.w2).double()
-    for e in range(e_l):  # rows land in atomic order: match them by content
+    for e in range(CFG.num_experts // 2):  # rows land in atomic order: match them by content
         for row in range(int(gathered.counts_E[e])):
             data, scale = masked_row(gathered, e, row)
             hits = [j for j in range(int(copied.counts_E[e]))
@@ -300,8 +291,7 @@ def test_ll_gathered_rows_through_the_triton_experts(recipe, seed):
             assert hits and all(torch.equal(y_g[e, row], y_c[e, j]) for j in hits)
             xq = type(gathered.x)(data[None], None if scale is None else scale[None],
                                   gathered.x.recipe, gathered.x.group, gathered.x.scale_fmt)
-            ref = expert_mlp_ref(dequantize_act(xq).double(), w13[e], w2[e], CFG, quant)[0]
-            assert float((y_g[e, row].double() - ref).abs().max() / ref.abs().max()) <= 3e-2
+            assert case.oracle_error(y_g[e, row], xq, e) <= 3e-2
     with pytest.raises(ValueError, match=r"torch experts \(\w+\) cannot read masked rows "
                                          r"\(rows_EC\) through"):
-        TorchExperts(lw.experts, CFG, quant).run(gathered)
+        TorchExperts(case.layer.experts, CFG, case.quant).run(gathered)
