@@ -141,6 +141,9 @@ MIXED = (("ep_dp", "all2all", "torch"), ("tp", "local", "torch"), ("ep", "local"
     ("tokens", [], r"plan file .*: malformed: missing or bad invalid literal for int\(\)"),
     ("few slots", [], r"has 7 expert slots but the run has 16 .*: fewer than the model's 16 "
                       r"experts: plan again"),
+    ("gather", ["--comm-option", "ht_gather=1", "--experts", "triton"],
+     r"layer 0, bucket 8: ep_dp/symm-ht/deepgemm: --comm-option ht_gather leaves the rows for "
+     r"an expert GEMM .* only the triton experts do"),
 ])
 def test_bad_plan_file_exits_2_before_any_worker(tmp_path, capsys, case, flags, match):
     path = tmp_path / "plan.json"
@@ -149,6 +152,8 @@ def test_bad_plan_file_exits_2_before_any_worker(tmp_path, capsys, case, flags, 
         world, stack = 3, (("ep_dp", "all2all", "torch"),) * 4
     if case == "cuda":
         stack = (("ep_dp", "deepep-ll", "torch"),) * 4
+    if case == "gather":  # before the machine's rules (symm-* need CUDA)
+        stack = (("ep_dp", "symm-ht", "deepgemm"), ("ep_dp", "symm-ll", "deepgemm")) * 2
     _plan_file(path, stack, world)
     d = json.loads(path.read_text())
     if case == "form":

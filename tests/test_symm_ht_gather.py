@@ -153,3 +153,17 @@ def test_launch_refuses_ht_gather_without_gathering_experts():
         with pytest.raises(ValueError, match="ht_gather leaves symm-ht's rows in its arena "
                                              "for an expert GEMM .* needs --experts triton"):
             build_run(parser().parse_args(base + extra))
+
+
+def test_a_gather_knob_binds_only_its_own_backends_layers():
+    """A plan file's layers are checked one by one (`check_plan_file`): the knob of symm-ht
+    rules out other experts on symm-ht layers only, symm-ll's on symm-ll layers."""
+    from epmoe.launch.planning import gather_conflict
+
+    ht, ll = (("ht_gather", True),), (("ll_dedup", True), ("ll_gather", True))
+    assert "ht_gather" in gather_conflict("symm-ht", "deepgemm", ht)
+    assert "ll_gather" in gather_conflict("symm-ll", "torch", ll)
+    assert gather_conflict("symm-ht", "triton", ht) is None
+    assert gather_conflict("symm-ll", "deepgemm", ht) is None
+    assert gather_conflict("symm-ht", "deepgemm", ll) is None
+    assert gather_conflict("symm-ht", "deepgemm", ()) is None

@@ -336,6 +336,19 @@ def planned_run(base: RunConfig, plan: Plan, tokens: int) -> RunConfig:
     return run
 
 
+GATHER_KNOBS = {"ll_gather": "symm-ll", "ht_gather": "symm-ht"}  # knob -> the backend it tunes
+
+
+def gather_conflict(backend: str, experts: str, comm_options) -> str | None:
+    """Why a layer of `backend` and `experts` cannot run under these comm options (a gather
+    knob of its backend with experts that do not gather), else None."""
+    for knob, tuned in GATHER_KNOBS.items():
+        if dict(comm_options).get(knob) and backend == tuned and experts != "triton":
+            return (f"--comm-option {knob} leaves the rows for an expert GEMM that reads them "
+                    f"through an index, which only the triton experts do")
+    return None
+
+
 def check_plan_file(plan: Plan, run: RunConfig, ctx: Planning, path: str) -> None:
     """Every entry of every bucket names a candidate the runtime can run here."""
     if plan.scope != "runtime":
@@ -362,6 +375,10 @@ def check_plan_file(plan: Plan, run: RunConfig, ctx: Planning, path: str) -> Non
                 cand = Candidate(c.form, c.backend, c.experts)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
+            why = gather_conflict(c.backend, c.experts, run.comm_options)
+            if why:
+                raise ValueError(f"{where}: {cand.label}: {why}; fix the entry or drop the "
+                                 f"option")
             why = rule_violation(cand, run.cfg, run.quant, topo, arch, slots)
             if why:
                 raise ValueError(f"{where}: {cand.label} cannot run here: {why}; fix the "
