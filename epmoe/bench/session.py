@@ -60,7 +60,7 @@ SETS = (
     MeasureSet("ll-link", 2, 180.0, (*PY, "epmoe.bench.comm", "--world", "2", "--only", "ll",
                                      "--sweep", "0,0:0:0:0:0:0:0:1", "--json", "{json}"),
                "issue 10: LL targets (20 / 25 us), ll_dedup on the link, deepep-ll fp8"),
-    MeasureSet("ht-link", 2, 200.0, (*PY, "epmoe.bench.comm", "--world", "2", "--only", "ht",
+    MeasureSet("ht-link", 2, 260.0, (*PY, "epmoe.bench.comm", "--world", "2", "--only", "ht",
                                      "--ht-tokens", "4096", "--recipes", "bf16,fp8_block",
                                      "--backends", "deepep-ht,symm-ht",
                                      "--sweep", "0,0:0:0:0:0:2,0:0:0:0:0:0:0:0:0:1",
