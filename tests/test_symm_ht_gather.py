@@ -150,8 +150,8 @@ def test_launch_refuses_ht_gather_without_gathering_experts():
     run = build_run(parser().parse_args(base + ["--experts", "triton", "--quant", "fp8_block"]))
     assert dict(run.comm_options) == {"ht_gather": True}
     for extra in (["--experts", "torch"], ["--experts", "triton", "--quant", "mxfp8"]):
-        with pytest.raises(ValueError, match="ht_gather leaves symm-ht's rows in its arena "
-                                             "for an expert GEMM .* needs --experts triton"):
+        with pytest.raises(ValueError, match="ht_gather leaves symm-ht's rows for an expert "
+                                             "GEMM .* needs --experts triton"):
             build_run(parser().parse_args(base + extra))
 
 

@@ -146,20 +146,19 @@ def _comm_options(a: argparse.Namespace) -> tuple:
     if not items:
         return ()
     from epmoe.comm import SYMM
-    from epmoe.comm.symm.options import parse_knobs
+    from epmoe.comm.symm.options import GATHER_KNOBS, parse_knobs
 
     if a.backend not in ("auto", *SYMM):
         raise ValueError(f"--comm-option tunes symm-ht / symm-ll (SymmOptions); --backend "
                          f"{a.backend} takes none")
     knobs = parse_knobs(items)
-    for knob, rows in (("ll_gather", "symm-ll's rows staged"), ("ht_gather",
-                                                               "symm-ht's rows in its arena")):
+    for knob, backend in GATHER_KNOBS.items():
         if dict(knobs).get(knob) and (a.experts != "triton"
                                       or a.quant not in ("bf16", "fp8_block")):
-            raise ValueError(f"--comm-option {knob} leaves {rows} for an expert GEMM that "
-                             f"reads them through an index: it needs --experts triton with "
-                             f"--quant bf16 or fp8_block (got --experts {a.experts}, --quant "
-                             f"{a.quant})")
+            raise ValueError(f"--comm-option {knob} leaves {backend}'s rows for an expert GEMM "
+                             f"that reads them through an index: it needs --experts triton "
+                             f"with --quant bf16 or fp8_block (got --experts {a.experts}, "
+                             f"--quant {a.quant})")
     return knobs
 
 

@@ -336,12 +336,11 @@ def planned_run(base: RunConfig, plan: Plan, tokens: int) -> RunConfig:
     return run
 
 
-GATHER_KNOBS = {"ll_gather": "symm-ll", "ht_gather": "symm-ht"}  # knob -> the backend it tunes
-
-
 def gather_conflict(backend: str, experts: str, comm_options) -> str | None:
     """Why a layer of `backend` and `experts` cannot run under these comm options (a gather
     knob of its backend with experts that do not gather), else None."""
+    from epmoe.comm.symm.options import GATHER_KNOBS
+
     for knob, tuned in GATHER_KNOBS.items():
         if dict(comm_options).get(knob) and backend == tuned and experts != "triton":
             return (f"--comm-option {knob} leaves the rows for an expert GEMM that reads them "

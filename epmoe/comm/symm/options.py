@@ -145,6 +145,10 @@ class BoundOptions:
             self._bind()
 
 
+# the knobs that leave rows for an expert GEMM reading them through an index (Triton experts,
+# bf16 / fp8_block), and the backend each tunes
+GATHER_KNOBS = {"ll_gather": "symm-ll", "ht_gather": "symm-ht"}
+
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
