@@ -28,3 +28,39 @@ def test_an_unknown_set_is_exit_2():
     out = subprocess.run([sys.executable, TOOL, "--set", "nope"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+
+def _run_with_tool(body: str) -> None:
+    """Run `body` with the tool imported as `tool`, in a process of its own: the tool turns
+    Triton's interpreter off for the process that imports it (it compiles for real)."""
+    prog = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('sm90_kernel_check', {TOOL!r})\n"
+            "tool = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(tool)\n" + body)
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_every_symm_kernel_gets_exactly_its_arguments():
+    """A kernel that gained an argument fails here, not at the tool's first compile."""
+    _run_with_tool("""
+listed = tool.kernels(7168)
+assert len(listed) >= 14, len(listed)
+for name, fn, sig, consts, _ in listed:
+    assert tool.unbound_args(fn, sig, consts) == "", (name, tool.unbound_args(fn, sig, consts))
+""")
+
+
+def test_an_argument_the_list_lacks_is_named():
+    _run_with_tool("""
+name, fn, sig, consts, fusion = tool.kernels(7168)[-1]
+sig = {k: v for k, v in sig.items() if k != "limit"}
+try:
+    tool.compile_sm90(fn, sig, {**consts, "NOPE": 1}, 4, fusion)
+    raise SystemExit("compiled")
+except ValueError as exc:
+    assert "no value for ['limit']" in str(exc), exc
+    assert "not an argument: ['NOPE']" in str(exc), exc
+""")

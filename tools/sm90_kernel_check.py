@@ -36,6 +36,10 @@ ARENA = dict(arena_ptr="*u8", delta_ptr="*i64")
 def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = True,
                  num_stages: int | None = None) -> dict:
     """-> {registers, spill_bytes, v4_loads, v4_stores, narrow_loads, narrow_stores}."""
+    unbound = unbound_args(fn, sig, consts)
+    if unbound:
+        raise ValueError(f"{fn.__name__}: {unbound}: the tool's list is out of step with "
+                         f"the kernel")
     src = ASTSource(fn=fn, signature={**{k: t.split(":")[0] for k, t in sig.items()},
                                       **{k: "constexpr" for k in consts}},
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
@@ -61,6 +65,14 @@ def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, fusion: bool = Tru
                 v4_stores=len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
                 narrow_loads=len(re.findall(r"ld\.global(\.nc)?\.b(16|8)\b", ptx)),
                 narrow_stores=len(re.findall(r"st\.global\.b(16|8)\b", ptx)))
+
+
+def unbound_args(fn, sig: dict, consts: dict) -> str:
+    """'' when sig and consts name exactly the kernel's arguments, else what differs."""
+    missing = [a for a in fn.arg_names if a not in sig and a not in consts]
+    extra = [a for a in [*sig, *consts] if a not in fn.arg_names]
+    return "; ".join(f"{what} {names}" for what, names in (("no value for", missing),
+                                                          ("not an argument:", extra)) if names)
 
 
 def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 128,
@@ -92,13 +104,15 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
            dict(**ARENA, x_ptr="*i32", s_ptr="*i32", ids_ptr="*i32", w_ptr="*fp32",
                 pos_ptr="*i32", tok_ptr="*i32", total_ptr="*i32", TS="i32", xo_ptr="*i32",
                 so_ptr="*i32", row_expert_ptr="*i32", inv_ptr="*i32", wo_ptr="*fp32",
-                src_tok_ptr="*i32", info_ptr="*i32", align="i32", me="i32", limit="i64",
-                G_SEND="i32", G_RECV="i32"),
+                src_tok_ptr="*i32", info_ptr="*i32", arow_ptr="*i32", align="i32", me="i32",
+                limit="i64", G_SEND="i32", G_RECV="i32"),
            dict(**ht, PROG=32768, GMAX=1024, M_MAX=world * tokens * top_k, CK=16,
                 BT_S=rows_per_step(row_cols(dw)), BT_R=ht_dispatch.RECV_ROWS, BR=2048,
-                MODE=mode), True)
-          for name, mode in (("send", ht_dispatch.SPLIT_SEND), ("recv", ht_dispatch.SPLIT_RECV),
-                             ("pipelined", ht_dispatch.PIPELINED))],
+                MODE=mode, GATHER=gather), True)
+          for name, mode, gather in (("send", ht_dispatch.SPLIT_SEND, False),
+                                     ("recv", ht_dispatch.SPLIT_RECV, False),
+                                     ("recv, gather", ht_dispatch.SPLIT_RECV, True),
+                                     ("pipelined", ht_dispatch.PIPELINED, False))],
         *[(f"ht combine ({name})", ht_combine._combine_kernel,
            dict(**ARENA, y_ptr="*bf16", inv_ptr="*i32", w_ptr="*fp32", src_tok_ptr="*i32",
                 info_ptr="*i32", part_ptr="*bf16", out_ptr="*bf16", msg_ptr="*i32", T="i32",
@@ -124,8 +138,9 @@ def kernels(hidden: int, world: int = 2, top_k: int = 8, local_experts: int = 12
           for name, staged in (("direct", False), ("staged", True))],
         *[(f"ll dispatch_recv ({name})", ll_dispatch._dispatch_recv_kernel,
            dict(arena_ptr="*u8", counts_ptr="*i32", limit="i64"),
-           dict(ll, STAGED=staged, BT=2), True)
-          for name, staged in (("direct", False), ("staged", True))],
+           dict(ll, STAGED=staged, AROW=524288, GATHER=gather, BT=2), True)
+          for name, staged, gather in (("direct", False, False), ("staged", True, False),
+                                       ("staged, gather", True, True))],
         ("ll sum_back", sum_back._sum_back_kernel,
          dict(**ARENA, out_ptr="*bf16", msg_ptr="*i32", T="i32", me="i32", limit="i64"),
          dict(OP=LL_COMBINE, COMB=4096, TMAX=128, W=world, D=hidden, CK=ck,
@@ -166,7 +181,7 @@ def main(argv=None) -> int:
         return 2
     want = [w for w in a.only.split(",") if w]
     if not a.json:
-        print(f"{'kernel':<24} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
+        print(f"{'kernel':<34} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
               f"{'narrow ld/st':>13}")
     todo = ([(*k, a.warps, None) for k in kernels(a.hidden)] if a.set == "symm"
             else w4a8_kernels())
@@ -177,7 +192,7 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps(dict(kernel=name, warps=warps, **r)))
         else:
-            print(f"{name:<24} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
+            print(f"{name:<34} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
                   f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
     return 0
 
