@@ -123,6 +123,24 @@ def test_ht_dedups_per_rank_and_ll_sends_per_pair():
                                                     rel=1e-12)
 
 
+def test_ll_without_nvlink_sends_every_peers_pairs_over_rdma():
+    """DeepEP LL with NVLink off (allow_nvlink_for_low_latency_mode=False): the same pairs as
+    with it, all on the NIC, the same node's peers too; symm-ll and the HT kernels keep
+    NVLink (the flag is DeepEP LL's)."""
+    prof = synthetic_profile()
+    t, tokens = topo(1, 4), 128
+    st = routing_stats(CFG, RoutingSpec(), 4, 4)
+    case = CommCase(CFG, BF16, t, prof, st, tokens, tokens, ll_nvlink=False)
+    ll = dispatch_cost("deepep-ll", case)
+    assert set(ll.link_bytes) == {"rdma"}
+    assert ll.link_bytes["rdma"] == pytest.approx(tokens * 4 * 3 / 4 * (2 * 256 + 16),
+                                                  rel=1e-12)
+    with_nvl = dispatch_cost("deepep-ll", CommCase(CFG, BF16, t, prof, st, tokens, tokens))
+    assert ll.kernel_us == pytest.approx(with_nvl.kernel_us * 100.0 / 10.0, rel=1e-12)
+    for backend in ("symm-ll", "deepep-ht"):
+        assert set(dispatch_cost(backend, case).link_bytes) == {"nvlink"}
+
+
 def test_sms_limit_the_bandwidth_until_the_link_saturates():
     t = topo(1, 4)
     st = routing_stats(CFG, RoutingSpec(), 4, 4)

@@ -3,6 +3,7 @@ H800 tables and third parties' DeepEP runs on 8xH100, 8xH200, 2x8 H200 and 8xB20
 table-file format."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -135,6 +136,8 @@ ROW = ('{ mode = "ht", ep = 8, direction = "dispatch", published = 153.0, unit =
     (("experts = 256", "experts = 256, hidden = 7000"),
      r"row 0: hidden \(7000\) must be a multiple of fp8_block's quant group"),
     ((ROW, ""), r"rows must be a list of at least one row"),
+    (("sms = 24", "sms = 24, ll_nvlink = 0"), r"row 0: ll_nvlink \(0\) must be true or false"),
+    (("sms = 24", "sms = 24, ll_nvlink = false"), r"row 0: ll_nvlink = false is for the ll"),
 ])
 def test_a_table_row_no_run_could_have_measured_is_refused(tmp_path, change, msg):
     """Each figure of a user's table is checked before any prediction: a string count was a
@@ -202,3 +205,18 @@ def test_a_sweep_compares_v2_with_v1_and_the_runtime_refuses_it():
     assert t2 < t1
     assert "modelled only" in rule_violation(v2, cfg, q, topo, 90, scope="runtime")
     assert rule_violation(v2, cfg, q, topo, 90, scope="model") is None
+
+
+def test_held_out_pure_rdma_ll_rows_within_10_percent_over_rdma_only():
+    """DeepEP's first LL table (NVLink off within a node, 2025-02): the same kernels and the
+    same H800 profile as the NVLink table, every peer over the NIC. EP8 is one node: with
+    NVLink it is 73 us, without it the NIC's 7/8 of the rows (163 us published)."""
+    rows = _rows("deepep-v1-h800-ll-rdma")
+    assert len(rows) == 12 and not any(r.ll_nvlink for r in rows)
+    for r in rows:
+        res = predict(r)
+        assert abs(res.error) < 0.10, (r.name, res.predicted, r.published)
+        assert res.limit == "rdma"
+    (ep8,) = [r for r in rows if r.ep == 8 and r.direction == "dispatch"]
+    with_nvlink = predict(replace(ep8, ll_nvlink=True))
+    assert with_nvlink.limit == "nvlink" and with_nvlink.predicted < 0.6 * predict(ep8).predicted

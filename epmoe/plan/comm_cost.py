@@ -78,6 +78,8 @@ class CommCase:
     sms: int | None = None
     reuse_layout: bool = False
     experts: str = ""  # the experts backend (its quantizer's scale layout): a fit per backend
+    ll_nvlink: bool = True  # DeepEP LL's allow_nvlink_for_low_latency_mode: off, every peer
+    # (same node too) is reached over RDMA, as its kernels did before 2025-06
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,18 @@ def _mean(x) -> float:
     return sum(x) / len(x)
 
 
-def _classes(c: CommCase, per_token, two_hop: bool) -> dict[str, tuple[float, float]]:
+def _classes(c: CommCase, per_token, two_hop: bool,
+             nvlink: bool = True) -> dict[str, tuple[float, float]]:
     """class -> (rows sent by a mean rank, rows received by the hottest rank) per transfer.
-    per_token: per-rank hit probability (dedup rows) or pairs (LL messages)."""
+    per_token: per-rank hit probability (dedup rows) or pairs (LL messages). nvlink False:
+    direct only, every peer over RDMA (the NIC carries the same node's rows too)."""
     t, topo = c.tokens, c.topo
     g, nn, world = topo.gpus_per_node, topo.num_nodes, topo.world
     x_mean, hot = _mean(per_token), _hot_rows(c, per_token)
+    if not nvlink:
+        if two_hop:
+            raise ValueError("a two-hop transfer forwards over NVLink: it cannot go without it")
+        return {"rdma": ((world - 1) * t * x_mean, (world - 1) / world * hot)}
     out = {}
     if g > 1:
         if two_hop:  # every row for this node's GPUs crosses NVLink once (except 1/g)
@@ -217,7 +225,8 @@ def _sm_transfer(c: CommCase, backend: str, direction: str) -> tuple[float, dict
     """An SM-driven backend's transfer (DeepEP's and ours): its rows per link class and the
     rows its SMs move (`_sm_shape`)."""
     per, row, two_hop = _sm_shape(backend, direction, c)
-    return _transfer(c, backend, direction, _classes(c, per, two_hop), row, c.sms,
+    nvlink = c.ll_nvlink or backend != "deepep-ll"
+    return _transfer(c, backend, direction, _classes(c, per, two_hop, nvlink), row, c.sms,
                      _sm_rows(c, per, direction, two_hop))
 
 

@@ -16,7 +16,9 @@ included) x row bytes / time; internode, every (token, destination node) pair (o
 included) x row bytes / time. Optional per row (or as a table default): `n_group` /
 `topk_group` (group-limited routing), `sms` (SMs given to the HT kernels), `tokens`,
 `kernels` ("v1", the default, or "v2": DeepEP V2's normal kernels, modelled as bound by their
-links alone: epmoe.plan.comm_cost). Rows are predicted with the table's
+links alone: epmoe.plan.comm_cost), `ll_nvlink` (ll only; default true: false for DeepEP's LL
+kernels with NVLink off, `allow_nvlink_for_low_latency_mode=False` and every table of theirs
+before 2025-06-05: each peer, the same node's too, over RDMA). Rows are predicted with the table's
 GPU profile (or one given) and `Topology.parse("Nx8")`; no constant in a profile is fitted to
 any row (see epmoe/plan/specs.py).
 """
@@ -63,6 +65,7 @@ class Row:
     topk_group: int = 1
     sms: int | None = None
     kernels: str = "v1"
+    ll_nvlink: bool = True
 
     @property
     def name(self) -> str:
@@ -90,9 +93,9 @@ class Result:
 
 ROW_KEYS = {f.name for f in fields(Row)} - {"table", "source", "gpu"}
 TABLE_KEYS = {"name", "source", "gpu", "tokens", "hidden", "top_k", "dispatch",
-              "gpus_per_node", "kernels", "n_group", "topk_group", "rows"}
+              "gpus_per_node", "kernels", "n_group", "topk_group", "ll_nvlink", "rows"}
 DEFAULT_KEYS = ("tokens", "hidden", "top_k", "dispatch", "gpus_per_node", "kernels", "n_group",
-                "topk_group")
+                "topk_group", "ll_nvlink")
 
 
 def load_table(path) -> Table:
@@ -126,16 +129,19 @@ def _check(r: Row, where: str) -> None:
         v, kind = getattr(r, f.name), f.type
         if kind.startswith("int") and v is None and "None" in kind:
             continue
-        ok = isinstance(v, str) if kind == "str" else \
-            is_int(v) if kind.startswith("int") else is_number(v)
+        ok = isinstance(v, str) if kind == "str" else isinstance(v, bool) if kind == "bool" \
+            else is_int(v) if kind.startswith("int") else is_number(v)
         if not ok:
-            need = "a string" if kind == "str" else "an integer" if kind.startswith("int") \
-                else "a number"
+            need = {"str": "a string", "bool": "true or false"}.get(kind) or \
+                ("an integer" if kind.startswith("int") else "a number")
             raise ValueError(f"{where}: {f.name} ({v!r}) must be {need}")
     for what, value, allowed in (("mode", r.mode, MODES), ("direction", r.direction, DIRECTIONS),
                                  ("unit", r.unit, UNITS), ("kernels", r.kernels, KERNELS)):
         if value not in allowed:
             raise ValueError(f"{where}: {what} ({value!r}) must be one of {allowed}")
+    if not r.ll_nvlink and r.mode != "ll":
+        raise ValueError(f"{where}: ll_nvlink = false is for the ll mode (DeepEP's normal "
+                         f"kernels always forward over NVLink)")
     if (r.mode, r.kernels) not in BACKEND:
         raise ValueError(f"{where}: DeepEP {r.kernels}'s {r.mode} kernels are not modelled "
                          f"(modelled: {sorted(BACKEND)})")
@@ -174,7 +180,8 @@ def predict(row: Row, prof=None) -> Result:
     cfg = _cfg(row)
     stats = routing_stats(cfg, RoutingSpec(), topo.world, topo.gpus_per_node)
     case = CommCase(cfg, QuantConfig(row.dispatch), topo, prof, stats, row.tokens, row.tokens,
-                    sms=row.sms if row.mode == "ht" else None, reuse_layout=True)
+                    sms=row.sms if row.mode == "ht" else None, reuse_layout=True,
+                    ll_nvlink=row.ll_nvlink)
     cost = (dispatch_cost if row.direction == "dispatch" else combine_cost)(
         BACKEND[row.mode, row.kernels], case)
     t, d = cost.kernel_us, row.direction
