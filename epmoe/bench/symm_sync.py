@@ -1,12 +1,16 @@
 """What the symm kernels' synchronisation costs on this GPU: each primitive of
 `epmoe.comm.symm.sync` in a kernel of its own, launched back to back from a CUDA graph, beside
-an empty kernel and beside the per-peer release atomic `publish` replaced (the baseline).
+an empty kernel and beside what two of them replaced (the baselines): the per-peer release
+atomic `publish` replaced, and the system-scope count `arrive_last` did before it counted at
+GPU scope (every CTA it counts runs on this GPU; the last one's publish is the release to
+peers).
 
     python -m epmoe.bench.symm_sync [--ctas 1,24,132] [--warps 16] [--launches 200] [--json F]
 
-One line per CTA count: us per launch of each kernel (the median of 5 graph replays of
-`--launches` launches), and the publish's ratio to the baseline. The flags are those of a
-2-rank loopback arena on this GPU (every peer is local memory, as in the loopback world).
+One line per kernel, one column per CTA count: us per launch (the median of 5 graph replays
+of `--launches` launches); then each primitive's time beyond the empty kernel over its
+baseline's. The flags are those of a 2-rank loopback arena on this GPU (every peer is local
+memory, as in the loopback world).
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ def _arrive(arena_ptr, delta_ptr, out_ptr):
 
 
 @triton.jit
+def _arrive_sys_baseline(arena_ptr, delta_ptr, out_ptr):
+    """The baseline: `arrive_last` counting with a system-scope acq_rel atomic."""
+    tl.debug_barrier()
+    done = S.ctrl_ptr(arena_ptr, S.C_DONE_SEND)
+    old = tl.atomic_add(done, 1, sem="acq_rel", scope="sys")
+    last = (old == tl.num_programs(0) - 1).to(tl.int32)
+    if last != 0:
+        tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
+    tl.store(out_ptr + tl.program_id(0), last)
+
+
+@triton.jit
 def _wait(arena_ptr, delta_ptr, out_ptr):
     tl.store(out_ptr + tl.program_id(0),
              S.wait_all(arena_ptr, S.C_READY, 0, 0, FAR_C, W_C, TIMER_C))
@@ -76,8 +92,10 @@ def _send_half(arena_ptr, delta_ptr, out_ptr):
     S.finish_send(arena_ptr, delta_ptr, 0, 1, 0, W_C)
 
 
-KERNELS = {"empty": _empty, "arrive_last": _arrive, "wait_all": _wait, "publish": _publish,
+KERNELS = {"empty": _empty, "arrive_last": _arrive, "arrive_baseline": _arrive_sys_baseline,
+           "wait_all": _wait, "publish": _publish,
            "publish_baseline": _publish_per_peer_release, "send_half": _send_half}
+BASELINES = {"publish": "publish_baseline", "arrive_last": "arrive_baseline"}
 
 
 def time_kernel(kernel, ctas: int, warps: int, launches: int) -> float:
@@ -107,6 +125,23 @@ def time_kernel(kernel, ctas: int, warps: int, launches: int) -> float:
     return statistics.median(times)
 
 
+def table(rows: list[dict]) -> str:
+    """Kernels down, CTA counts across (us per launch); then each primitive's cost beyond the
+    empty kernel over its baseline's, per CTA count."""
+    head = f"{'us per launch':<18}" + "".join(f"{str(r['ctas']) + ' CTAs':>10}" for r in rows)
+    lines = [head, "-" * len(head)]
+    for name in KERNELS:
+        lines.append(f"{name:<18}" + "".join(f"{r['us_per_launch'][name]:>10.2f}"
+                                             for r in rows))
+    for name, base in BASELINES.items():
+        ratios = []
+        for r in rows:
+            us = r["us_per_launch"]
+            ratios.append((us[name] - us["empty"]) / max(1e-9, us[base] - us["empty"]))
+        lines.append(f"{name + ' / base':<18}" + "".join(f"{x:>9.2f}x" for x in ratios))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.symm_sync",
                                 description=__doc__.splitlines()[0])
@@ -120,15 +155,10 @@ def main(argv=None) -> int:
         print("error: needs a CUDA GPU (compiled Triton, not the interpreter)", file=sys.stderr)
         return 2
     rows = []
-    print(f"{'CTAs':>4} " + " ".join(f"{n:>10}" for n in ("empty", "arrive", "wait",
-                                                          "publish", "pub base", "send 1/2"))
-          + "  publish/base")
     for ctas in a.ctas:
         us = {n: time_kernel(k, ctas, a.warps, a.launches) for n, k in KERNELS.items()}
         rows.append({"ctas": ctas, "warps": a.warps, "us_per_launch": us})
-        extra = (us["publish"] - us["empty"]) / max(1e-9, us["publish_baseline"] - us["empty"])
-        print(f"{ctas:>4} " + " ".join(f"{v:>10.2f}" for v in us.values())
-              + f"  {extra:>11.2f}x (over empty)")
+    print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
             dump_json({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -172,10 +172,15 @@ def wait_all(arena_ptr, first_word, target, phase, limit, W: tl.constexpr,
 @triton.jit
 def arrive_last(arena_ptr, done_word, num_ctas):
     """CTA barrier, then count this CTA in; -> 1 in the last CTA to arrive (which resets the
-    counter). Everything the other CTAs did happens before the last CTA's later releases."""
+    counter). Everything the other CTAs did happens before the last CTA's later releases.
+
+    The count is an acq_rel atomic at *GPU* scope: every CTA that counts in runs on this GPU.
+    What the other CTAs stored to peers reaches them through the last CTA's release at system
+    scope (`publish`: PTX fences are cumulative and causality order is transitive across
+    scopes), which every caller does before a peer may look."""
     tl.debug_barrier()
     done = ctrl_ptr(arena_ptr, done_word)
-    old = tl.atomic_add(done, 1, sem="acq_rel", scope="sys")
+    old = tl.atomic_add(done, 1, sem="acq_rel", scope="gpu")
     last = (old == num_ctas - 1).to(tl.int32)
     if last != 0:
         tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
