@@ -13,7 +13,9 @@ defaults of the measured case (`tokens` per rank, `hidden`, `top_k`, the `dispat
 with `mode` ht (DeepEP's normal kernels) or ll (low latency), `unit` us (the kernel's
 latency) or GB/s in DeepEP's convention: intranode, every received row (the rank's own
 included) x row bytes / time; internode, every (token, destination node) pair (own node
-included) x row bytes / time. Optional per row (or as a table default): `n_group` /
+included) x row bytes / time; low-latency (`tests/test_low_latency.py`), every (token, expert)
+selection the rank sends x (an FP8 row with its scales and 16 header bytes for dispatch,
+whatever the recipe, as that test counts; a BF16 row for combine) / time. Optional per row (or as a table default): `n_group` /
 `topk_group` (group-limited routing), `sms` (SMs given to the HT kernels), `tokens`,
 `kernels` ("v1", the default, or "v2": DeepEP V2's normal kernels, modelled as bound by their
 links alone: epmoe.plan.comm_cost), `ll_nvlink` (ll only; default true: false for DeepEP's LL
@@ -35,7 +37,7 @@ from epmoe.plan.comm_cost import CommCase, combine_cost, dispatch_cost
 from epmoe.plan.profile import load_profile
 from epmoe.plan.routing import RoutingSpec, routing_stats
 from epmoe.plan.topology import Topology
-from epmoe.plan.traffic import act_row_bytes
+from epmoe.plan.traffic import LL_HEADER_BYTES, act_row_bytes
 
 PUBLISHED_DIR = Path(__file__).parent / "published"
 MODES, DIRECTIONS, UNITS = ("ht", "ll"), ("dispatch", "combine"), ("GB/s", "us")
@@ -191,7 +193,11 @@ def predict(row: Row, prof=None) -> Result:
         return Result(row, t, t, limit)
     row_bytes = (act_row_bytes(row.hidden, QuantConfig(row.dispatch)) if d == "dispatch"
                  else 2.0 * row.hidden)
-    if topo.num_nodes == 1:  # received rows, own ones included
+    if row.mode == "ll":  # the selections sent, own rank's included
+        units = row.tokens * row.top_k
+        if d == "dispatch":
+            row_bytes = act_row_bytes(row.hidden, QuantConfig("fp8_block")) + LL_HEADER_BYTES
+    elif topo.num_nodes == 1:  # received rows, own ones included
         units = topo.world * row.tokens * stats.hit_rank[0]
     else:  # (token, node) pairs, own node included
         units = row.tokens * stats.nodes_per_token
