@@ -15,7 +15,6 @@ def test_refuses_without_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-
 def test_the_table_puts_each_primitive_beside_its_baseline():
     """Kernels down, CTA counts across, 80 columns; a ratio is the time beyond the empty
     kernel over the baseline's (made-up figures: the arithmetic, not a measurement)."""

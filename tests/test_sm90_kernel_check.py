@@ -30,7 +30,6 @@ def test_an_unknown_set_is_exit_2():
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
-
 def _run_with_tool(body: str) -> None:
     """Run `body` with the tool imported as `tool`, in a process of its own: the tool turns
     Triton's interpreter off for the process that imports it (it compiles for real)."""
