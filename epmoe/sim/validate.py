@@ -13,14 +13,15 @@ defaults of the measured case (`tokens` per rank, `hidden`, `top_k`, the `dispat
 with `mode` ht (DeepEP's normal kernels) or ll (low latency), `unit` us (the kernel's
 latency) or GB/s in DeepEP's convention: intranode, every received row (the rank's own
 included) x row bytes / time; internode, every (token, destination node) pair (own node
-included) x row bytes / time; low-latency (`tests/test_low_latency.py`), every (token, expert)
-selection the rank sends x (an FP8 row with its scales and 16 header bytes for dispatch,
-whatever the recipe, as that test counts; a BF16 row for combine) / time. Optional per row (or as a table default): `n_group` /
-`topk_group` (group-limited routing), `sms` (SMs given to the HT kernels), `tokens`,
-`kernels` ("v1", the default, or "v2": DeepEP V2's normal kernels, modelled as bound by their
-links alone: epmoe.plan.comm_cost), `ll_nvlink` (ll only; default true: false for DeepEP's LL
-kernels with NVLink off, `allow_nvlink_for_low_latency_mode=False` and every table of theirs
-before 2025-06-05: each peer, the same node's too, over RDMA). Rows are predicted with the table's
+included) x row bytes / time; low-latency (`tests/test_low_latency.py`), every (token,
+expert) selection the rank sends x (an FP8 row with its scales and 16 header bytes for
+dispatch, whatever the recipe, as that test counts; a BF16 row for combine) / time.
+Optional per row (or as a table default): `n_group` / `topk_group` (group-limited routing),
+`sms` (SMs given to the HT kernels), `tokens`, `kernels` ("v1", the default, or "v2": DeepEP
+V2's normal kernels, modelled as bound by their links alone: epmoe.plan.comm_cost),
+`ll_nvlink` (ll only; default true: false for DeepEP's LL kernels with NVLink off,
+`allow_nvlink_for_low_latency_mode=False` and every table of theirs before 2025-06-05: each
+peer, the same node's too, over RDMA). Rows are predicted with the table's
 GPU profile (or one given) and `Topology.parse("Nx8")`; no constant in a profile is fitted to
 any row (see epmoe/plan/specs.py).
 """
@@ -191,12 +192,14 @@ def predict(row: Row, prof=None) -> Result:
                 / cost.notes.get(f"{d}.{c}_GBps", 1.0))
     if row.unit == "us":
         return Result(row, t, t, limit)
-    row_bytes = (act_row_bytes(row.hidden, QuantConfig(row.dispatch)) if d == "dispatch"
-                 else 2.0 * row.hidden)
+    if d == "combine":
+        row_bytes = 2.0 * row.hidden
+    elif row.mode == "ll":  # DeepEP's LL test counts an FP8 message whatever the recipe
+        row_bytes = act_row_bytes(row.hidden, QuantConfig("fp8_block")) + LL_HEADER_BYTES
+    else:
+        row_bytes = act_row_bytes(row.hidden, QuantConfig(row.dispatch))
     if row.mode == "ll":  # the selections sent, own rank's included
         units = row.tokens * row.top_k
-        if d == "dispatch":
-            row_bytes = act_row_bytes(row.hidden, QuantConfig("fp8_block")) + LL_HEADER_BYTES
     elif topo.num_nodes == 1:  # received rows, own ones included
         units = topo.world * row.tokens * stats.hit_rank[0]
     else:  # (token, node) pairs, own node included
