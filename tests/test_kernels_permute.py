@@ -6,8 +6,8 @@ import torch
 
 from epmoe.config import QuantConfig
 from epmoe.kernels.permute import (PermuteWorkspace, _count_and_offsets,
-                                   triton_make_contiguous_layout, triton_permute,
-                                   triton_permute_rows)
+                                   triton_layout_tokens, triton_make_contiguous_layout,
+                                   triton_permute, triton_permute_rows)
 from epmoe.layout import contiguous_rows_upper_bound, make_contiguous_layout, permute_qtensor
 from epmoe.quant import QTensor, quantize_act, unpack_ue8m0
 
@@ -107,6 +107,38 @@ def test_permute_expert_map_skips_remote_experts(seed):
     lids = torch.where(gids >= 0, emap.to(DEV)[gids.long().clamp(min=0)], -1)
     ref = make_contiguous_layout(lids, local.numel(), 16)
     _check_layout(lay, ref, x, out, lids)
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["local-ids", "expert-map"])
+def test_layout_tokens_index_every_row(mapped, seed):
+    """triton_layout_tokens: the layout triton_permute builds and, per layout row, the token
+    it holds (-1 on padding), written over a poisoned index on one workspace at two sizes (a
+    stale entry must not survive); the workspace holds no rows at all."""
+    k, e_global, cap = 4, 16, 40
+    local = torch.tensor([3, 7, 8, 12, 15]) if mapped else torch.arange(e_global)
+    e = local.numel()
+    emap = torch.full((e_global,), -1, dtype=torch.int32)
+    emap[local] = torch.arange(e, dtype=torch.int32)
+    ws = PermuteWorkspace.create(cap, k, e, 16, 256, QuantConfig("bf16"), DEV,
+                                 copies_rows=False)
+    assert ws.data_flat.numel() == 0 and ws.scale_flat is None
+    with pytest.raises(ValueError, match="holds no rows"):
+        ws.rows(4)
+    for n in (cap, 9):
+        ws.token_R.fill_(12345)
+        gids = _ids(n, k, e_global)
+        lay, tok = triton_layout_tokens(gids, e, 16, emap.to(DEV) if mapped else None,
+                                        workspace=ws)
+        lids = torch.where(gids >= 0, emap.to(DEV)[gids.long().clamp(min=0)], -1)
+        _check_layout(lay, make_contiguous_layout(lids, e, 16), None, None, lids)
+        inv = lay.inv_perm_NK.long().cpu()
+        valid = inv >= 0
+        want = torch.full((lay.num_rows,), -1, dtype=torch.int32)
+        want[inv[valid]] = torch.arange(n).repeat_interleave(k).view(n, k)[valid].int()
+        assert tok.dtype == torch.int32 and tok.data_ptr() == ws.token_R.data_ptr()
+        assert torch.equal(tok.cpu(), want)
+    lay, tok = triton_layout_tokens(gids[:0], e, 16, emap.to(DEV) if mapped else None)
+    assert lay.num_rows == 0 and tok.shape == (0,)
 
 
 def test_permute_rows_by_existing_layout_equals_reference(seed):

@@ -175,3 +175,27 @@ def test_routed_kernels_read_the_recipes_own_fit():
     beside = _experts_stages("triton", "tokens", CFG, FP8, prof, 512, 512 * CFG.top_k,
                              slot_rows, CFG.moe_intermediate, overlapped=True)
     assert beside["experts.permute"] == pytest.approx(400.0, rel=1e-2)
+
+
+def test_a_permute_that_copies_no_rows_is_priced_by_its_index():
+    """The Triton experts' bf16 permute writes the layout's row -> token index, no rows: its
+    bytes are the index's (an id read, a row and a token written per pair), every other
+    permute's the rows'; calibration fits its points per recipe only, out of the pooled fit
+    that prices the recipes without one of their own (all of which copy rows)."""
+    from epmoe.bench.layer_points import LayerFits, Size, kernel_points
+
+    n, pairs, d = 64, 256, CFG.hidden
+    assert tr.permute_bytes(n, pairs, d, BF16, "triton") == pairs * 3 * tr.INDEX_BYTES
+    for experts, quant in (("torch", BF16), ("deepgemm", BF16), ("triton", FP8)):
+        row = tr.act_row_bytes(d, quant)
+        assert tr.permute_bytes(n, pairs, d, quant, experts) == n * row + pairs * row
+    size = Size(n, pairs, 128, 4 * 128, pairs)
+    st = {"experts.permute": 50.0, "experts.gather": 40.0, "experts.act_quant": 30.0}
+    for quant in (BF16, FP8):
+        fits = LayerFits()
+        kernel_points(fits, st, size, CFG, quant, "triton", quant.recipe, "")
+        names = {name for _, name in fits.points}
+        assert {f"permute.{quant.recipe}", "gather", f"gather.{quant.recipe}"} <= names
+        assert ("permute" in names) == (quant.recipe != "bf16")
+        [(nbytes, us)] = fits.points[("triton", f"permute.{quant.recipe}")]
+        assert us == 50.0 and nbytes == tr.permute_bytes(n, pairs, d, quant, "triton")

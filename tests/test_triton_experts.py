@@ -90,6 +90,40 @@ def test_triton_experts_permute_then_run_uses_given_layout(seed):
         tri.make_layout(ids, alignment=16)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_apply_reads_bf16_tokens_in_place(recipe, seed):
+    """bf16: apply copies no row into the layout (its workspace holds none; GEMM1 reads each
+    token through the layout's row -> token index) and equals the copying path bit for bit,
+    twice on one workspace (the second call at fewer tokens over the first call's index);
+    fp8_block keeps the copy (its A by pointer is the slower way)."""
+    quant = QuantConfig(recipe)
+    tri = TritonExperts(_weights(CFG, quant), CFG, quant, block_m=32)
+    assert tri.gather_tokens == (recipe == "bf16")
+    for n in (48, 20):
+        x = quantize_act(torch.randn(n, CFG.hidden, device=DEV), quant)
+        ids, w = _routing(n, CFG)
+        y = tri.apply(x, ids, w).clone()
+        permute_ws = {key[1]: o for key, o in tri.ws._objs.items()}
+        assert set(permute_ws) == {("permute", recipe != "bf16")}
+        tri.gather_tokens = not tri.gather_tokens
+        y_other = tri.apply(x, ids, w)
+        tri.gather_tokens = not tri.gather_tokens
+        assert torch.equal(y, y_other)
+        tri.ws._objs.clear()
+    assert all(o.copies_rows for o in permute_ws.values()) == (recipe != "bf16")
+
+
+def test_plan_models_the_permute_that_runs():
+    """The cost model's permute bytes follow the experts' own choice of recipes whose rows stay
+    in place (epmoe.plan.traffic mirrors TritonExperts.TOKEN_GATHER_RECIPES)."""
+    from epmoe.config import RECIPES
+    from epmoe.plan.traffic import permute_copies_rows
+
+    for r in RECIPES:
+        assert permute_copies_rows("triton", r) == (r not in TritonExperts.TOKEN_GATHER_RECIPES)
+        assert permute_copies_rows("torch", r) and permute_copies_rows("deepgemm", r)
+
+
 def test_make_experts_reasons():
     quant = QuantConfig("bf16")
     weights = _weights(CFG, quant)

@@ -1,5 +1,6 @@
 """`python -m epmoe.bench.gather_gemm`: what reading the grouped GEMM's rows through an index
-costs at prefill sizes (one GPU).
+costs at prefill sizes (one GPU); `--apply 128,32`: the bf16 Triton experts' whole apply with
+its rows copied into the layout or read in place (`measure_apply`).
 
 The contiguous layout's GEMM1 (N = 2 x intermediate, K = hidden) on the TMA kernel, two ways
 over the same tokens and routing: the rows permuted into the layout first (`triton_permute`,
@@ -68,6 +69,33 @@ def measure(recipe: str, tokens: int, iters: int, experts: int = 128, top_k: int
                 equal=bool(torch.equal(y_p[valid], y_g[valid])))
 
 
+def measure_apply(tokens: int, iters: int, experts: int) -> dict:
+    """The Triton experts' whole `apply` (permute, GEMM1, act, GEMM2, gather) on bf16 rows, both
+    ways in one process: the rows copied into the layout (`gather_tokens` off, the way before)
+    and read in place through the layout's index (the bf16 default). DeepSeek-V3 dims, a rank
+    of `experts` local experts (ep = 256 / experts) that received `tokens` tokens: of each
+    token's 8 slots, 8 x experts / 256 (at least 1) are its experts, the rest -1."""
+    from epmoe.bench.gather_ways import random_experts
+    from epmoe.config import QuantConfig, get_preset
+
+    cfg, quant, dev = get_preset("deepseek-v3"), QuantConfig("bf16"), "cuda"
+    ex = random_experts(cfg, quant, experts, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    local = max(1, cfg.top_k * experts // cfg.num_experts)
+    ids = torch.full((tokens, cfg.top_k), -1, dtype=torch.int32, device=dev)
+    ids[:, :local] = torch.rand(tokens, experts, generator=g, device=dev).topk(local).indices
+    w = torch.rand(tokens, cfg.top_k, generator=g, device=dev)
+    x = ex.quantize_input(torch.randn(tokens, cfg.hidden, generator=g, device=dev))
+    us, ys = {}, {}
+    for way in (False, True):
+        ex.gather_tokens = way
+        us[way] = _median_us(lambda: ex.apply(x, ids, w), iters)
+        ys[way] = ex.apply(x, ids, w).clone()
+    return dict(tokens=tokens, experts=experts, rows=tokens * local, copied_us=us[False],
+                gathered_us=us[True], ratio=us[True] / us[False],
+                equal=bool(torch.equal(ys[False], ys[True])))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.gather_gemm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +104,21 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", type=name_list(("fp8_block", "bf16")),
                    default=("fp8_block", "bf16"), help="comma-separated")
     p.add_argument("--iters", type=at_least(1), default=10)
+    p.add_argument("--apply", type=int_list(1), default=(), metavar="EXPERTS",
+                   help="instead: the bf16 Triton experts' whole apply, copied vs in place, "
+                   "at these local expert counts (e.g. 128,32: ep 2 and 8)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if a.apply:
+        print(f"{'experts':>7} {'tokens':>6} {'rows':>7} {'copied':>9} {'in place':>9} "
+              f"{'ratio':>6} equal")
+        for e in a.apply:
+            for t in a.tokens:
+                m = measure_apply(t, a.iters, e)
+                print(f"{e:>7} {t:>6} {m['rows']:>7} {m['copied_us']:>9.1f} "
+                      f"{m['gathered_us']:>9.1f} {m['ratio']:>6.3f} {m['equal']}", flush=True)
+        return 0
     print(f"{'recipe':10} {'tokens':>6} {'rows':>7} {'permute':>8} {'gemm':>8} "
           f"{'gathered':>9} {'ratio':>6} equal")
     for r in a.recipes:

@@ -84,8 +84,10 @@ def kernel_points(fits: LayerFits, st: dict, size: Size, cfg, quant, experts: st
     n, d, inter = size.tokens, cfg.hidden, cfg.moe_intermediate
     for r in ("", f".{recipe}"):  # pooled, and per recipe (its rows, and beside the shared
         # MLP its kernels: a W4A8 GEMM slows what runs beside it more than an fp8 one)
-        fits.add_point(experts, f"permute{r}{sfx}", tr.permute_bytes(n, size.real, d, quant),
-                       st.get("experts.permute"))
+        if r or tr.permute_copies_rows(experts, recipe):  # pooled: the permutes that copy
+            fits.add_point(experts, f"permute{r}{sfx}",
+                           tr.permute_bytes(n, size.real, d, quant, experts),
+                           st.get("experts.permute"))
         fits.add_point(experts, f"gather{r}{sfx}", tr.gather_bytes(n, size.real, d),
                        st.get("experts.gather"))
         fits.add_point(experts, f"act_quant{r}{sfx}",  # torch: its ops once per busy expert

@@ -3,8 +3,9 @@
 Runs on CUDA (compiled) and on CPU under Triton's interpreter (slow: tests and debugging only).
 Every recipe of epmoe.config (bf16, fp8_block in each scale format, mxfp8, w4a8_mxfp4).
 The hot path makes no host sync: the layout is sized for the worst case of its pairs
-(`permute_worst_case`). `run_dense` (shared experts) is the masked GEMM with one expert over
-all rows: no permute, no gather.
+(`permute_worst_case`); in bf16 the permute copies no rows, GEMM1 reads each token where it
+is through the layout's row -> token index (`gather_tokens`). `run_dense` (shared experts) is
+the masked GEMM with one expert over all rows: no permute, no gather.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import torch
 
 from epmoe.config import RECIPES, MoEConfig, QuantConfig
 from epmoe.experts.base import ExpertWeights, Experts
-from epmoe.experts.workspace import ExpertsWorkspace, fused_quantize, permute_worst_case
+from epmoe.experts.workspace import (ExpertsWorkspace, fused_quantize,
+                                     layout_tokens_worst_case, permute_worst_case)
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import ValidRows, triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
+from epmoe.kernels.gemm_tma import tma_supported
 from epmoe.kernels.gemm_w4a8 import w4a8_block_m
 from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
@@ -30,6 +33,12 @@ class TritonExperts(Experts):
     (default 128 on GPU, 32 under the interpreter to keep padding small)."""
 
     name = "triton"
+    # Recipes whose GEMM1 reads a token batch's rows in place through the layout's row ->
+    # token index (A by pointer loads): bf16, where the TMA kernel's MMA hides those loads
+    # and the permute's copy of every (token, local expert) row goes (BENCHMARKS 40, 44);
+    # fp8's A by pointer costs ~5% of its GEMM1, more than the copy. epmoe.plan.traffic
+    # models the same set (TOKEN_GATHER).
+    TOKEN_GATHER_RECIPES = ("bf16",)
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
                  block_m: int | None = None):
@@ -41,6 +50,7 @@ class TritonExperts(Experts):
             raise ValueError(f"weights are {weights.w13.recipe}/{weights.w2.recipe} but the "
                              f"recipe is {quant.recipe}; quantize them with the same QuantConfig")
         self.ws = ExpertsWorkspace(weights.w13.data.device)
+        self.gather_tokens = quant.recipe in self.TOKEN_GATHER_RECIPES
 
     @classmethod
     def supports(cls, cfg: MoEConfig, quant: QuantConfig, device: torch.device) -> str | None:
@@ -77,13 +87,21 @@ class TritonExperts(Experts):
 
     def apply(self, x: QTensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor | None,
               alignment: int | None = None) -> torch.Tensor:
-        """One pass builds the layout and copies the rows (the seed's ep_scatter); no sync."""
+        """One pass builds the layout and copies the rows (the seed's ep_scatter), or under
+        gather_tokens only the layout's row -> token index that GEMM1 reads x through; no
+        sync."""
         a = self.resolve_alignment(alignment)
         t = self.timer
-        with t.stage("experts.permute"):
-            xp, layout = permute_worst_case(x, topk_ids_NK, self.weights.num_experts, a,
-                                            self.ws, self.slot)
-        y = self.run_contiguous(xp, layout)
+        e = self.weights.num_experts
+        if self.gather_tokens and tma_supported(x.data, self.weights.w13.data, x.recipe):
+            with t.stage("experts.permute"):
+                layout, rows_M = layout_tokens_worst_case(x, topk_ids_NK, e, a, self.ws,
+                                                          self.slot)
+            y = self.run_contiguous(x, layout, rows_M=rows_M)
+        else:
+            with t.stage("experts.permute"):
+                xp, layout = permute_worst_case(x, topk_ids_NK, e, a, self.ws, self.slot)
+            y = self.run_contiguous(xp, layout)
         with t.stage("experts.gather"):
             return self.unpermute(y, layout, topk_weights_NK)
 

@@ -7,7 +7,7 @@ A buffer is allocated the first time a name is asked for, or when a call needs m
 largest one before (warm-up, or `reserve`); any later call that fits returns a view of the same
 storage. Views are valid until the next call that takes the same name: one workspace per
 stream of use (`slot`): two micro-batches in flight use two slots. The permute's own buffers
-(`epmoe.kernels` PermuteWorkspace) are kept here too, under `permute_key`.
+(`epmoe.kernels` PermuteWorkspace) are kept here too, keyed ("permute", copies rows).
 """
 
 from __future__ import annotations
@@ -60,8 +60,25 @@ def permute_worst_case(x, topk_ids_NK: torch.Tensor, num_experts: int, alignment
     state: the layout is sized for the worst case of the call's N*K pairs (from shapes alone;
     the GEMMs skip padding rows, row_expert -1, on the device), and every output is a view into
     the kernels' `PermuteWorkspace` kept in `ws` (valid until the next call on this slot)."""
-    from epmoe.config import QuantConfig
     from epmoe.kernels.permute import triton_permute
+
+    pws = _permute_workspace(x, topk_ids_NK, num_experts, alignment, ws, slot, True)
+    return triton_permute(x, topk_ids_NK, num_experts, alignment=alignment, workspace=pws)
+
+
+def layout_tokens_worst_case(x, topk_ids_NK: torch.Tensor, num_experts: int, alignment: int,
+                             ws: ExpertsWorkspace, slot: int = 0):
+    """permute_worst_case without the copy: -> (ContiguousLayout, rows_M int32 [M], each
+    layout row's token in x, -1 on padding), for GEMMs that read x's rows in place."""
+    from epmoe.kernels.permute import triton_layout_tokens
+
+    pws = _permute_workspace(x, topk_ids_NK, num_experts, alignment, ws, slot, False)
+    return triton_layout_tokens(topk_ids_NK, num_experts, alignment=alignment, workspace=pws)
+
+
+def _permute_workspace(x, topk_ids_NK, num_experts, alignment, ws, slot, copies_rows):
+    """The PermuteWorkspace kept in `ws` for this call's format and size (made or grown)."""
+    from epmoe.config import QuantConfig
     from epmoe.kernels.workspace import PermuteWorkspace
 
     n, k = topk_ids_NK.shape
@@ -75,10 +92,9 @@ def permute_worst_case(x, topk_ids_NK: torch.Tensor, num_experts: int, alignment
                 and o.alignment == alignment and o.hidden == hidden and o.quant == quant
                 and o.mn_major == mn_major)
 
-    pws = ws.obj("permute", lambda: PermuteWorkspace.create(
-        max(n, 1), k, num_experts, alignment, hidden, quant, ws.device, mn_major=mn_major),
-        fits, slot=slot)
-    return triton_permute(x, topk_ids_NK, num_experts, alignment=alignment, workspace=pws)
+    return ws.obj(("permute", copies_rows), lambda: PermuteWorkspace.create(
+        max(n, 1), k, num_experts, alignment, hidden, quant, ws.device, mn_major=mn_major,
+        copies_rows=copies_rows), fits, slot=slot)
 
 
 def fused_quantize(x_TD: torch.Tensor, quant, mn_major: bool = False):
@@ -89,4 +105,5 @@ def fused_quantize(x_TD: torch.Tensor, quant, mn_major: bool = False):
     return quantize_tokens(x_TD.contiguous(), quant, mn_major=mn_major)
 
 
-__all__ = ["ExpertsWorkspace", "fused_quantize", "permute_worst_case"]
+__all__ = ["ExpertsWorkspace", "fused_quantize", "layout_tokens_worst_case",
+           "permute_worst_case"]

@@ -112,14 +112,17 @@ def _count_and_offsets(topk_ids_NK, num_experts, alignment, expert_map, bufs,
 
 @triton.jit
 def _scatter_kernel(ids_ptr, map_ptr, cursor_ptr, counts_ptr, offsets_ptr, inv_ptr,
-                    row_expert_ptr, x_ptr, out_ptr, s_ptr, s_out_ptr,
+                    row_expert_ptr, tok_ptr, x_ptr, out_ptr, s_ptr, s_out_ptr,
                     K, E, D, G, num_rows,
                     stride_x, stride_out, s_stride_n, s_stride_g, so_stride_m, so_stride_g,
                     HAS_MAP: tl.constexpr, ASSIGN: tl.constexpr, COPY: tl.constexpr,
-                    HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+                    TOKENS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_E: tl.constexpr):
     """One program per token: its K pairs' rows (taken by atomics, or read from inv), then its
-    data row and scale row copied to each of them."""
+    data row and scale row copied to each of them; TOKENS (with ASSIGN): instead of rows, each
+    layout row's token index (the token programs write the valid rows, the row_expert loop -1
+    on the padding rows: disjoint sets, so no order between programs is needed)."""
     tok = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)
     km = offs_k < K
@@ -130,6 +133,8 @@ def _scatter_kernel(ids_ptr, map_ptr, cursor_ptr, counts_ptr, offsets_ptr, inv_p
         row = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
         row = tl.where(valid, row, -1)
         tl.store(inv_ptr + pair, row, mask=km)
+        if TOKENS:
+            tl.store(tok_ptr + row, tl.full([BLOCK_K], 0, tl.int32) + tok, mask=valid)
         # row_expert from counts / offsets (grid-stride over rows): rows [off_e, off_e + c_e)
         # belong to expert e, the rest of the group and rows past offsets[E] are padding (-1)
         offs_e = tl.arange(0, BLOCK_E)
@@ -140,8 +145,10 @@ def _scatter_kernel(ids_ptr, map_ptr, cursor_ptr, counts_ptr, offsets_ptr, inv_p
             has = re < E
             start = tl.load(offsets_ptr + re, mask=has, other=0)
             cnt = tl.load(counts_ptr + re, mask=has, other=0)
-            tl.store(row_expert_ptr + r, tl.where(has & (r < start + cnt), re, -1),
-                     mask=r < num_rows)
+            used = has & (r < start + cnt)
+            tl.store(row_expert_ptr + r, tl.where(used, re, -1), mask=r < num_rows)
+            if TOKENS:
+                tl.store(tok_ptr + r, -1, mask=(r < num_rows) & ~used)
     else:  # rows given by an existing layout
         row = tl.load(inv_ptr + pair, mask=km, other=-1)
     if COPY:
@@ -179,11 +186,14 @@ def _as_words(a: torch.Tensor, b: torch.Tensor):
 
 
 def _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_expert, x, out,
-                    assign, num_experts=0):
+                    assign, num_experts=0, tokens=None):
+    """tokens: int32 [num_rows] to receive each layout row's token (assign only)."""
     n, k = inv.shape
     if n * k == 0:
         if assign:
             row_expert.fill_(-1)
+        if tokens is not None:
+            tokens.fill_(-1)
         return
     copy = x is not None
     if copy:
@@ -199,12 +209,14 @@ def _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_e
     _scatter_kernel[(n,)](
         topk_ids_NK if assign else dummy, expert_map if expert_map is not None else dummy,
         cursor if assign else dummy, counts if assign else dummy, offsets if assign else dummy,
-        inv, row_expert if assign else dummy, data, odata, s, so,
+        inv, row_expert if assign else dummy, dummy if tokens is None else tokens, data, odata,
+        s, so,
         k, num_experts, d, g, row_expert.shape[0] if assign else 0,
         data.stride(0) if copy else 0, odata.stride(0) if copy else 0,
         s.stride(0) if has_scale else 0, s.stride(1) if has_scale else 0,
         so.stride(0) if has_scale else 0, so.stride(1) if has_scale else 0,
-        HAS_MAP=expert_map is not None, ASSIGN=assign, COPY=copy, HAS_SCALE=has_scale,
+        HAS_MAP=expert_map is not None, ASSIGN=assign, COPY=copy,
+        TOKENS=tokens is not None, HAS_SCALE=has_scale,
         BLOCK_K=next_pow2(k), BLOCK_D=min(next_pow2(max(d, 1)), 4096),
         BLOCK_G=min(next_pow2(max(g, 1)), 256), BLOCK_R=16,
         BLOCK_E=next_pow2(max(num_experts, 1)), num_warps=4)
@@ -249,7 +261,9 @@ def _check_workspace(ws, num_experts, alignment, x, num_pairs):
               f"max_pairs ({ws.max_pairs}); create it with a larger max_tokens")
 
 
-def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, ws=None):
+def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, ws=None,
+            tokens=False):
+    """-> (rows of x in the layout or None, layout, each row's token or None (tokens))."""
     _check_routing(topk_ids_NK, num_experts, alignment, expert_map)
     n, k = topk_ids_NK.shape
     dev = topk_ids_NK.device
@@ -277,15 +291,17 @@ def _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, ws=Non
     if ws is not None:
         inv, row_expert = ws.inv_P[:n * k].view(n, k), ws.row_expert_R[:num_rows]
         out = None if x is None else ws.rows(num_rows)
+        tok = ws.token_R[:num_rows] if tokens else None
     else:
         inv = torch.empty((n, k), dtype=torch.int32, device=dev)
         row_expert = torch.empty((num_rows,), dtype=torch.int32, device=dev)  # in-kernel
         out = None if x is None else _empty_like_rows(x, num_rows)
+        tok = torch.empty((num_rows,), dtype=torch.int32, device=dev) if tokens else None
     _launch_scatter(topk_ids_NK, expert_map, cursor, counts, offsets, inv, row_expert, x, out,
-                    assign=True, num_experts=num_experts)
+                    assign=True, num_experts=num_experts, tokens=tok)
     layout = ContiguousLayout(row_expert_M=row_expert, inv_perm_NK=inv, counts_E=counts,
                               offsets_E1=offsets, alignment=alignment)
-    return out, layout
+    return out, layout, tok
 
 
 def triton_permute(x: QTensor, topk_ids_NK: torch.Tensor, num_experts: int,
@@ -304,7 +320,7 @@ def triton_permute(x: QTensor, topk_ids_NK: torch.Tensor, num_experts: int,
     UE8M0) comes back MN-major with strides (1, align(M, 4)).
     """
     _check_x(x, topk_ids_NK.shape[0] if topk_ids_NK.dim() == 2 else -1, topk_ids_NK.device)
-    return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, workspace)
+    return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, x, workspace)[:2]
 
 
 def triton_make_contiguous_layout(topk_ids_NK: torch.Tensor, num_experts: int,
@@ -315,6 +331,18 @@ def triton_make_contiguous_layout(topk_ids_NK: torch.Tensor, num_experts: int,
     """The layout alone (same kernels, no data copied); `triton_permute_rows` copies later."""
     return _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows, None,
                    workspace)[1]
+
+
+def triton_layout_tokens(topk_ids_NK: torch.Tensor, num_experts: int, alignment: int = 128,
+                         expert_map: torch.Tensor | None = None, num_rows: int | None = None,
+                         workspace: PermuteWorkspace | None = None
+                         ) -> tuple[ContiguousLayout, torch.Tensor]:
+    """The layout and, per layout row, the token it holds (int32 [M], -1 on padding): what a
+    GEMM that reads its rows through an index (`rows_M`) takes instead of permuted rows. Same
+    kernels and sizing as `triton_permute`, no row copied."""
+    _, layout, tokens = _layout(topk_ids_NK, num_experts, alignment, expert_map, num_rows,
+                                None, workspace, tokens=True)
+    return layout, tokens
 
 
 def triton_permute_rows(x: QTensor, layout: ContiguousLayout,
@@ -334,5 +362,5 @@ def triton_permute_rows(x: QTensor, layout: ContiguousLayout,
     return out
 
 
-__all__ = ["triton_permute", "triton_make_contiguous_layout", "triton_permute_rows",
-           "PermuteWorkspace"]
+__all__ = ["triton_permute", "triton_make_contiguous_layout", "triton_layout_tokens",
+           "triton_permute_rows", "PermuteWorkspace"]

@@ -35,7 +35,9 @@ class PermuteWorkspace:
     counts_E, cursor_E  int32 [E];   offsets_E1 int32 [E+1]
     inv_P         int32 [max_pairs]  storage of inv_perm_NK
     row_expert_R  int32 [max_rows]   storage of row_expert_M
-    data_flat     [max_rows * hidden] activation rows (bf16 or fp8)
+    token_R       int32 [max_rows]   each layout row's token (`triton_layout_tokens`)
+    data_flat     [max_rows * hidden] activation rows (bf16 or fp8); empty when the workspace
+                  was made for layouts whose rows are read through token_R (copies_rows off)
     scale_flat    scales (fp32 / uint8 e8m0 / int32 packed UE8M0) for any row count up to
                   max_rows, in the layout of `scale_view`; None for bf16
     """
@@ -53,15 +55,17 @@ class PermuteWorkspace:
     cursor_E: torch.Tensor
     inv_P: torch.Tensor
     row_expert_R: torch.Tensor
+    token_R: torch.Tensor
     data_flat: torch.Tensor
     scale_flat: torch.Tensor | None
 
     @classmethod
     def create(cls, max_tokens: int, top_k: int, num_experts: int, alignment: int,
-               hidden: int, quant: QuantConfig, device, mn_major: bool = False
-               ) -> "PermuteWorkspace":
+               hidden: int, quant: QuantConfig, device, mn_major: bool = False,
+               copies_rows: bool = True) -> "PermuteWorkspace":
         """max_tokens: the most tokens (rows of x) one call will see; mn_major: fp32 / e8m0
-        scales in the MN-major TMA layout (packed UE8M0 always is), matching the input's."""
+        scales in the MN-major TMA layout (packed UE8M0 always is), matching the input's;
+        copies_rows off: no room for permuted rows (layouts with token_R only)."""
         check(max_tokens >= 1 and top_k >= 1 and num_experts >= 1 and alignment >= 1,
               f"max_tokens ({max_tokens}), top_k ({top_k}), num_experts ({num_experts}) and "
               f"alignment ({alignment}) must be >= 1")
@@ -71,17 +75,17 @@ class PermuteWorkspace:
         pairs = max_tokens * top_k
         rows = contiguous_rows_upper_bound(pairs, num_experts, alignment)
         i32 = dict(dtype=torch.int32, device=device)
-        data = torch.empty(rows * hidden, dtype=torch.bfloat16 if group == 0 else FP8_DTYPE,
-                           device=device)
+        data = torch.empty(rows * hidden if copies_rows else 0,
+                           dtype=torch.bfloat16 if group == 0 else FP8_DTYPE, device=device)
         scale = None
-        if group:
+        if group and copies_rows:
             dt, w = _scale_dtype_width(quant, hidden)
             scale = torch.empty(w * align_up(rows, 4), dtype=dt, device=device)
         return cls(num_experts, alignment, hidden, pairs, quant, mn_major,
                    torch.zeros(hist_bins(num_experts), **i32), torch.zeros(1, **i32),
                    torch.empty(num_experts, **i32), torch.empty(num_experts + 1, **i32),
                    torch.empty(num_experts, **i32), torch.empty(pairs, **i32),
-                   torch.empty(rows, **i32), data, scale)
+                   torch.empty(rows, **i32), torch.empty(rows, **i32), data, scale)
 
     @property
     def max_rows(self) -> int:
@@ -97,8 +101,14 @@ class PermuteWorkspace:
             return self.scale_flat.as_strided((num_rows, w), (1, align_up(num_rows, 4)))
         return self.scale_flat[:num_rows * w].view(num_rows, w)
 
+    @property
+    def copies_rows(self) -> bool:
+        return self.data_flat.numel() > 0
+
     def rows(self, num_rows: int) -> QTensor:
         """The first `num_rows` permuted rows as a QTensor (views, no copy)."""
+        check(self.copies_rows, "this workspace holds no rows (made with copies_rows off); "
+              "use triton_layout_tokens with it, or create one with copies_rows on")
         check(num_rows <= self.max_rows, f"num_rows ({num_rows}) exceeds the workspace's "
               f"max_rows ({self.max_rows}); create it with a larger max_tokens")
         data = self.data_flat[:num_rows * self.hidden].view(num_rows, self.hidden)

@@ -327,7 +327,8 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
                                         busy if experts == "torch" else 0.0)
     if kind == "tokens":  # per recipe where calibrated so, else pooled over recipes
         s["experts.permute"] = _kernel_us(prof, experts, (f"permute.{recipe}", "permute"),
-                                          overlapped, tr.permute_bytes(n_in, pairs, d, quant))
+                                          overlapped,
+                                          tr.permute_bytes(n_in, pairs, d, quant, experts))
         s["experts.gather"] = _kernel_us(prof, experts, (f"gather.{recipe}", "gather"),
                                          overlapped, tr.gather_bytes(n_in, pairs, d))
     extra = 0.0

@@ -29,8 +29,9 @@ def layer_memory(cand, work, topo, n_in, pairs, e_local, inter, plan, case) -> M
         width = sl[1] if sl is not None else cfg.shared_intermediate
         weights += 3.0 * width * d * tr.weight_bytes_per_elem(quant)
     row = tr.act_row_bytes(d, quant)
-    ws = n_in * (row + 4.0 * d) + pairs * (row + 4.0 * inter + tr.act_row_bytes(inter, quant)
-                                           + 2.0 * d)
+    permuted = row if tr.permute_copies_rows(cand.experts, quant.recipe) else tr.INDEX_BYTES
+    ws = n_in * (row + 4.0 * d) + pairs * (permuted + 4.0 * inter
+                                           + tr.act_row_bytes(inter, quant) + 2.0 * d)
     buffers = 0.0
     world = topo.world
     if cand.backend in HT_KERNELS:  # NVL (and RDMA) ring buffers: channels x peers x 256 rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 from epmoe.config import QuantConfig
 
 SCALE_BYTES = 4  # fp32 scale per group on the wire (UE8M0 travels as fp32 too: comm/wire.py)
+INDEX_BYTES = 4  # an int32 id or row index
 LL_HEADER_BYTES = 16  # DeepEP low-latency message header per (token, expert)
 # The fused act+quant kernel computes an expert's rows in blocks of this many and skips padding
 # (kernels/act_quant.py, its GPU BLOCK_M): an expert with m rows costs ceil(m / 16) * 16 rows
@@ -45,8 +46,20 @@ def gemm_bytes(m_rows: float, num_experts: int, n: int, k: int, quant: QuantConf
             + m_rows * n * 2.0)
 
 
-def permute_bytes(n_tokens: float, pairs: float, d: int, quant: QuantConfig) -> float:
-    """Each token row read once, written once per local (token, expert) pair."""
+def permute_copies_rows(experts: str, recipe: str) -> bool:
+    """Whether the experts' permute copies each (token, expert) row into the layout; not where
+    GEMM1 reads the tokens in place through the layout's row -> token index (the Triton
+    experts in bf16: TritonExperts.TOKEN_GATHER_RECIPES)."""
+    return not (experts == "triton" and recipe == "bf16")
+
+
+def permute_bytes(n_tokens: float, pairs: float, d: int, quant: QuantConfig,
+                  experts: str = "") -> float:
+    """Each token row read once, written once per local (token, expert) pair; where the rows
+    stay in place (`permute_copies_rows`), per pair its id read and its row and token index
+    written."""
+    if not permute_copies_rows(experts, quant.recipe):
+        return pairs * 3.0 * INDEX_BYTES
     row = act_row_bytes(d, quant)
     return n_tokens * row + pairs * row
 
