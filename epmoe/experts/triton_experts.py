@@ -37,7 +37,7 @@ class TritonExperts(Experts):
     # token index (A by pointer loads): bf16, where the TMA kernel's MMA hides those loads
     # and the permute's copy of every (token, local expert) row goes (BENCHMARKS 40, 44);
     # fp8's A by pointer costs ~5% of its GEMM1, more than the copy. epmoe.plan.traffic
-    # models the same set (TOKEN_GATHER).
+    # prices the same set (permute_copies_rows).
     TOKEN_GATHER_RECIPES = ("bf16",)
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
