@@ -7,7 +7,7 @@ the masked layout's slot_NK indexes rows of y [E, C, D] viewed as [E*C, D].
 
 from __future__ import annotations
 
-from epmoe.kernels._common import INTERPRET, check, check_tensor, next_pow2
+from epmoe.kernels._common import INTERPRET, check, check_tensor, next_pow2, round_bf16
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -18,7 +18,10 @@ from epmoe.layout import ContiguousLayout, MaskedLayout  # noqa: E402
 
 @triton.jit
 def _gather_reduce_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, N, K, D, stride_y, stride_out,
-                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HAS_W: tl.constexpr, PRE_ROUND: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """PRE_ROUND: the sum rounded to the nearest bf16 before the cast (the interpreter's cast
+    truncates; the GPU's rounds to nearest)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tm = offs_t < N
@@ -33,6 +36,8 @@ def _gather_reduce_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, N, K, D, stride_y, st
             w = tl.load(w_ptr + offs_t * K + k, mask=valid, other=0.0).to(tl.float32)
             v = v * w[:, None]
         acc += v
+    if PRE_ROUND:
+        acc = round_bf16(acc)
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
 
@@ -56,6 +61,7 @@ def _gather_reduce(y_RD: torch.Tensor, rows_NK: torch.Tensor, w_NK: torch.Tensor
     grid = (triton.cdiv(n, block_t), triton.cdiv(d, block_d))
     _gather_reduce_kernel[grid](y_RD, rows_NK, w_NK if w_NK is not None else y_RD, out, n, k, d,
                                 y_RD.stride(0), out.stride(0), HAS_W=w_NK is not None,
+                                PRE_ROUND=INTERPRET and out_dtype == torch.bfloat16,
                                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return out
 
