@@ -22,6 +22,13 @@ def _weights(e, n, k, quant):
     return quantize_weight(torch.randn(e, n, k, device=DEV) / k ** 0.5, quant)
 
 
+def _rows(x, idx):
+    """x's rows idx (any shape) with their scales, copied (packed UE8M0 scales row-major)."""
+    idx = idx.long()
+    return x.__class__(x.data[idx], None if x.scale is None else x.scale[idx], x.recipe,
+                       x.group, x.scale_fmt)
+
+
 def _rel_err(y, ref):
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
@@ -233,15 +240,19 @@ def test_bias_in_the_epilogue(recipe, kernel, seed):
         triton_m_grouped_gemm_nt_contiguous(xq, w, lay, bias=bias[:, :8])
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(32, 128, 4, 3), GemmConfig(16, 256, 8, 3)],
-                         ids=["bn128", "bn256_split"])
-@pytest.mark.parametrize("recipe,fmt", [("bf16", "fp32"), ("fp8_block", "fp32"),
-                                        ("fp8_block", "ue8m0_fp32")])
-def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, recipe, fmt, seed):
+GATHER_WAYS = [(GemmConfig(32, 128, 4, 3), "auto"), (GemmConfig(16, 256, 8, 3), "auto"),
+               (GemmConfig(32, 128, 4, 3), "pointer")]
+
+
+@pytest.mark.parametrize("cfg,kernel", GATHER_WAYS, ids=["bn128", "bn256_split", "pointer"])
+@pytest.mark.parametrize("recipe,fmt", CASES)
+def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, kernel, recipe, fmt, seed):
     """rows_EC: masked row (e, c) read from x's row rows_EC[e, c] (a token once, its experts'
     slots pointing at it, as symm-ll's staged receive leaves them) gives the same output as
-    the rows copied into [E, C, K] first; rows past a count (stale indices, out of range)
-    are not read. Outputs poisoned; the reference is the dequantized operands."""
+    the rows copied into [E, C, K] first, on every kernel (auto: TMA for bf16 / fp8_block
+    with fp32 scales, gemm_w4a8, the pointer kernel for the rest); rows past a count (stale
+    indices, out of range) are not read. Outputs poisoned; the reference is the dequantized
+    operands."""
     e, cap, n, k, r = 3, 40, 256, 256, 29
     quant = QuantConfig(recipe, fmt)
     w = _weights(e, n, k, quant)
@@ -252,14 +263,13 @@ def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, recipe, fmt, seed
         rows[j, c:] = 10 ** 6  # never read
     out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = triton_m_grouped_gemm_nt_masked(x, w, counts, block_m=cfg.block_m, config=cfg,
-                                        out=out, rows_EC=rows)
+                                        out=out, kernel=kernel, rows_EC=rows)
     assert y is out
     ref = torch.einsum("eck,enk->ecn", dequantize_act(x)[rows.clamp(max=r - 1).long()],
                        dequantize_weight(w))
-    safe = rows.clamp(max=r - 1).long()
-    copied = x.__class__(x.data[safe], None if x.scale is None else x.scale[safe], x.recipe,
-                         x.group, x.scale_fmt)
-    y_c = triton_m_grouped_gemm_nt_masked(copied, w, counts, block_m=cfg.block_m, config=cfg)
+    copied = _rows(x, rows.clamp(max=r - 1))
+    y_c = triton_m_grouped_gemm_nt_masked(copied, w, counts, block_m=cfg.block_m, config=cfg,
+                                          kernel=kernel)
     for j, c in enumerate(counts.tolist()):
         if c:
             assert _rel_err(y[j, :c], ref[j, :c]) <= 1e-2
@@ -268,13 +278,15 @@ def test_masked_gathered_rows_equal_the_rows_copied_first(cfg, recipe, fmt, seed
         triton_m_grouped_gemm_nt_masked(x, w, counts, rows_EC=rows.long())
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
-def test_contiguous_gathered_rows_equal_the_permuted_rows(recipe, seed):
+@pytest.mark.parametrize("kernel", ["auto", "pointer"])
+@pytest.mark.parametrize("recipe,fmt", CASES)
+def test_contiguous_gathered_rows_equal_the_permuted_rows(recipe, fmt, kernel, seed):
     """rows_M: layout row m read from the token x[rows_M[m]] (-1 on padding: not read) gives
-    the permuted rows' output bit for bit (the route a receive that writes only the index
-    would take); padding rows poisoned in the index are never read."""
+    the permuted rows' output bit for bit on every kernel (the route a receive that writes
+    only the index, or the Triton experts' in-place permute, takes); the padding rows'
+    index (-1) is never read."""
     n_tok, top_k, e, n, k, align = 30, 2, 3, 256, 256, 32
-    quant = QuantConfig(recipe)
+    quant = QuantConfig(recipe, fmt)
     w = _weights(e, n, k, quant)
     ids = torch.randint(0, e, (n_tok, top_k), dtype=torch.int32, device=DEV)
     lay = make_contiguous_layout(ids, e, align)
@@ -284,8 +296,17 @@ def test_contiguous_gathered_rows_equal_the_permuted_rows(recipe, seed):
     tok = torch.arange(n_tok, device=DEV)[:, None].expand_as(inv)
     rows[inv[inv >= 0]] = tok[inv >= 0].to(torch.int32)
     cfg = GemmConfig(32, 128, 4, 3)
-    y_g = triton_m_grouped_gemm_nt_contiguous(x, w, lay, config=cfg, rows_M=rows)
-    y_p = triton_m_grouped_gemm_nt_contiguous(permute_qtensor(x, lay), w, lay, config=cfg)
+    out = torch.full((lay.num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y_g = triton_m_grouped_gemm_nt_contiguous(x, w, lay, config=cfg, out=out, kernel=kernel,
+                                              rows_M=rows)
+    y_p = triton_m_grouped_gemm_nt_contiguous(_rows(x, rows.clamp(min=0)), w, lay, config=cfg,
+                                              kernel=kernel)
     valid = lay.row_expert_M >= 0
     assert int(valid.sum()) == n_tok * top_k
     assert torch.equal(y_g[valid], y_p[valid])
+    ref = dequantize_act(x)[rows.clamp(min=0).long()] @ dequantize_weight(w)[0].T
+    first = valid & (lay.row_expert_M == 0)
+    assert _rel_err(y_g[first], ref[first]) <= 1e-2
+    if fmt == "ue8m0_packed":  # gathered rows with packed scales: the pointer kernel only
+        with pytest.raises(ValueError, match=r"gathered rows without packed UE8M0"):
+            triton_m_grouped_gemm_nt_contiguous(x, w, lay, kernel="tma", rows_M=rows)

@@ -57,7 +57,7 @@ def experts_case(recipe: str, seed: int) -> ExpertsCase:
     return ExpertsCase(quant, inputs, lw, TritonExperts(lw.experts, CFG, quant, block_m=16))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16", "mxfp8", "w4a8_mxfp4"])
 def test_ht_gathered_rows_through_the_triton_experts(recipe, seed):
     """The same routing dispatched twice, rows copied into the layout and gathered: the batch
     holds a token once per rank (the arena's rows, no row per expert); Triton's experts give
@@ -147,12 +147,12 @@ def test_launch_refuses_ht_gather_without_gathering_experts():
     from epmoe.launch.cli import build_run, parser
 
     base = ["--ep", "2", "--comm-option", "ht_gather=1"]
-    run = build_run(parser().parse_args(base + ["--experts", "triton", "--quant", "fp8_block"]))
-    assert dict(run.comm_options) == {"ht_gather": True}
-    for extra in (["--experts", "torch"], ["--experts", "triton", "--quant", "mxfp8"]):
-        with pytest.raises(ValueError, match="ht_gather leaves symm-ht's rows for an expert "
-                                             "GEMM .* needs --experts triton"):
-            build_run(parser().parse_args(base + extra))
+    for quant in ("fp8_block", "mxfp8"):  # every recipe's Triton GEMM1 reads through it
+        run = build_run(parser().parse_args(base + ["--experts", "triton", "--quant", quant]))
+        assert dict(run.comm_options) == {"ht_gather": True}
+    with pytest.raises(ValueError, match="ht_gather leaves symm-ht's rows for an expert "
+                                         "GEMM .* needs --experts triton"):
+        build_run(parser().parse_args(base + ["--experts", "torch"]))
 
 
 def test_a_gather_knob_binds_only_its_own_backends_layers():

@@ -238,8 +238,6 @@ def test_comm_options_reach_a_symm_layer_and_only_symm_layers():
     run = build_run(parser().parse_args(gather + ["--experts", "triton"]))
     assert dict(run.comm_options) == {"ll_dedup": True, "ll_gather": True}
     for argv, why in ((gather + ["--experts", "torch"], "needs --experts triton"),
-                      (gather + ["--experts", "triton", "--quant", "mxfp8"],
-                       "needs --experts triton"),
                       (["--ep", "2", "--comm-option", "ll_gather=1", "--experts", "triton"],
                        "turn ll_dedup on too")):
         with pytest.raises(ValueError, match=why):

@@ -149,7 +149,7 @@ class Experts(ABC):
     def _cannot_gather(self, what: str, knob: str) -> ValueError:
         return ValueError(f"{self.name} experts ({self.quant.recipe}) cannot read {what} "
                           f"through an index; run the comm without gathered rows ({knob} "
-                          f"off) or use the triton experts with bf16 / fp8_block")
+                          f"off) or use the triton experts")
 
     def run(self, batch: Batch) -> torch.Tensor:
         """The one entry point: what a comm's dispatch returned -> what its combine takes.

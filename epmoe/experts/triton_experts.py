@@ -19,7 +19,6 @@ from epmoe.experts.workspace import (ExpertsWorkspace, fused_quantize,
 from epmoe.kernels._common import INTERPRET
 from epmoe.kernels.act_quant import ValidRows, triton_act_quant
 from epmoe.kernels.gather import triton_gather_masked_reduce, triton_unpermute_reduce
-from epmoe.kernels.gemm_tma import tma_supported
 from epmoe.kernels.gemm_w4a8 import w4a8_block_m
 from epmoe.kernels.grouped_gemm import (triton_m_grouped_gemm_nt_contiguous,
                                         triton_m_grouped_gemm_nt_masked)
@@ -34,10 +33,10 @@ class TritonExperts(Experts):
 
     name = "triton"
     # Recipes whose GEMM1 reads a token batch's rows in place through the layout's row ->
-    # token index (A by pointer loads): bf16, where the TMA kernel's MMA hides those loads
-    # and the permute's copy of every (token, local expert) row goes (BENCHMARKS 40, 44);
-    # fp8's A by pointer costs ~5% of its GEMM1, more than the copy. epmoe.plan.traffic
-    # prices the same set (permute_copies_rows).
+    # token index: bf16, where the TMA kernel's MMA hides those loads and the permute's copy
+    # of every (token, local expert) row goes (BENCHMARKS 40, 44); fp8's A by pointer costs
+    # ~5% of its GEMM1, more than the copy. epmoe.plan.traffic prices the same set
+    # (permute_copies_rows).
     TOKEN_GATHER_RECIPES = ("bf16",)
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
@@ -93,7 +92,7 @@ class TritonExperts(Experts):
         a = self.resolve_alignment(alignment)
         t = self.timer
         e = self.weights.num_experts
-        if self.gather_tokens and tma_supported(x.data, self.weights.w13.data, x.recipe):
+        if self.gather_tokens:
             with t.stage("experts.permute"):
                 layout, rows_M = layout_tokens_worst_case(x, topk_ids_NK, e, a, self.ws,
                                                           self.slot)
@@ -131,19 +130,15 @@ class TritonExperts(Experts):
         return cap
 
     @property
-    def gathers_rows(self) -> bool:  # GEMM1 reads rows by index on the TMA kernel's recipes
-        return self.quant.recipe in ("bf16", "fp8_block")
+    def gathers_rows(self) -> bool:  # every GEMM1 kernel reads A's rows through an index
+        return True
 
     def run_masked_rows(self, x: QTensor, counts_E: torch.Tensor,
                         rows_EC: torch.Tensor) -> torch.Tensor:
-        if not self.gathers_rows:
-            return super().run_masked_rows(x, counts_E, rows_EC)
         return self.run_masked(x, counts_E, rows_EC=rows_EC)
 
     def run_contiguous_rows(self, x: QTensor, layout: ContiguousLayout,
                             rows_M: torch.Tensor) -> torch.Tensor:
-        if not self.gathers_rows:
-            return super().run_contiguous_rows(x, layout, rows_M)
         return self.run_contiguous(x, layout, rows_M=rows_M)
 
     def run_masked(self, x: QTensor, counts_E: torch.Tensor,

@@ -105,13 +105,17 @@ def e8m0_to_fp32(e):
 
 
 @triton.jit
-def grouped_tile(row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def grouped_tile(row_expert_ptr, counts_ptr, arow_ptr, M, N, GRID_M, MASKED: tl.constexpr,
+                 A_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
     """The pointer grouped GEMMs' tile of program (0, 0, e). Grouped order: GROUP_M consecutive
     M tiles sweep all N tiles together, so the programs in flight share their A rows and
     (mostly one expert's) weight tiles in L2. Masked: M = capacity C, expert e's rows are
     [e*C, e*C + count); contiguous: a tile's expert is its first row's (-1: padding, skipped).
-    -> (run, expert, output rows, clamped rows to load, row mask, N offsets, clamped N)."""
+    A_GATHER: output row m reads A's row arow[m] (masked: arow [E, C], read below the count;
+    contiguous: arow [M], -1 on padding); rows that read nothing load row 0 (their outputs
+    are padding, any value).
+    -> (run, expert, output rows, A rows to load, row mask, N offsets, clamped N)."""
     pid = tl.program_id(0)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -122,16 +126,22 @@ def grouped_tile(row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED: tl.constexpr,
     if MASKED:
         e = tl.program_id(2)
         local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        run = pid_m * BLOCK_M < tl.load(counts_ptr + e)
+        count = tl.load(counts_ptr + e)
+        run = pid_m * BLOCK_M < count
         rows = e * M + local
         row_mask = local < M
         rows_ld = e * M + tl.minimum(local, M - 1)  # clamped: loads need no mask
+        live = local < count
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(row_expert_ptr + pid_m * BLOCK_M)
         run = e >= 0
         row_mask = rows < M
         rows_ld = tl.minimum(rows, M - 1)
+        live = row_mask
+    if A_GATHER:
+        arow = tl.load(arow_ptr + rows_ld)
+        rows_ld = tl.where(live & (arow >= 0), arow, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
     return run, e.to(tl.int64), rows, rows_ld.to(tl.int64), row_mask, offs_n, offs_nl

@@ -38,7 +38,7 @@ def _prune(configs, named_args, **kwargs):
 def _maybe_autotune(fn):
     if INTERPRET:
         return fn
-    return triton.autotune(configs=_CONFIGS, key=["N", "K", "MASKED", "BLOCK_M"],
+    return triton.autotune(configs=_CONFIGS, key=["N", "K", "MASKED", "BLOCK_M", "A_GATHER"],
                            prune_configs_by={"early_config_prune": _prune})(fn)
 
 
@@ -82,14 +82,15 @@ def _group(p, a, words, g: tl.constexpr, INTERP: tl.constexpr, BLOCK_N: tl.const
 @_maybe_autotune
 @triton.jit
 def _w4a8_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr, bias_ptr,
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr, bias_ptr, arow_ptr,
         M, N, K, GRID_M, stride_am, stride_as_m, stride_as_g,
         stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm, stride_b,
-        MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+        MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, A_GATHER: tl.constexpr,
         INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         GROUP_M: tl.constexpr):
     run, e64, rows, rows64, row_mask, offs_n, offs_nl = grouped_tile(
-        row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED, BLOCK_M, BLOCK_N, GROUP_M)
+        row_expert_ptr, counts_ptr, arow_ptr, M, N, GRID_M, MASKED, A_GATHER, BLOCK_M, BLOCK_N,
+        GROUP_M)
     if run:
         # Swapped operands, acc^T [BLOCK_N, BLOCK_M] = W A^T: the decoded weights are the MMA's
         # A operand (from registers), each thread's accumulator rows are a couple of weight
@@ -133,12 +134,13 @@ def w4a8_block_m(rows_per_expert: float, cap: int) -> int:
 
 def launch_w4a8(w: QWeight, a_2d: torch.Tensor, s_2d: torch.Tensor,
                 out_2d: torch.Tensor, row_expert, counts, m: int, grid_m: int, num_e: int,
-                block_m: int, masked: bool, bias=None) -> None:
+                block_m: int, masked: bool, bias=None, arow=None) -> None:
     """One launch over the tiles of a contiguous (num_e = 1) or masked layout; the operands
-    were checked by the grouped GEMM's entry points (K a multiple of 128)."""
+    were checked by the grouped GEMM's entry points (K a multiple of 128). arow: output row
+    m reads a_2d's row arow[m] (`grouped_tile`)."""
     e, n, k = w.shape
-    kwargs = dict(MASKED=masked, HAS_BIAS=bias is not None, INTERP=INTERPRET, BLOCK_M=block_m,
-                  GROUP_M=8)
+    kwargs = dict(MASKED=masked, HAS_BIAS=bias is not None, A_GATHER=arow is not None,
+                  INTERP=INTERPRET, BLOCK_M=block_m, GROUP_M=8)
     if INTERPRET:
         kwargs.update(BLOCK_N=min(256, triton.next_power_of_2(n)), num_warps=4)
 
@@ -148,7 +150,8 @@ def launch_w4a8(w: QWeight, a_2d: torch.Tensor, s_2d: torch.Tensor,
     scale = w.scale.view(torch.int32)  # [E, N, K / 128]: a word holds 4 groups' e8m0 bytes
     _w4a8_kernel[grid](
         a_2d, s_2d, w.data, scale, out_2d, row_expert, counts,
-        bias if bias is not None else out_2d, m, n, k, grid_m,
+        bias if bias is not None else out_2d, arow if arow is not None else counts, m, n, k,
+        grid_m,
         a_2d.stride(0), s_2d.stride(0), s_2d.stride(1), w.data.stride(0), w.data.stride(1),
         scale.stride(0), scale.stride(1), scale.stride(2), out_2d.stride(0),
         bias.stride(0) if bias is not None else 0, **kwargs)

@@ -19,6 +19,8 @@ Three kernels: bf16 and fp8_block run on the TMA kernel of `epmoe.kernels.gemm_t
 tensor descriptors, tuned configs); w4a8_mxfp4 on `epmoe.kernels.gemm_w4a8` (codes shuffled to
 fp8, fp8 MMAs); this file's pointer kernel serves every recipe (mxfp8 and w4a8_mxfp4 decoded to
 bf16 in-kernel) and is the `kernel='pointer'` choice for bf16 / fp8_block / w4a8_mxfp4.
+Every kernel can read A's rows through an index (`rows_M` / `rows_EC`: a batch's tokens in
+place, no copy into the layout first): the TMA kernel by pointer loads, the others as always.
 """
 
 from __future__ import annotations
@@ -69,23 +71,24 @@ def _maybe_autotune(fn):
     if INTERPRET:
         return fn
     return triton.autotune(configs=_CONFIGS, key=["N", "K", "RECIPE", "MASKED", "BLOCK_M",
-                                                       "BLOCK_K"],
+                                                       "BLOCK_K", "A_GATHER"],
                            prune_configs_by={"early_config_prune": _prune_configs})(fn)
 
 
 @_maybe_autotune
 @triton.jit
 def _grouped_gemm_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr, bias_ptr,
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, row_expert_ptr, counts_ptr, bias_ptr, arow_ptr,
         M, N, K, GRID_M, stride_am, stride_as_m, stride_as_g,
         stride_be, stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm, stride_b,
         RECIPE: tl.constexpr, MASKED: tl.constexpr, A_PACKED: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, A_GATHER: tl.constexpr,
         DOT_FP32: tl.constexpr, PRE_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     run, e64, rows, rows64, row_mask, offs_n, offs_nl = grouped_tile(
-        row_expert_ptr, counts_ptr, M, N, GRID_M, MASKED, BLOCK_M, BLOCK_N, GROUP_M)
+        row_expert_ptr, counts_ptr, arow_ptr, M, N, GRID_M, MASKED, A_GATHER, BLOCK_M, BLOCK_N,
+        GROUP_M)
     if run:
         offs_k = tl.arange(0, BLOCK_K)
         # Pointers built once, advanced by BLOCK_K per step (no per-element 64-bit math inside)
@@ -194,10 +197,11 @@ def _check_operands(x: QTensor, w: QWeight) -> None:
 
 def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tensor,
             row_expert, counts, m: int, grid_m: int, num_e: int, block_m: int, masked: bool,
-            bias=None, kernel: str = "auto"):
+            bias=None, kernel: str = "auto", arow=None):
+    """arow: output row m reads a_2d's row arow[m] (`grouped_tile`)."""
     if w.recipe == "w4a8_mxfp4" and kernel == "auto":
         launch_w4a8(w, a_2d, s_2d, out_2d, row_expert, counts, m, grid_m, num_e, block_m,
-                    masked, bias)
+                    masked, bias, arow)
         return
     e, n, k = w.shape
     recipe = _RECIPE_ID[w.recipe]
@@ -213,7 +217,7 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
     if recipe == 2:
         block_k = next(b for b in (128, 64, 32) if k % b == 0)
     kwargs = dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, HAS_BIAS=bias is not None,
-                  DOT_FP32=INTERPRET,
+                  A_GATHER=arow is not None, DOT_FP32=INTERPRET,
                   PRE_ROUND=INTERPRET, EVEN_K=k % block_k == 0, BLOCK_M=block_m,
                   BLOCK_K=block_k, GROUP_M=8)
     if INTERPRET:
@@ -224,7 +228,8 @@ def _launch(x: QTensor, w: QWeight, a_2d: torch.Tensor, s_2d, out_2d: torch.Tens
 
     _grouped_gemm_kernel[grid](
         a_data, s, b_data, bs, out_2d, row_expert, counts,
-        bias if bias is not None else out_2d, m, n, k, grid_m,
+        bias if bias is not None else out_2d, arow if arow is not None else counts, m, n, k,
+        grid_m,
         a_2d.stride(0), s.stride(0) if s_2d is not None else 0,
         s.stride(1) if s_2d is not None else 0,
         b_data.stride(0), b_data.stride(1), bs.stride(0) if w.scale is not None else 0,
@@ -248,13 +253,16 @@ def _pick_block_m(alignment: int, cap: int = 128) -> int:
                      f"grouped GEMM (its smallest BLOCK_M); build the layout with alignment 16+")
 
 
-def _use_tma(x: QTensor, w: QWeight, kernel: str) -> bool:
+def _use_tma(x: QTensor, w: QWeight, kernel: str, gathered: bool = False) -> bool:
+    """gathered: A's rows read through an index (the TMA kernel's pointer loads; not with
+    packed UE8M0 scales, which the pointer kernel reads)."""
     check(kernel in ("auto", "tma", "pointer"), f"kernel ({kernel!r}) must be 'auto', 'tma' "
           f"or 'pointer'")
-    ok = tma_supported(x.data, w.data, w.recipe)
+    ok = tma_supported(x.data, w.data, w.recipe) and not (
+        gathered and x.scale_fmt == "ue8m0_packed")
     check(kernel != "tma" or ok, f"the TMA kernel takes recipes bf16 / fp8_block with 16-byte "
-          f"aligned contiguous rows (got {w.recipe}, x strides {x.data.stride()}); use "
-          f"kernel='auto'")
+          f"aligned contiguous rows, gathered rows without packed UE8M0 scales (got "
+          f"{w.recipe} {x.scale_fmt}, x strides {x.data.stride()}); use kernel='auto'")
     return ok and kernel != "pointer"
 
 
@@ -286,18 +294,18 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
     bias    optional fp32 [E, N]: each row's expert's row added in fp32 before the bf16 cast
             (gpt-oss's down bias)
     rows_M  optional int32 [M]: x is [R, K] rows and layout row m is x[rows_M[m]] (-1 on
-            padding), read by pointer on the TMA kernel (bf16 / fp8_block, fp32 scales)"""
+            padding), read by pointer loads (every recipe and kernel)"""
     _check_operands(x, w)
     _check_bias(bias, w)
     m = layout.num_rows
     if rows_M is not None:
-        _check_gather(x, w, rows_M, (m,), "rows_M", kernel)
+        _check_gather(x, rows_M, (m,), "rows_M")
     else:
         check(x.data.dim() == 2 and x.data.shape[0] == m, f"x.data shape "
               f"{tuple(x.data.shape)} must be [M, K] with M = layout.num_rows ({m})")
     check(layout.num_experts == w.shape[0], f"layout has {layout.num_experts} experts but the "
           f"weights {w.shape[0]}; build the layout with num_experts = w.shape[0]")
-    tma = rows_M is not None or _use_tma(x, w, kernel)
+    tma = _use_tma(x, w, kernel, gathered=rows_M is not None)
     cfg = (config or TUNED[w.recipe]) if tma else None
     bm = (_pick_block_m(layout.alignment, cfg.block_m if tma else 128) if block_m is None
           else block_m)
@@ -312,7 +320,7 @@ def triton_m_grouped_gemm_nt_contiguous(x: QTensor, w: QWeight, layout: Contiguo
                    w.shape[0], False, bm, cfg, bias, rows_EC=rows_M)
     else:
         _launch(x, w, x.data, x.scale, y, layout.row_expert_M, layout.counts_E, m,
-                triton.cdiv(m, bm), 1, bm, masked=False, bias=bias, kernel=kernel)
+                triton.cdiv(m, bm), 1, bm, masked=False, bias=bias, kernel=kernel, arow=rows_M)
     return y
 
 
@@ -326,7 +334,7 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     y [E, C, N] bf16; rows past each count are left unwritten (any value). config / out /
     kernel / bias as for the contiguous layout.
     rows_EC: int32 [E, C]: x is [R, K] rows (scales [R, G]) and masked row (e, c) is
-    x[rows_EC[e, c]] (read where c < counts[e] only); bf16 and fp8_block, the TMA kernel."""
+    x[rows_EC[e, c]] (read where c < counts[e] only; every recipe and kernel)."""
     _check_operands(x, w)
     _check_bias(bias, w)
     if rows_EC is not None:
@@ -353,31 +361,32 @@ def triton_m_grouped_gemm_nt_masked(x: QTensor, w: QWeight, counts_E: torch.Tens
     return y
 
 
-def _check_gather(x: QTensor, w: QWeight, rows, want: tuple, name: str, kernel: str) -> None:
+def _check_gather(x: QTensor, rows, want: tuple, name: str) -> None:
     check(rows.dtype == torch.int32 and rows.is_contiguous() and rows.dim() == len(want)
           and all(a == b for a, b in zip(rows.shape, want) if b is not None),
           f"{name} must be a contiguous int32 {list(want)} tensor, got {rows.dtype} "
           f"{tuple(rows.shape)}")
     check(x.data.dim() == 2, f"with {name}, x.data must be the [R, K] rows it indexes, got "
           f"shape {tuple(x.data.shape)}")
-    check(kernel in ("auto", "tma") and w.recipe in ("bf16", "fp8_block")
-          and x.scale_fmt != "ue8m0_packed",
-          f"gathered rows ({name}) run on the TMA kernel: recipes bf16 / fp8_block with "
-          f"fp32 scales, got {w.recipe} ({x.scale_fmt}), kernel={kernel!r}")
 
 
 def _masked_gathered(x: QTensor, w: QWeight, counts_E, rows_EC, block_m, config, out, kernel,
                      bias) -> torch.Tensor:
     e = w.shape[0]
-    _check_gather(x, w, rows_EC, (e, None), "rows_EC", kernel)
+    _check_gather(x, rows_EC, (e, None), "rows_EC")
     check(counts_E.dtype == torch.int32 and tuple(counts_E.shape) == (e,),
           f"counts_E must be int32 [{e}], got {counts_E.dtype} {tuple(counts_E.shape)}")
     c = rows_EC.shape[1]
     y = _out(out, (e, c, w.shape[1]), x.data.device)
     if e * c == 0:
         return y
-    launch_tma(x, w, y, counts_E, counts_E, counts_E, c, e, True, block_m,
-               config or TUNED[w.recipe], bias, rows_EC=rows_EC)
+    if _use_tma(x, w, kernel, gathered=True):
+        launch_tma(x, w, y, counts_E, counts_E, counts_E, c, e, True, block_m,
+                   config or TUNED[w.recipe], bias, rows_EC=rows_EC)
+    else:
+        _launch(x, w, x.data, x.scale, y.view(e * c, -1), counts_E, counts_E, c,
+                triton.cdiv(c, block_m), e, block_m, masked=True, bias=bias, kernel=kernel,
+                arow=rows_EC)
     return y
 
 

@@ -153,12 +153,10 @@ def _comm_options(a: argparse.Namespace) -> tuple:
                          f"{a.backend} takes none")
     knobs = parse_knobs(items)
     for knob, backend in GATHER_KNOBS.items():
-        if dict(knobs).get(knob) and (a.experts != "triton"
-                                      or a.quant not in ("bf16", "fp8_block")):
+        if dict(knobs).get(knob) and a.experts != "triton":
             raise ValueError(f"--comm-option {knob} leaves {backend}'s rows for an expert GEMM "
                              f"that reads them through an index: it needs --experts triton "
-                             f"with --quant bf16 or fp8_block (got --experts {a.experts}, "
-                             f"--quant {a.quant})")
+                             f"(got --experts {a.experts})")
     return knobs
 
 

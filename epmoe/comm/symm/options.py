@@ -44,12 +44,12 @@ class SymmOptions:
                 H200 the staged copy costs 2-8 us more; not yet measured on a link)
     ll_gather   with ll_dedup: the receive copies no row; the masked batch is the staged
                 rows with an index (`MaskedBatch.rows_EC`) that the experts' GEMM reads
-                through (Triton experts, bf16 / fp8_block)
+                through (Triton experts)
     ht_gather   symm-ht dispatch: the receive writes each layout row's index into the rows
                 that landed in the arena (its own rows copied there once) instead of the
                 rows themselves; the batch is those rows with the index
                 (`LayoutBatch.rows_M`) that the experts' GEMM1 reads through (Triton experts,
-                bf16 / fp8_block). The batch then views the arena: valid until this rank's
+                every recipe). The batch then views the arena: valid until this rank's
                 combine_send of the next dispatch
     """
 
@@ -145,8 +145,8 @@ class BoundOptions:
             self._bind()
 
 
-# the knobs that leave rows for an expert GEMM reading them through an index (Triton experts,
-# bf16 / fp8_block), and the backend each tunes
+# the knobs that leave rows for an expert GEMM reading them through an index (the Triton
+# experts), and the backend each tunes
 GATHER_KNOBS = {"ll_gather": "symm-ll", "ht_gather": "symm-ht"}
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
