@@ -94,6 +94,16 @@ def test_memory_budget_excludes_and_explains():
     assert str(exc.value).count("one rank: every form") == 1
 
 
+def test_a_profile_without_a_links_fits_is_named_as_the_fix():
+    """Two nodes priced with a profile that knows no inter-node link (the CPU one): the error
+    names the missing fits and asks for a profile that has them."""
+    two = Topology.parse("2x2", "cpu")
+    with pytest.raises(ValueError, match=r"profile 'cpu' has no \w+ fit on rdma.*give a "
+                                         r"--profile with fits on those links"):
+        plan_stack(CFG, BF16, two, load_profile("cpu"), (64,),
+                   available=frozenset({"local", "allgather", "all2all"}))
+
+
 def test_feasibility_reuses_the_runtime_rules():
     h200 = load_profile("h200")
     dsv3 = get_preset("deepseek-v3")

@@ -302,8 +302,11 @@ def _best_path(per_layer, topo, prof) -> list[Choice]:
             for c, w in ranked.rejected:
                 seen.setdefault(w, c)
             first = "; ".join(f"{c}: {w}" for w, c in list(seen.items())[:4])
+            fix = "change --topology, --quant or the memory budget"
+            if any(" fit on " in w for w in seen):  # the profile does not know a link
+                fix = f"give a --profile with fits on those links (e.g. a spec one), or {fix}"
             raise ValueError(f"layer {l}: no candidate is feasible on {topo.describe()} "
-                             f"({first}); change --topology, --quant or the memory budget")
+                             f"({first}); {fix}")
     case = CommCase(per_layer[0][0].cfg, per_layer[0][0].quant, topo, prof, None,
                     per_layer[0][0].tokens, per_layer[0][0].tokens)
     best = {p.candidate: (p.total_us, [p]) for p in per_layer[0][1].preds}
