@@ -79,7 +79,7 @@ REFUSED = [
     ("ht_gather", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block, bf16"),
     ("ht_gather", ["--tokens", "4096,x"], "--tokens: 'x' is not a whole number"),
     ("gather_gemm", ["--tokens", "0"], "--tokens: 0 must be >= 1"),
-    ("gather_gemm", ["--recipes", "mxfp8"], "--recipes: 'mxfp8' is not one of fp8_block"),
+    ("gather_gemm", ["--recipes", "int3"], "--recipes: 'int3' is not one of bf16, fp8_block"),
 ]
 
 

@@ -1,11 +1,12 @@
 """`python -m epmoe.bench.gather_gemm`: what reading the grouped GEMM's rows through an index
-costs at prefill sizes (one GPU); `--apply 128,32`: the bf16 Triton experts' whole apply with
-its rows copied into the layout or read in place (`measure_apply`).
+costs at prefill sizes (one GPU); `--apply 128,32`: the Triton experts' whole apply with its
+rows copied into the layout or read in place, per recipe (`measure_apply`).
 
-The contiguous layout's GEMM1 (N = 2 x intermediate, K = hidden) on the TMA kernel, two ways
-over the same tokens and routing: the rows permuted into the layout first (`triton_permute`,
-then A by TMA: today's path, the copy symm-ht's receive does for it) and the tokens read in
-place through the layout's row -> token index (`rows_M`, A by pointer loads: no copy). Times:
+The contiguous layout's GEMM1 (N = 2 x intermediate, K = hidden; the TMA kernel for bf16 /
+fp8_block, the pointer and W4A8 kernels for mxfp8 / w4a8_mxfp4), two ways over the same
+tokens and routing: the rows permuted into the layout first (`triton_permute`, then A by TMA
+where the kernel has it: the copy symm-ht's receive does for it) and the tokens read in place
+through the layout's row -> token index (`rows_M`, A by pointer loads: no copy). Times:
 CUDA events, median of `--iters` after warm-up; the ratio is gathered / (permute + GEMM).
 DeepSeek-V3 dims by default: hidden 7168, intermediate 2048, 128 local experts (256 at ep 2),
 top-8, `--tokens` received tokens.
@@ -19,6 +20,7 @@ import statistics
 import torch
 
 from epmoe.argtypes import at_least, int_list, name_list
+from epmoe.config import RECIPES
 
 
 def _median_us(fn, iters: int) -> float:
@@ -69,16 +71,16 @@ def measure(recipe: str, tokens: int, iters: int, experts: int = 128, top_k: int
                 equal=bool(torch.equal(y_p[valid], y_g[valid])))
 
 
-def measure_apply(tokens: int, iters: int, experts: int) -> dict:
-    """The Triton experts' whole `apply` (permute, GEMM1, act, GEMM2, gather) on bf16 rows, both
-    ways in one process: the rows copied into the layout (`gather_tokens` off, the way before)
-    and read in place through the layout's index (the bf16 default). DeepSeek-V3 dims, a rank
+def measure_apply(recipe: str, tokens: int, iters: int, experts: int) -> dict:
+    """The Triton experts' whole `apply` (permute, GEMM1, act, GEMM2, gather), both ways in one
+    process: the rows copied into the layout (`gather_tokens` off) and read in place through
+    the layout's index (`gather_tokens` on). DeepSeek-V3 dims, a rank
     of `experts` local experts (ep = 256 / experts) that received `tokens` tokens: of each
     token's 8 slots, 8 x experts / 256 (at least 1) are its experts, the rest -1."""
     from epmoe.bench.gather_ways import random_experts
     from epmoe.config import QuantConfig, get_preset
 
-    cfg, quant, dev = get_preset("deepseek-v3"), QuantConfig("bf16"), "cuda"
+    cfg, quant, dev = get_preset("deepseek-v3"), QuantConfig(recipe), "cuda"
     ex = random_experts(cfg, quant, experts, dev)
     g = torch.Generator(device=dev).manual_seed(0)
     local = max(1, cfg.top_k * experts // cfg.num_experts)
@@ -91,7 +93,8 @@ def measure_apply(tokens: int, iters: int, experts: int) -> dict:
         ex.gather_tokens = way
         us[way] = _median_us(lambda: ex.apply(x, ids, w), iters)
         ys[way] = ex.apply(x, ids, w).clone()
-    return dict(tokens=tokens, experts=experts, rows=tokens * local, copied_us=us[False],
+    return dict(recipe=recipe, tokens=tokens, experts=experts, rows=tokens * local,
+                copied_us=us[False],
                 gathered_us=us[True], ratio=us[True] / us[False],
                 equal=bool(torch.equal(ys[False], ys[True])))
 
@@ -101,23 +104,25 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int_list(1), default=(8192,),
                    help="tokens received (ep 2 at 4096 a rank: 8192)")
-    p.add_argument("--recipes", type=name_list(("fp8_block", "bf16")),
-                   default=("fp8_block", "bf16"), help="comma-separated")
+    p.add_argument("--recipes", type=name_list(RECIPES), default=("fp8_block", "bf16"),
+                   help="comma-separated")
     p.add_argument("--iters", type=at_least(1), default=10)
     p.add_argument("--apply", type=int_list(1), default=(), metavar="EXPERTS",
-                   help="instead: the bf16 Triton experts' whole apply, copied vs in place, "
-                   "at these local expert counts (e.g. 128,32: ep 2 and 8)")
+                   help="instead: the Triton experts' whole apply, copied vs in place, at "
+                   "these local expert counts (e.g. 128,32: ep 2 and 8)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if a.apply:
-        print(f"{'experts':>7} {'tokens':>6} {'rows':>7} {'copied':>9} {'in place':>9} "
-              f"{'ratio':>6} equal")
-        for e in a.apply:
-            for t in a.tokens:
-                m = measure_apply(t, a.iters, e)
-                print(f"{e:>7} {t:>6} {m['rows']:>7} {m['copied_us']:>9.1f} "
-                      f"{m['gathered_us']:>9.1f} {m['ratio']:>6.3f} {m['equal']}", flush=True)
+        print(f"{'recipe':10} {'experts':>7} {'tokens':>6} {'rows':>7} {'copied':>9} "
+              f"{'in place':>9} {'ratio':>6} equal")
+        for r in a.recipes:
+            for e in a.apply:
+                for t in a.tokens:
+                    m = measure_apply(r, t, a.iters, e)
+                    print(f"{r:10} {e:>7} {t:>6} {m['rows']:>7} {m['copied_us']:>9.1f} "
+                          f"{m['gathered_us']:>9.1f} {m['ratio']:>6.3f} {m['equal']}",
+                          flush=True)
         return 0
     print(f"{'recipe':10} {'tokens':>6} {'rows':>7} {'permute':>8} {'gemm':>8} "
           f"{'gathered':>9} {'ratio':>6} equal")

@@ -12,6 +12,7 @@ a copy the receive leaves out moves into GEMM1's row loads.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import torch
@@ -29,13 +30,24 @@ def random_weight(quant: QuantConfig, e: int, n: int, k: int, device):
     quantization pass over GBs; unit block scales), filled 8 experts at a time."""
     from epmoe.quant import FP8_DTYPE, QWeight
 
-    fp8 = quant.recipe == "fp8_block"
-    data = torch.empty(e, n, k, device=device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    for e0 in range(0, e, 8):
-        data[e0:e0 + 8] = (torch.randn(min(8, e - e0), n, k, device=device)
-                           / k ** 0.5).to(data.dtype)
-    scale = torch.ones(e, n // 128, k // 128, device=device) if fp8 else None
-    return QWeight(data, scale, quant.recipe)
+    r = quant.recipe
+    if r == "w4a8_mxfp4":  # random e2m1 codes, two a byte
+        data = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
+    else:
+        data = torch.empty(e, n, k, device=device,
+                           dtype=torch.bfloat16 if r == "bf16" else FP8_DTYPE)
+        for e0 in range(0, e, 8):
+            data[e0:e0 + 8] = (torch.randn(min(8, e - e0), n, k, device=device)
+                               / k ** 0.5).to(data.dtype)
+    if r == "fp8_block":
+        scale = torch.ones(e, n // 128, k // 128, device=device)
+    elif r in ("mxfp8", "w4a8_mxfp4"):  # e8m0 per 32 columns: 2**0, or for the codes (|v|
+        # up to 6) ~1 / (2 sqrt(k)), so that outputs stay O(1) as the others' do
+        e8 = 127 if r == "mxfp8" else 126 - round(0.5 * math.log2(k))
+        scale = torch.full((e, n, k // 32), e8, dtype=torch.uint8, device=device)
+    else:
+        scale = None
+    return QWeight(data, scale, r)
 
 
 def random_experts(cfg, quant: QuantConfig, e_l: int, device):
