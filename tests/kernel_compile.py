@@ -1,0 +1,174 @@
+"""Compile epmoe's Triton kernels for a GPU target on a machine without one (a subprocess of
+tests/test_kernels_compile.py): Triton's frontend, its GPU passes, LLVM and ptxas run on the
+CPU, so a kernel that would not compile on the GPU fails here, in CI, before any GPU run.
+
+    python tests/kernel_compile.py GROUP   ->  one JSON line per case: {"case", "ok", "error"}
+
+epmoe defines its kernels for the interpreter when CUDA is absent (epmoe.env), so CUDA is
+reported present before epmoe is imported; nothing is launched. Exit 77: this Triton cannot
+compile for the target here (no NVIDIA backend or no ptxas).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+torch.cuda.is_available = lambda: True  # noqa: E731  (kernels defined for the GPU, not run)
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+TARGET_ARCH = 90  # H100 / H200
+
+I32, F32, BF16, FP8, U8 = "*i32", "*fp32", "*bf16", "*fp8e4nv", "*u8"
+INDEX = {"row_expert_ptr": I32, "counts_ptr": I32, "offsets_ptr": I32, "arow_ptr": I32,
+         "bias_ptr": F32}
+
+
+@triton.jit
+def _broken(x_ptr, N: tl.constexpr):  # a shape error only the compiler sees: the harness check
+    a = tl.load(x_ptr + tl.arange(0, N))
+    b = tl.load(x_ptr + tl.arange(0, 2 * N))
+    tl.store(x_ptr + tl.arange(0, N), a + b)
+
+
+def _pointer_cases():
+    from epmoe.kernels.grouped_gemm import _grouped_gemm_kernel as k
+    # RECIPE: (a, a scales, w, w scales, K step); fp8_block packed: scales int32 words
+    ops = {0: (BF16, BF16, BF16, BF16, 64), 1: (FP8, F32, FP8, F32, 128),
+           2: (FP8, U8, FP8, U8, 128), 3: (FP8, F32, U8, U8, 64)}
+    for recipe, (a, s, w, ws, bk) in ops.items():
+        for packed in ((False, True) if recipe == 1 else (False,)):
+            for masked in (False, True):
+                for gather in (False, True):
+                    yield (f"pointer recipe={recipe} packed={packed} masked={masked} "
+                           f"gather={gather}", k,
+                           dict(a_ptr=a, as_ptr=I32 if packed else s, b_ptr=w, bs_ptr=ws,
+                                c_ptr=BF16),
+                           dict(RECIPE=recipe, MASKED=masked, A_PACKED=packed, HAS_BIAS=True,
+                                A_GATHER=gather, DOT_FP32=False, PRE_ROUND=False,
+                                EVEN_K=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8),
+                           dict(num_warps=8, num_stages=3))
+
+
+def _w4a8_cases():
+    from epmoe.kernels.gemm_w4a8 import _w4a8_kernel as k
+    for bm in (16, 128):
+        for masked in (False, True):
+            for gather in (False, True):
+                yield (f"w4a8 block_m={bm} masked={masked} gather={gather}", k,
+                       dict(a_ptr=FP8, as_ptr=F32, b_ptr=U8, bs_ptr=I32, c_ptr=BF16),
+                       dict(MASKED=masked, HAS_BIAS=True, A_GATHER=gather, INTERP=False,
+                            BLOCK_M=bm, BLOCK_N=128, GROUP_M=8),
+                       dict(num_warps=8, num_stages=3))
+
+
+def _tma_cases():
+    from epmoe.kernels.gemm_tma import _gemm_tma_kernel as k
+    bm, bn = 128, 128
+    for fp8 in (False, True):
+        bk, dt = (128, "fp8e4nv") if fp8 else (64, "bf16")
+        for gather in (False, True):
+            types = dict(b_desc=f"tensordesc<{dt}[{bn},{bk}]>",
+                         c_desc=f"tensordesc<bf16[{bm},{bn}]>", c_ptr=BF16, as_ptr=F32,
+                         bs_ptr=F32, a_ptr=f"*{dt}")
+            consts = dict(FP8=fp8, MASKED=False, A_PACKED=False, HAS_BIAS=True,
+                          A_GATHER=gather, INTERP=False, TMA_STORE=True, WARP_SPEC=False,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_N=1, GROUP_M=8)
+            if gather:  # no descriptor for A: its rows are loaded by pointer
+                consts["a_desc"] = None
+            else:
+                types["a_desc"] = f"tensordesc<{dt}[{bm},{bk}]>"
+            yield (f"tma fp8={fp8} gather={gather}", k, types, consts,
+                   dict(num_warps=8, num_stages=3))
+
+
+def _layout_cases():
+    """The permute's count and scatter (rows copied, or the tokens' index written) and the
+    gather's weighted sum."""
+    from epmoe.kernels.gather import _gather_reduce_kernel
+    from epmoe.kernels.permute import _hist_kernel, _scatter_kernel
+
+    for has_map in (False, True):
+        yield (f"hist map={has_map}", _hist_kernel, dict(acc_ptr=I32, ticket_ptr=I32),
+               dict(HAS_MAP=has_map, BLOCK=1024, BLOCK_E=256), dict(num_warps=4))
+    words = dict(ids_ptr=I32, map_ptr=I32, cursor_ptr=I32, inv_ptr=I32, tok_ptr=I32,
+                 x_ptr=I32, out_ptr=I32, s_ptr=I32, s_out_ptr=I32)
+    for assign, copy, tokens, scale in ((True, True, False, True), (True, True, False, False),
+                                        (True, False, True, False), (False, True, False, True)):
+        yield (f"scatter assign={assign} copy={copy} tokens={tokens} scale={scale}",
+               _scatter_kernel, words,
+               dict(HAS_MAP=True, ASSIGN=assign, COPY=copy, TOKENS=tokens, HAS_SCALE=scale,
+                    BLOCK_K=8, BLOCK_D=2048, BLOCK_G=64, BLOCK_R=16, BLOCK_E=256),
+               dict(num_warps=4))
+    for has_w in (False, True):
+        yield (f"gather weights={has_w}", _gather_reduce_kernel,
+               dict(y_ptr=BF16, rows_ptr=I32, w_ptr=F32, out_ptr=BF16),
+               dict(HAS_W=has_w, PRE_ROUND=False, BLOCK_T=4, BLOCK_D=1024), dict(num_warps=4))
+
+
+def _broken_cases():
+    yield "broken (must fail)", _broken, dict(x_ptr=F32), dict(N=16), dict(num_warps=4)
+
+
+GROUPS = {"pointer": _pointer_cases, "w4a8": _w4a8_cases, "tma": _tma_cases,
+          "layout": _layout_cases, "broken": _broken_cases}
+
+
+def _jit(kernel):
+    """The JITFunction under an autotuner / heuristics wrapper."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def compile_case(kernel, types: dict, consts: dict, options: dict):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _jit(kernel)
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else
+           types.get(n) or INDEX.get(n) or (I32 if n.endswith("_ptr") else "i32")
+           for n in names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost error (a CompilationError chains the callee's, which names the line)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {str(exc)[-800:]}"
+
+
+def main(group: str) -> int:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        try:
+            get_ptxas(TARGET_ARCH)
+        except TypeError:  # Triton < 3.5 takes no arch
+            get_ptxas()
+    except Exception as exc:  # no NVIDIA backend, or no ptxas: nothing to check here
+        print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"}))
+        return 77
+    for name, kernel, types, consts, options in GROUPS[group]():
+        try:
+            ok = bool(compile_case(kernel, types, consts, options).asm.get("cubin"))
+            err = "" if ok else "no cubin"
+        except Exception as exc:  # reported per case; the test names it
+            ok, err = False, _cause(exc)
+        print(json.dumps({"case": name, "ok": ok, "error": err}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))
