@@ -112,12 +112,31 @@ def _layout_cases():
                dict(HAS_W=has_w, PRE_ROUND=False, BLOCK_T=4, BLOCK_D=1024), dict(num_warps=4))
 
 
+def _act_quant_cases():
+    """The fused activation + quantization: each output format (bf16, fp8 with fp32 / pow2 /
+    e8m0 / packed scales), both activations, and the row masks and bias of the layouts."""
+    from epmoe.kernels.act_quant import _act_quant_kernel as k
+
+    scale = {0: BF16, 1: F32, 2: F32, 3: U8, 4: I32}
+    for quant, act, valid, bias in ((0, 1, 0, False), (1, 1, 1, False), (2, 2, 2, True),
+                                    (3, 2, 1, True), (4, 1, 2, False), (1, 2, 0, True)):
+        group = 256 if quant == 0 else 32 if quant == 3 else 128
+        yield (f"act_quant quant={quant} act={act} valid={valid} bias={bias}", k,
+               dict(h_ptr=BF16, q_ptr=BF16 if quant == 0 else FP8, s_ptr=scale[quant],
+                    valid_ptr=I32, b_ptr=F32, limit="fp32", alpha="fp32", amax_min="fp32",
+                    fp8_max="fp32"),
+               dict(ACT=act, HAS_LIMIT=act == 2, QUANT=quant, PRE_ROUND=False, VALID=valid,
+                    HAS_BIAS=bias, GROUP=group, GROUPS_PER_PROG=4 if quant == 4 else 1,
+                    BLOCK_M=16),
+               dict(num_warps=4))
+
+
 def _broken_cases():
     yield "broken (must fail)", _broken, dict(x_ptr=F32), dict(N=16), dict(num_warps=4)
 
 
 GROUPS = {"pointer": _pointer_cases, "w4a8": _w4a8_cases, "tma": _tma_cases,
-          "layout": _layout_cases, "broken": _broken_cases}
+          "layout": _layout_cases, "act_quant": _act_quant_cases, "broken": _broken_cases}
 
 
 def _jit(kernel):

@@ -1,4 +1,4 @@
-"""The grouped GEMM, permute and gather kernels compile for sm_90 (H100 / H200) on a machine
+"""The grouped GEMM, permute, gather and act + quant kernels compile for sm_90 (H100 / H200) on a machine
 without a GPU: Triton's GPU passes, LLVM and ptxas run on the CPU (tests/kernel_compile.py,
 a subprocess: epmoe defines its kernels for the interpreter there otherwise). The CPU tests run the
 kernels under the interpreter, which accepts code the compiler refuses; this catches that
@@ -27,10 +27,11 @@ def _compile(group: str, cache: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("group,cases", [("pointer", 20), ("w4a8", 8), ("tma", 4),
-                                         ("layout", 8)])
+                                         ("layout", 8), ("act_quant", 6)])
 def test_kernels_compile_for_sm90(group, cases, tmp_path):
     """GEMMs: each layout (contiguous / masked), recipe and the gathered-row (A_GATHER)
-    variant; the permute's count and scatter ways and the gather."""
+    variant; the permute's count and scatter ways and the gather; the act + quant's output
+    formats, activations and row masks."""
     rows = _compile(group, tmp_path)
     assert len(rows) == cases, rows
     bad = [f"{r['case']}: {r['error']}" for r in rows if not r["ok"]]
