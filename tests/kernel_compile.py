@@ -131,12 +131,47 @@ def _act_quant_cases():
                dict(num_warps=4))
 
 
+def _router_cases():
+    """The router (gate GEMM fused or given logits; every router kind; DeepSeek-V4's hash
+    layers), its constexprs derived from the presets as the launch derives them."""
+    from epmoe.config import get_preset
+    from epmoe.kernels._common import next_pow2
+    from epmoe.kernels.gate_topk import _KIND, TUNED_ROUTER as c, _router_kernel as k
+    from epmoe.router import group_best
+
+    for model, router, hashed in (("deepseek-v3", None, False), ("kimi-k2", None, False),
+                                  ("qwen3-235b-a22b", None, False),
+                                  ("qwen3-235b-a22b", "softmax_biased", False),
+                                  ("gpt-oss-120b", None, False),
+                                  ("deepseek-v4-tiny", None, False),
+                                  ("deepseek-v4-tiny", None, True)):
+        cfg = get_preset(model)
+        cfg = cfg.replace(router=router) if router else cfg
+        block_e = max(16, next_pow2(cfg.num_experts))
+        for fused in (True, False):
+            yield (f"router {model} ({cfg.router}) fused={fused} hash={hashed}", k,
+                   dict(x_ptr=BF16 if fused else F32, g_ptr=BF16, l_ptr=F32, bias_ptr=F32,
+                        ids_ptr=I32, w_ptr=F32, tab_ptr=I32, tok_ptr="*i64",
+                        scaling="fp32", renorm_eps="fp32"),
+                   dict(KIND=_KIND[cfg.router], FUSED=fused, HASH=hashed,
+                        HAS_BIAS=cfg.router != "softmax" and not hashed,
+                        N_GROUP=cfg.n_group, NG_PAD=next_pow2(cfg.n_group),
+                        GROUP_SIZE=cfg.num_experts // cfg.n_group,
+                        GROUP_BEST=group_best(cfg), TOPK_GROUP=cfg.topk_group,
+                        TOP_K=cfg.top_k, RENORM=cfg.renormalize, INTERP=False,
+                        EVEN_K=cfg.hidden % c.block_k == 0,
+                        BLOCK_M=max(16, min(c.block_m, 16384 // block_e)), BLOCK_E=block_e,
+                        BLOCK_K=c.block_k, K_PAD=max(2, next_pow2(cfg.top_k))),
+                   dict(num_warps=c.num_warps, num_stages=c.num_stages))
+
+
 def _broken_cases():
     yield "broken (must fail)", _broken, dict(x_ptr=F32), dict(N=16), dict(num_warps=4)
 
 
 GROUPS = {"pointer": _pointer_cases, "w4a8": _w4a8_cases, "tma": _tma_cases,
-          "layout": _layout_cases, "act_quant": _act_quant_cases, "broken": _broken_cases}
+          "layout": _layout_cases, "act_quant": _act_quant_cases,
+          "router": _router_cases, "broken": _broken_cases}
 
 
 def _jit(kernel):

@@ -1,8 +1,9 @@
-"""The grouped GEMM, permute, gather and act + quant kernels compile for sm_90 (H100 / H200) on a machine
-without a GPU: Triton's GPU passes, LLVM and ptxas run on the CPU (tests/kernel_compile.py,
-a subprocess: epmoe defines its kernels for the interpreter there otherwise). The CPU tests run the
-kernels under the interpreter, which accepts code the compiler refuses; this catches that
-before a GPU run. A deliberately broken kernel must fail, so the harness can."""
+"""The grouped GEMM, permute, gather, act + quant and router kernels compile for sm_90
+(H100 / H200) on a machine without a GPU: Triton's GPU passes, LLVM and ptxas run on the CPU
+(tests/kernel_compile.py, a subprocess: epmoe defines its kernels for the interpreter there
+otherwise). The CPU tests run the kernels under the interpreter, which accepts code the
+compiler refuses; this catches that before a GPU run. A deliberately broken kernel must
+fail, so the harness can."""
 
 import json
 import os
@@ -27,11 +28,11 @@ def _compile(group: str, cache: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("group,cases", [("pointer", 20), ("w4a8", 8), ("tma", 4),
-                                         ("layout", 8), ("act_quant", 6)])
+                                         ("layout", 8), ("act_quant", 6), ("router", 14)])
 def test_kernels_compile_for_sm90(group, cases, tmp_path):
     """GEMMs: each layout (contiguous / masked), recipe and the gathered-row (A_GATHER)
     variant; the permute's count and scatter ways and the gather; the act + quant's output
-    formats, activations and row masks."""
+    formats, activations and row masks; the router's kinds, fused or not, hashed or not."""
     rows = _compile(group, tmp_path)
     assert len(rows) == cases, rows
     bad = [f"{r['case']}: {r['error']}" for r in rows if not r["ok"]]
