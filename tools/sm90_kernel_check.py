@@ -1,10 +1,13 @@
 """Compile kernels for sm_90 on a machine without a GPU and report what ptxas says.
 
-    python tools/sm90_kernel_check.py [--set symm|w4a8] [--hidden 7168] [--warps 16] [--json]
+    python tools/sm90_kernel_check.py [--set symm|w4a8|layer] [--hidden 7168] [--warps 16]
+                                      [--json]
 
 --set symm (default): each kernel of `epmoe/comm/symm` at DeepSeek-V3 shapes and the backends'
 default tiles; --set w4a8: the W4A8 grouped GEMM (`epmoe/kernels/gemm_w4a8.py`) at each BLOCK_M
-`w4a8_block_m` picks and each of its autotune configs (their own warps and stages). Reported:
+`w4a8_block_m` picks and each of its autotune configs (their own warps and stages); --set
+layer: the layer's kernels in each of their variants (`tools/sm90_layer_kernels.py`: grouped
+GEMMs per recipe, layout and gathered rows, permute, gather, act + quant, router). Reported:
 registers per thread, spilled bytes, and how many 16-byte (v4) global loads / stores the PTX
 holds next to narrower ones. A quick way to see, before spending device time, whether a change
 made a kernel spill or lose its wide memory accesses. Pointer arguments (and integer ones
@@ -24,6 +27,7 @@ import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for real, before epmoe reads it
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sm90_layer_kernels
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -154,21 +158,23 @@ def w4a8_kernels() -> list[tuple]:
     from epmoe.kernels import gemm_w4a8 as g
 
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*u8", bs_ptr="*i32", c_ptr="*bf16",
-               row_expert_ptr="*i32", counts_ptr="*i32", bias_ptr="*fp32", M="i32", N="i32",
+               row_expert_ptr="*i32", counts_ptr="*i32", bias_ptr="*fp32", arow_ptr="*i32",
+               M="i32", N="i32",
                K="i32", GRID_M="i32", stride_am="i32:16", stride_as_m="i32",
                stride_as_g="i32", stride_be="i32:16", stride_bn="i32:16", stride_bs_e="i32",
                stride_bs_n="i32", stride_bs_k="i32", stride_cm="i32:16", stride_b="i32")
     return [(f"w4a8 bm{bm} bn{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}",
              g._w4a8_kernel.fn, sig,
-             dict(MASKED=False, HAS_BIAS=False, INTERP=False, BLOCK_M=bm,
+             dict(MASKED=False, HAS_BIAS=False, A_GATHER=False, INTERP=False, BLOCK_M=bm,
                   BLOCK_N=c.kwargs["BLOCK_N"], GROUP_M=8), True, c.num_warps, c.num_stages)
             for bm in (16, 64, 128) for c in g._CONFIGS]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--set", choices=("symm", "w4a8"), default="symm",
-                   help="the symm comm kernels, or the W4A8 grouped GEMM's configs")
+    p.add_argument("--set", choices=("symm", "w4a8", "layer"), default="symm",
+                   help="the symm comm kernels, the W4A8 grouped GEMM's configs, or the "
+                   "layer's kernels in their variants")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--warps", type=int, default=16, help="warps per CTA (the GPU default)")
     p.add_argument("--only", default="", help="comma-separated kernel names (substrings)")
@@ -180,19 +186,23 @@ def main(argv=None) -> int:
         print(f"no ptxas at {PTXAS} (the triton wheel bundles it)", file=sys.stderr)
         return 2
     want = [w for w in a.only.split(",") if w]
+    if a.set == "layer":
+        from sm90_layer_kernels import layer_kernels
+        todo = layer_kernels()
+    else:
+        todo = ([(*k, a.warps, None) for k in kernels(a.hidden)] if a.set == "symm"
+                else w4a8_kernels())
+    todo = [t for t in todo if not want or any(w in t[0] for w in want)]
+    width = max([34, *(len(t[0]) for t in todo)])
     if not a.json:
-        print(f"{'kernel':<34} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
+        print(f"{'kernel':<{width}} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
               f"{'narrow ld/st':>13}")
-    todo = ([(*k, a.warps, None) for k in kernels(a.hidden)] if a.set == "symm"
-            else w4a8_kernels())
     for name, fn, sig, consts, fusion, warps, stages in todo:
-        if want and not any(w in name for w in want):
-            continue
         r = compile_sm90(fn, sig, consts, warps, fusion, stages)
         if a.json:
             print(json.dumps(dict(kernel=name, warps=warps, **r)))
         else:
-            print(f"{name:<34} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
+            print(f"{name:<{width}} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
                   f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
     return 0
 

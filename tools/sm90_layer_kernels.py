@@ -1,40 +1,23 @@
-"""Compile epmoe's Triton kernels for a GPU target on a machine without one (a subprocess of
-tests/test_kernels_compile.py): Triton's frontend, its GPU passes, LLVM and ptxas run on the
-CPU, so a kernel that would not compile on the GPU fails here, in CI, before any GPU run.
-
-    python tests/kernel_compile.py GROUP   ->  one JSON line per case: {"case", "ok", "error"}
-
-epmoe defines its kernels for the interpreter when CUDA is absent (epmoe.env), so CUDA is
-reported present before epmoe is imported; nothing is launched. Exit 77: this Triton cannot
-compile for the target here (no NVIDIA backend or no ptxas).
+"""The layer's kernels for `tools/sm90_kernel_check.py --set layer`: the grouped GEMMs (the
+pointer kernel in each recipe, the W4A8 and TMA kernels; masked / contiguous; rows read in
+place through an index or not), the permute's count and scatter, the gather, the fused
+act + quant and the router (constexprs from the presets, as its launch derives them).
+Each entry: (name, kernel, argument types, constexprs, options); arguments not named take
+`full_signature`'s defaults (pointers int32, scalars i32).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import sys
-
-import torch
-
-torch.cuda.is_available = lambda: True  # noqa: E731  (kernels defined for the GPU, not run)
-os.environ.pop("TRITON_INTERPRET", None)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-TARGET_ARCH = 90  # H100 / H200
 
 I32, F32, BF16, FP8, U8 = "*i32", "*fp32", "*bf16", "*fp8e4nv", "*u8"
 INDEX = {"row_expert_ptr": I32, "counts_ptr": I32, "offsets_ptr": I32, "arow_ptr": I32,
          "bias_ptr": F32}
 
 
-@triton.jit
-def _broken(x_ptr, N: tl.constexpr):  # a shape error only the compiler sees: the harness check
-    a = tl.load(x_ptr + tl.arange(0, N))
-    b = tl.load(x_ptr + tl.arange(0, 2 * N))
-    tl.store(x_ptr + tl.arange(0, N), a + b)
+def full_signature(fn, types: dict, consts: dict) -> dict:
+    """Every runtime argument of `fn` typed: `types`, else the index defaults, else int32
+    pointers and i32 scalars."""
+    return {n: types.get(n) or INDEX.get(n) or (I32 if n.endswith("_ptr") else "i32")
+            for n in fn.arg_names if n not in consts}
 
 
 def _pointer_cases():
@@ -165,64 +148,16 @@ def _router_cases():
                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
 
 
-def _broken_cases():
-    yield "broken (must fail)", _broken, dict(x_ptr=F32), dict(N=16), dict(num_warps=4)
-
-
-GROUPS = {"pointer": _pointer_cases, "w4a8": _w4a8_cases, "tma": _tma_cases,
-          "layout": _layout_cases, "act_quant": _act_quant_cases,
-          "router": _router_cases, "broken": _broken_cases}
-
-
-def _jit(kernel):
-    """The JITFunction under an autotuner / heuristics wrapper."""
+def layer_kernels() -> list[tuple]:
+    """(name, jit fn, signature, constexprs, fp fusion, warps, stages), as the tool takes."""
     from triton.runtime.jit import JITFunction
 
-    while not isinstance(kernel, JITFunction):
-        kernel = kernel.fn
-    return kernel
-
-
-def compile_case(kernel, types: dict, consts: dict, options: dict):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _jit(kernel)
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else
-           types.get(n) or INDEX.get(n) or (I32 if n.endswith("_ptr") else "i32")
-           for n in names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
-
-
-def _cause(exc: BaseException) -> str:
-    """The innermost error (a CompilationError chains the callee's, which names the line)."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
-    return f"{type(exc).__name__}: {str(exc)[-800:]}"
-
-
-def main(group: str) -> int:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        try:
-            get_ptxas(TARGET_ARCH)
-        except TypeError:  # Triton < 3.5 takes no arch
-            get_ptxas()
-    except Exception as exc:  # no NVIDIA backend, or no ptxas: nothing to check here
-        print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"}))
-        return 77
-    for name, kernel, types, consts, options in GROUPS[group]():
-        try:
-            ok = bool(compile_case(kernel, types, consts, options).asm.get("cubin"))
-            err = "" if ok else "no cubin"
-        except Exception as exc:  # reported per case; the test names it
-            ok, err = False, _cause(exc)
-        print(json.dumps({"case": name, "ok": ok, "error": err}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    out = []
+    for cases in (_pointer_cases, _w4a8_cases, _tma_cases, _layout_cases, _act_quant_cases,
+                  _router_cases):
+        for name, kernel, types, consts, opts in cases():
+            while not isinstance(kernel, JITFunction):  # under an autotuner
+                kernel = kernel.fn
+            out.append((name, kernel, full_signature(kernel, types, consts), consts, True,
+                        opts["num_warps"], opts.get("num_stages")))
+    return out
