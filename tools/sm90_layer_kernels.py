@@ -119,7 +119,7 @@ def _router_cases():
     layers), its constexprs derived from the presets as the launch derives them."""
     from epmoe.config import get_preset
     from epmoe.kernels._common import next_pow2
-    from epmoe.kernels.gate_topk import _KIND, TUNED_ROUTER as c, _router_kernel as k
+    from epmoe.kernels.gate_topk import _KIND, _router_kernel as k, router_config
     from epmoe.router import group_best
 
     for model, router, hashed in (("deepseek-v3", None, False), ("kimi-k2", None, False),
@@ -131,6 +131,7 @@ def _router_cases():
         cfg = get_preset(model)
         cfg = cfg.replace(router=router) if router else cfg
         block_e = max(16, next_pow2(cfg.num_experts))
+        c = router_config(cfg.num_experts)
         for fused in (True, False):
             yield (f"router {model} ({cfg.router}) fused={fused} hash={hashed}", k,
                    dict(x_ptr=BF16 if fused else F32, g_ptr=BF16, l_ptr=F32, bias_ptr=F32,
@@ -143,7 +144,7 @@ def _router_cases():
                         GROUP_BEST=group_best(cfg), TOPK_GROUP=cfg.topk_group,
                         TOP_K=cfg.top_k, RENORM=cfg.renormalize, INTERP=False,
                         EVEN_K=cfg.hidden % c.block_k == 0,
-                        BLOCK_M=max(16, min(c.block_m, 16384 // block_e)), BLOCK_E=block_e,
+                        BLOCK_M=c.block_m, BLOCK_E=block_e,
                         BLOCK_K=c.block_k, K_PAD=max(2, next_pow2(cfg.top_k))),
                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
 

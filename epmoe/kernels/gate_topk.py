@@ -22,6 +22,7 @@ hardware exponent); weights agree to ~1e-6 relative.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from epmoe.kernels._common import INTERPRET, check, next_pow2
@@ -52,6 +53,17 @@ class RouterConfig:
 # 2026-12-01): 64 tokens, K step 64, 8 warps, 4 stages 117.7 us (32/64/4 warps 118.5, 64/64/4
 # warps 195.2; K step 128 at 3 stages needs 240 KB of shared memory: refused).
 TUNED_ROUTER = RouterConfig(64, 64, 8, 4)
+# Per expert-row width (BLOCK_E) where it differs (`python -m epmoe.bench.router_tune`).
+TUNED_ROUTERS: dict[int, RouterConfig] = {}
+
+
+def router_config(num_experts: int) -> RouterConfig:
+    """The launch's config for a router over `num_experts`: the tuned one for its row width,
+    its tokens per program capped so the program's [BLOCK_M, BLOCK_E] fp32 scores stay at
+    <= 16384 values."""
+    block_e = max(16, next_pow2(num_experts))
+    c = TUNED_ROUTERS.get(block_e, TUNED_ROUTER)
+    return dataclasses.replace(c, block_m=max(16, min(c.block_m, 16384 // block_e)))
 
 
 @triton.jit
@@ -212,7 +224,7 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     w = torch.empty((t, cfg.top_k), dtype=torch.float32, device=dev)
     if t == 0:
         return ids, w
-    c = config or TUNED_ROUTER
+    c = config or router_config(cfg.num_experts)
     block_e = max(16, next_pow2(cfg.num_experts))
     block_m = 16 if INTERPRET else max(16, min(c.block_m, 16384 // block_e))
     d = x.shape[1] if x is not None else 0

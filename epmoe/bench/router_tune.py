@@ -1,0 +1,144 @@
+"""The fused router's launch config per expert-row width, timed on one GPU.
+
+    python -m epmoe.bench.router_tune [--models deepseek-v3,kimi-k2,qwen3-235b-a22b]
+                                      [--tokens 4096] [--json FILE]
+
+For each model's router (its real hidden, experts, groups, top-k and scoring) and each
+candidate `RouterConfig` (tokens per program, K step, warps, stages): the fused gate GEMM +
+top-k kernel's median time over many runs, and its agreement with the torch router on the
+same bf16 inputs' float64 logits (the share of tokens whose expert set differs: near-ties
+only, so a correct config stays under `--max-mismatch`). The config the launch picks today
+(`router_config`) is timed in the same run and every candidate is printed as a ratio to it.
+The picks are baked into `epmoe.kernels.gate_topk.TUNED_ROUTERS` by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+from epmoe.argtypes import at_least, int_list, name_list
+from epmoe.config import PRESETS, get_preset
+from epmoe.kernels._common import next_pow2
+from epmoe.kernels.gate_topk import RouterConfig, router_config, triton_gate_route
+from epmoe.outputs import dump_json, run_main, writable_file
+
+MAX_MISMATCH = 0.005
+
+
+def candidates(block_e: int) -> list[RouterConfig]:
+    """Tokens per program up to the launch's register cap (16384 // BLOCK_E fp32 scores),
+    K step 32 / 64, 4 / 8 / 16 warps, 3 / 4 stages."""
+    cap = max(16, 16384 // block_e)
+    bms = [b for b in (16, 32, 64, 128) if b <= cap][-2:]
+    return [RouterConfig(bm, bk, w, s)
+            for bm, bk, w, s in itertools.product(bms, (32, 64), (4, 8, 16), (3, 4))]
+
+
+def _inputs(cfg, t: int, seed: int, device: str):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(t, cfg.hidden, device=device, generator=g).to(torch.bfloat16)
+    gate = (torch.randn(cfg.num_experts, cfg.hidden, device=device, generator=g)
+            / cfg.hidden ** 0.5).to(torch.bfloat16)
+    bias = None
+    if cfg.router != "softmax":
+        bias = torch.randn(cfg.num_experts, device=device, generator=g) * 0.01
+    return x, gate, bias
+
+
+def mismatch(ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
+    """The share of tokens whose set of chosen experts differs from the reference's."""
+    return float((ids.long().sort(-1).values != ref_ids.long().sort(-1).values)
+                 .any(-1).float().mean())
+
+
+def median_us(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # launch ahead of the GPU: time the kernel, not the host
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str = "cuda",
+               timer=median_us, configs: list[RouterConfig] | None = None) -> dict:
+    """Every candidate (or `configs`) at t tokens, the launch's current config first."""
+    from epmoe.router import route
+
+    cfg = get_preset(model)
+    block_e = max(16, next_pow2(cfg.num_experts))
+    x, gate, bias = _inputs(cfg, t, 0, device)
+    ref = route((x.double() @ gate.double().T).float(), cfg, bias, backend="torch")
+    current = router_config(cfg.num_experts)
+    rows = []
+    for c in [current] + [c for c in configs or candidates(block_e) if c != current]:
+        row = dict(config=c.__dict__, current=c == current)
+        try:
+            ids, w = triton_gate_route(x, gate, cfg, bias, config=c)
+            row["mismatch"] = mismatch(ids, ref.topk_ids_TK)
+            row["us"] = timer(lambda c=c: triton_gate_route(x, gate, cfg, bias, config=c),
+                              iters)
+        except Exception as exc:  # noqa: BLE001  (out of shared memory: recorded, skipped)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        print(_line(row, rows[0].get("us")), flush=True)
+    ok = [r for r in rows if "us" in r and r["mismatch"] <= max_mismatch]
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    return dict(model=model, tokens=t, experts=cfg.num_experts, block_e=block_e,
+                hidden=cfg.hidden, rows=rows, best=best,
+                current_us=rows[0].get("us"),
+                speedup=rows[0]["us"] / best["us"] if best and "us" in rows[0] else None)
+
+
+def _line(row: dict, base_us: float | None) -> str:
+    c = RouterConfig(**row["config"])
+    name = f"{c.block_m}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+    if "error" in row:
+        return f"  {name:<16} {row['error'][:60]}"
+    ratio = f"{row['us'] / base_us:6.3f}" if base_us else "     -"
+    mark = "  (current)" if row["current"] else ""
+    return f"  {name:<16} {row['us']:9.1f} us  x{ratio}  mismatch {row['mismatch']:.4f}{mark}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.router_tune",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=name_list(PRESETS),
+                   default="deepseek-v3,kimi-k2,qwen3-235b-a22b")
+    p.add_argument("--tokens", type=int_list(1), default="4096")
+    p.add_argument("--iters", type=at_least(1), default=50)
+    p.add_argument("--max-mismatch", type=float, default=MAX_MISMATCH,
+                   help="largest share of tokens whose experts may differ from the torch "
+                        "router on float64 logits (near-ties)")
+    p.add_argument("--json", type=writable_file, default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("router_tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = []
+    for m in a.models:
+        for t in a.tokens:
+            print(f"{m}: {t} tokens (time x ratio to the launch's current config)", flush=True)
+            r = tune_model(m, t, a.iters, a.max_mismatch)
+            if r["best"]:
+                b = RouterConfig(**r["best"]["config"])
+                print(f"  best {b} {r['best']['us']:.1f} us: {r['speedup']:.2f}x the current")
+            out.append(r)
+            if a.json:  # after each model: a run cut short keeps what it measured
+                with open(a.json, "w") as f:
+                    dump_json(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

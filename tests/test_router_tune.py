@@ -1,0 +1,56 @@
+"""bench.router_tune's candidates, its agreement check and its pick (CPU, the interpreter; the
+timings are the GPU's, here a stand-in timer)."""
+
+import pytest
+import torch
+
+from epmoe.bench import router_tune as rt
+from epmoe.kernels.gate_topk import TUNED_ROUTER, RouterConfig, router_config
+
+
+def test_router_config_caps_tokens_per_program_by_row_width():
+    assert router_config(256) == TUNED_ROUTER
+    assert router_config(384).block_m == 16384 // 512  # Kimi-K2: 384 experts in a 512 row
+    assert router_config(384).block_k == TUNED_ROUTER.block_k
+    for e in (8, 128, 160, 256, 384, 512):
+        assert router_config(e).block_m * max(16, 1 << (e - 1).bit_length()) <= 16384
+
+
+@pytest.mark.parametrize("block_e,bms", [(512, {16, 32}), (256, {32, 64}), (128, {64, 128})])
+def test_candidates_stay_under_the_register_cap(block_e, bms):
+    got = rt.candidates(block_e)
+    assert {c.block_m for c in got} == bms
+    assert len(got) == len(set(got)) == 2 * 2 * 3 * 2
+
+
+def test_mismatch_counts_tokens_whose_expert_set_differs():
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 1, 2]])
+    same_sets = ids.flip(-1)  # order within a token does not matter
+    assert rt.mismatch(same_sets, ids) == 0.0
+    one_off = ids.clone()
+    one_off[2, 0] = 3
+    assert rt.mismatch(one_off, ids) == 0.25
+
+
+def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
+    """A config that routes wrongly is not picked however fast it is; the current config is
+    timed first and the ratio is to it."""
+    real = rt.triton_gate_route
+    wrong = RouterConfig(16, 32, 4, 3)
+
+    def route(x, gate, cfg, bias, config):
+        ids, w = real(x, gate, cfg, bias, config=config)
+        return ((ids + 1) % cfg.num_experts if config == wrong else ids), w
+
+    monkeypatch.setattr(rt, "triton_gate_route", route)
+    fast = RouterConfig(32, 64, 8, 3)
+    us = {wrong: 1.0, fast: 5.0}
+    cur = router_config(24)
+    r = rt.tune_model("kimi-k2-tiny", 40, 1, 0.05, device="cpu",
+                      timer=lambda fn, iters: us.get(fn.__defaults__[0], 10.0),
+                      configs=[wrong, fast])
+    assert [RouterConfig(**row["config"]) for row in r["rows"]] == [cur, wrong, fast]
+    assert r["rows"][0]["current"] and r["current_us"] == 10.0
+    assert r["rows"][1]["mismatch"] == 1.0  # every token's experts shifted
+    assert r["rows"][2]["mismatch"] <= 0.05 and r["rows"][0]["mismatch"] <= 0.05
+    assert RouterConfig(**r["best"]["config"]) == fast and r["speedup"] == 2.0
