@@ -15,27 +15,12 @@ top-8, `--tokens` received tokens.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from epmoe.argtypes import at_least, int_list, name_list
+from epmoe.bench.timers import event_median_us as _median_us
 from epmoe.config import RECIPES
-
-
-def _median_us(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # the GPU busy while the host issues
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def measure(recipe: str, tokens: int, iters: int, experts: int = 128, top_k: int = 8,

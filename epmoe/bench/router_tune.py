@@ -21,6 +21,7 @@ import sys
 import torch
 
 from epmoe.argtypes import at_least, int_list, name_list
+from epmoe.bench.timers import event_median_us
 from epmoe.config import PRESETS, get_preset
 from epmoe.kernels._common import next_pow2
 from epmoe.kernels.gate_topk import RouterConfig, router_config, triton_gate_route
@@ -55,23 +56,8 @@ def mismatch(ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
                  .any(-1).float().mean())
 
 
-def median_us(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # launch ahead of the GPU: time the kernel, not the host
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str = "cuda",
-               timer=median_us, configs: list[RouterConfig] | None = None) -> dict:
+               timer=event_median_us, configs: list[RouterConfig] | None = None) -> dict:
     """Every candidate (or `configs`) at t tokens, the launch's current config first."""
     from epmoe.router import route
 
