@@ -90,24 +90,27 @@ def test_triton_experts_permute_then_run_uses_given_layout(seed):
         tri.make_layout(ids, alignment=16)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
-def test_apply_reads_bf16_tokens_in_place(recipe, seed):
-    """bf16: apply copies no row into the layout (its workspace holds none; GEMM1 reads each
-    token through the layout's row -> token index) and equals the copying path bit for bit,
-    twice on one workspace (the second call at fewer tokens over the first call's index);
-    fp8_block keeps the copy (its A by pointer is the slower way)."""
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8", "w4a8_mxfp4"])
+def test_apply_reads_tokens_in_place(recipe, seed):
+    """bf16, mxfp8: apply copies no row into the layout (its workspace holds none; GEMM1 reads
+    each token through the layout's row -> token index) and equals the copying path bit for
+    bit, twice on one workspace (the second call at fewer tokens over the first call's index);
+    fp8_block and w4a8_mxfp4 keep the copy (their gathered reads are the slower way), and
+    their gathered way, forced, equals it too."""
     quant = QuantConfig(recipe)
-    weights = _weights(CFG, quant)
-    tri = TritonExperts(weights, CFG, quant, block_m=32)
-    other = TritonExperts(weights, CFG, quant, block_m=32)
+    cfg = OAI if recipe == "w4a8_mxfp4" else CFG
+    weights = _weights(cfg, quant)
+    tri = TritonExperts(weights, cfg, quant, block_m=32)
+    other = TritonExperts(weights, cfg, quant, block_m=32)
     other.gather_tokens = not tri.gather_tokens
-    assert tri.gather_tokens == (recipe == "bf16")
+    in_place = recipe in ("bf16", "mxfp8")
+    assert tri.gather_tokens == in_place
     for n in (48, 20):  # the second call reuses the first call's workspace (its stale index)
-        x = quantize_act(torch.randn(n, CFG.hidden, device=DEV), quant)
-        ids, w = _routing(n, CFG)
+        x = quantize_act(torch.randn(n, cfg.hidden, device=DEV), quant)
+        ids, w = _routing(n, cfg)
         assert torch.equal(tri.apply(x, ids, w), other.apply(x, ids, w))
     [(key, pws)] = tri.ws._objs.items()  # one permute workspace, made once
-    assert key[1] == ("permute", recipe != "bf16") and pws.copies_rows == (recipe != "bf16")
+    assert key[1] == ("permute", not in_place) and pws.copies_rows == (not in_place)
     assert tri.ws.allocations == len(tri.ws._bufs) + 1
 
 

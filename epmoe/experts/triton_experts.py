@@ -3,9 +3,9 @@
 Runs on CUDA (compiled) and on CPU under Triton's interpreter (slow: tests and debugging only).
 Every recipe of epmoe.config (bf16, fp8_block in each scale format, mxfp8, w4a8_mxfp4).
 The hot path makes no host sync: the layout is sized for the worst case of its pairs
-(`permute_worst_case`); in bf16 the permute copies no rows, GEMM1 reads each token where it
-is through the layout's row -> token index (`gather_tokens`). `run_dense` (shared experts) is
-the masked GEMM with one expert over all rows: no permute, no gather.
+(`permute_worst_case`); in bf16 and mxfp8 the permute copies no rows, GEMM1 reads each token
+where it is through the layout's row -> token index (`gather_tokens`). `run_dense` (shared
+experts) is the masked GEMM with one expert over all rows: no permute, no gather.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ class TritonExperts(Experts):
 
     name = "triton"
     # Recipes whose GEMM1 reads a token batch's rows in place through the layout's row ->
-    # token index: bf16, where the TMA kernel's MMA hides those loads and the permute's copy
-    # of every (token, local expert) row goes (BENCHMARKS 40, 44); fp8's A by pointer costs
-    # ~5% of its GEMM1, more than the copy. epmoe.plan.traffic prices the same set
-    # (permute_copies_rows).
-    TOKEN_GATHER_RECIPES = ("bf16",)
+    # token index, so the permute's copy of every (token, local expert) row goes: bf16, where
+    # the TMA kernel's MMA hides those loads (BENCHMARKS 40, 44), and mxfp8, whose pointer
+    # kernel loads A by pointer either way (0.93-0.99x the copying apply, BENCHMARKS 45).
+    # Not fp8_block (its TMA kernel would give way to A by pointer, ~5% of its GEMM1, more
+    # than the copy) nor w4a8_mxfp4 (its swapped MMA gathers the token side: 1.4-1.5x).
+    # epmoe.plan.traffic prices the same set (permute_copies_rows).
+    TOKEN_GATHER_RECIPES = ("bf16", "mxfp8")
 
     def __init__(self, weights: ExpertWeights, cfg: MoEConfig, quant: QuantConfig,
                  block_m: int | None = None):

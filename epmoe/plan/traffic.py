@@ -46,11 +46,16 @@ def gemm_bytes(m_rows: float, num_experts: int, n: int, k: int, quant: QuantConf
             + m_rows * n * 2.0)
 
 
+# The recipes whose Triton experts read tokens in place (TritonExperts.TOKEN_GATHER_RECIPES;
+# a test holds the two together, the cost model imports no experts backend).
+TRITON_TOKEN_GATHER = ("bf16", "mxfp8")
+
+
 def permute_copies_rows(experts: str, recipe: str) -> bool:
     """Whether the experts' permute copies each (token, expert) row into the layout; not where
     GEMM1 reads the tokens in place through the layout's row -> token index (the Triton
-    experts in bf16: TritonExperts.TOKEN_GATHER_RECIPES)."""
-    return not (experts == "triton" and recipe == "bf16")
+    experts' TRITON_TOKEN_GATHER recipes)."""
+    return not (experts == "triton" and recipe in TRITON_TOKEN_GATHER)
 
 
 def permute_bytes(n_tokens: float, pairs: float, d: int, quant: QuantConfig,
