@@ -148,8 +148,8 @@ def hash_route(logits_TE: torch.Tensor, cfg: MoEConfig, tid2eid_VK: torch.Tensor
 def hash_gate_route(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
                     tid2eid_VK: torch.Tensor, token_ids_T: torch.Tensor,
                     id_dtype: torch.dtype = torch.int32, backend: str = "auto") -> Routing:
-    """Gate GEMM + a hash layer's routing (`hash_route`'s rules). On CUDA ('auto') one Triton
-    launch, the gate GEMM in bf16 with fp32 accumulation as `route_tokens`' (the experts come
+    """Gate GEMM + a hash layer's routing (`hash_route`'s rules). On CUDA ('auto') the gate
+    GEMM in bf16 with fp32 accumulation, split or fused as `route_tokens`' (the experts come
     from the table: only the weights see the bf16 GEMM's ~1e-3 relative logit error);
     elsewhere, or backend='torch', fp32 logits and the torch path (the reference)."""
     _check_gate(x_TD, gate_ED, cfg)
@@ -181,11 +181,12 @@ def route_tokens(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
                  backend: str = "auto") -> Routing:
     """Gate GEMM + routing: logits = x [T, D] @ gate [E, D].T, then `route`.
 
-    On CUDA ('auto', when the kernel supports the config) one Triton launch: a bf16 GEMM with
-    fp32 accumulation whose logits never reach memory (keep gate_ED in bf16 to skip a cast per
-    call). Elsewhere, or backend='torch': fp32 logits `x.float() @ gate.float().T` and the
-    torch router, the reference. The bf16 GEMM moves logits by ~1e-3 relative to the fp32
-    product, so ids can differ from the fp32 path where two candidates are that close."""
+    On CUDA ('auto', when the kernel supports the config) a bf16 GEMM with fp32 accumulation
+    and the routing kernel, split or fused as `epmoe.kernels.gate_topk.gate_way` picks (keep
+    gate_ED in bf16 to skip a cast per call). Elsewhere, or backend='torch': fp32 logits
+    `x.float() @ gate.float().T` and the torch router, the reference. The bf16 GEMM moves
+    logits by ~1e-3 relative to the fp32 product, so ids can differ from the fp32 path where
+    two candidates are that close."""
     _check_gate(x_TD, gate_ED, cfg)
     if id_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"id_dtype must be torch.int32 or torch.int64, got {id_dtype}")

@@ -172,9 +172,10 @@ def _hash_case(kind: str, seed: int, t: int = 40):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kind", sorted(HASH_KINDS))
 def test_the_kernels_hash_mode_takes_the_tables_experts_and_their_scores(kind, seed):
-    """Given logits (the kernel's unfused read) and the fused bf16 gate GEMM (D = 200: the K
-    loop's masked tail), against the float64 oracle: the table's ids exactly, weights within
-    1e-5 (the fused weights against the float64 product of the same bf16 values)."""
+    """Given logits (the kernel's unfused read) and the bf16 gate GEMM split and fused (D =
+    200: the fused K loop's masked tail), against the float64 oracle: the table's ids exactly,
+    weights within 1e-5 (against the float64 product of the same bf16 values)."""
+    from epmoe.kernels.gate_topk import triton_hash_route
     from epmoe.router import hash_gate_route
 
     cfg, g, table, tok = _hash_case(kind, seed)
@@ -186,10 +187,13 @@ def test_the_kernels_hash_mode_takes_the_tables_experts_and_their_scores(kind, s
     x = torch.randn(40, 200, generator=g).to(torch.bfloat16)
     gate = (torch.randn(16, 200, generator=g) / 200 ** 0.5 * 3).to(torch.bfloat16)
     want_ids, want_w = reference_hash_route(x.double() @ gate.double().T, cfg, table, tok)
-    got = hash_gate_route(x, gate, cfg, table, tok, backend="triton")
+    got = hash_gate_route(x, gate, cfg, table, tok, backend="triton")  # 40 tokens: split
     assert got.topk_ids_TK.dtype == torch.int32
     assert torch.equal(got.topk_ids_TK.long(), want_ids)
     torch.testing.assert_close(got.topk_weights_TK.double(), want_w, rtol=1e-5, atol=1e-6)
+    ids, w = triton_hash_route(x, gate, table, tok, cfg, way="fused")
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w.double(), want_w, rtol=1e-5, atol=1e-6)
     torch_path = hash_gate_route(x, gate, cfg, table, tok, backend="torch")
     assert torch.equal(torch_path.topk_ids_TK.long(), want_ids)
 

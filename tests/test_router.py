@@ -8,7 +8,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.reference import reference_route
-from epmoe.router import ReplicaMap, group_best, route, route_tokens
+from epmoe.router import ReplicaMap, Routing, group_best, route, route_tokens
 
 ROUTERS = {
     "softmax_renorm": dict(router="softmax", renormalize=True),
@@ -258,19 +258,28 @@ def test_triton_route_logits_matches_torch(kind, seed):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("way", ["split", "fused"])
 @pytest.mark.parametrize("kind", ["sigmoid_grouped", "dsv3_like", "softmax_renorm",
                                   "sqrtsoftplus", "softmax_biased", "v2_groups_odd_e",
                                   "renorm_eps"])
-def test_fused_gate_route_matches_float64_logits(kind, seed):
-    """The fused bf16 gate GEMM (fp32 accumulation) against the float64 product of the same
-    bf16 values, routed by the torch path; weights within 1e-5 of the float64 oracle."""
+def test_gate_route_matches_float64_logits(kind, way, seed):
+    """The bf16 gate GEMM (fp32 accumulation) split from the routing kernel (the default at
+    40 tokens) or fused into it, against the float64 product of the same bf16 values, routed
+    by the torch path; weights within 1e-5 of the float64 oracle."""
+    from epmoe.kernels.gate_topk import gate_way, triton_gate_route
+
     cfg = _kcfg(kind)
-    t, d = 40, 200  # D not a multiple of the K step: the masked tail
+    t, d = 40, 200  # D not a multiple of the fused K step: the masked tail
     x = torch.randn(t, d).to(torch.bfloat16)
     gate = (torch.randn(cfg.num_experts, d) / d ** 0.5 * 3).to(torch.bfloat16)
     bias = None if cfg.router == "softmax" else torch.randn(cfg.num_experts) * 0.1
     logits64 = x.double() @ gate.double().T
-    got = route_tokens(x, gate, cfg, bias, id_dtype=torch.int64, backend="triton")
+    if way == "split":
+        assert gate_way(cfg.num_experts, t) == "split"
+        got = route_tokens(x, gate, cfg, bias, id_dtype=torch.int64, backend="triton")
+    else:
+        ids, w = triton_gate_route(x, gate, cfg, bias, way="fused")
+        got = Routing(ids.long(), w)
     assert got.topk_ids_TK.dtype == torch.int64
     ok = _separated(logits64, cfg, bias)
     _compare_routings(got, route(logits64.float(), cfg, bias, backend="torch"), ok, 1e-4)
@@ -292,16 +301,21 @@ def test_triton_router_refusals_and_fallback():
 
 
 @pytest.mark.gpu
-def test_fused_gate_route_at_deepseek_shape(seed):
-    """4096 tokens x 256 experts x hidden 7168 (DeepSeek-V3 routing) on CUDA: the fused kernel
-    against the torch router on the float64 product of the same bf16 values."""
+@pytest.mark.parametrize("way", ["split", "fused"])
+def test_gate_route_at_deepseek_shape(way, seed):
+    """4096 tokens x 256 experts x hidden 7168 (DeepSeek-V3 routing) on CUDA, split (cuBLAS's
+    fp32 logits, the default) and fused: against the torch router on the float64 product of
+    the same bf16 values."""
+    from epmoe.kernels.gate_topk import triton_gate_route
+
     cfg = MoEConfig("dsv3", hidden=7168, moe_intermediate=2048, num_experts=256, top_k=8,
                     router="sigmoid_grouped", n_group=8, topk_group=4,
                     routed_scaling_factor=2.5)
     x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
     gate = (torch.randn(256, 7168, device="cuda") / 7168 ** 0.5).to(torch.bfloat16)
     bias = torch.randn(256, device="cuda") * 0.01
-    got = route_tokens(x, gate, cfg, bias)
+    got = route_tokens(x, gate, cfg, bias) if way == "split" else \
+        Routing(*triton_gate_route(x, gate, cfg, bias, way="fused"))
     logits64 = x.double() @ gate.double().T
     want = route(logits64.float(), cfg, bias, backend="torch")
     _compare_routings(got, want, _separated(logits64.cpu(), cfg, bias.cpu()), 1e-4)

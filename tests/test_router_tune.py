@@ -5,15 +5,35 @@ import pytest
 import torch
 
 from epmoe.bench import router_tune as rt
-from epmoe.kernels.gate_topk import TUNED_ROUTER, RouterConfig, router_config
+from epmoe.kernels.gate_topk import (FUSED_FROM_TOKENS, TUNED_ROUTER, TUNED_ROUTERS,
+                                     RouterConfig, gate_logits, gate_way, router_config)
 
 
 def test_router_config_caps_tokens_per_program_by_row_width():
-    assert router_config(256) == TUNED_ROUTER
+    assert router_config(128) == TUNED_ROUTER and router_config(256) == TUNED_ROUTERS[256]
     assert router_config(384).block_m == 16384 // 512  # Kimi-K2: 384 experts in a 512 row
     assert router_config(384).block_k == TUNED_ROUTER.block_k
     for e in (8, 128, 160, 256, 384, 512):
         assert router_config(e).block_m * max(16, 1 << (e - 1).bit_length()) <= 16384
+
+
+def test_gate_way_fuses_only_small_gates_at_many_tokens():
+    """The measured crossover (BENCHMARKS.md 45): split below FUSED_FROM_TOKENS[128] for
+    rows of <= 128 experts, fused from there; split always for wider rows."""
+    start = FUSED_FROM_TOKENS[128]
+    for e in (16, 32, 100, 128):
+        assert gate_way(e, start - 1) == "split" and gate_way(e, start) == "fused"
+    for e in (129, 256, 384, 512):
+        assert gate_way(e, 1) == gate_way(e, 1 << 20) == "split"
+
+
+def test_gate_logits_are_the_fp32_product_of_the_bf16_values(seed):
+    x = torch.randn(37, 200).to(torch.bfloat16)
+    gate = torch.randn(24, 200).to(torch.bfloat16)
+    got = gate_logits(x, gate)
+    want = x.double() @ gate.double().T
+    assert got.dtype == torch.float32 and got.shape == (37, 24)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("block_e,bms", [(512, {16, 32}), (256, {32, 64}), (128, {64, 128})])
@@ -33,24 +53,27 @@ def test_mismatch_counts_tokens_whose_expert_set_differs():
 
 
 def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
-    """A config that routes wrongly is not picked however fast it is; the current config is
-    timed first and the ratio is to it."""
+    """A config that routes wrongly is not picked however fast it is; the split way and the
+    launch's fused config are timed first, and the ratio is to the way the launch runs."""
     real = rt.triton_gate_route
     wrong = RouterConfig(16, 32, 4, 3)
 
-    def route(x, gate, cfg, bias, config):
-        ids, w = real(x, gate, cfg, bias, config=config)
+    def route(x, gate, cfg, bias, config, way):
+        ids, w = real(x, gate, cfg, bias, config=config, way=way)
         return ((ids + 1) % cfg.num_experts if config == wrong else ids), w
 
     monkeypatch.setattr(rt, "triton_gate_route", route)
     fast = RouterConfig(32, 64, 8, 3)
-    us = {wrong: 1.0, fast: 5.0}
+    us = {wrong: 1.0, fast: 5.0, rt.LOGITS_ROUTER: 8.0}
     cur = router_config(24)
     r = rt.tune_model("kimi-k2-tiny", 40, 1, 0.05, device="cpu",
                       timer=lambda fn, iters: us.get(fn.__defaults__[0], 10.0),
                       configs=[wrong, fast])
-    assert [RouterConfig(**row["config"]) for row in r["rows"]] == [cur, wrong, fast]
-    assert r["rows"][0]["current"] and r["current_us"] == 10.0
-    assert r["rows"][1]["mismatch"] == 1.0  # every token's experts shifted
-    assert r["rows"][2]["mismatch"] <= 0.05 and r["rows"][0]["mismatch"] <= 0.05
-    assert RouterConfig(**r["best"]["config"]) == fast and r["speedup"] == 2.0
+    rows = [(row["way"], RouterConfig(**row["config"])) for row in r["rows"]]
+    assert rows == [("split", rt.LOGITS_ROUTER), ("fused", cur), ("fused", wrong),
+                    ("fused", fast)]
+    assert r["launch_way"] == "split" and r["rows"][0]["current"]  # 40 tokens: split
+    assert not any(row["current"] for row in r["rows"][1:]) and r["current_us"] == 8.0
+    assert r["rows"][2]["mismatch"] == 1.0  # every token's experts shifted
+    assert all(r["rows"][i]["mismatch"] <= 0.05 for i in (0, 1, 3))
+    assert RouterConfig(**r["best"]["config"]) == fast and r["speedup"] == 8.0 / 5.0

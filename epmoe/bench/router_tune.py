@@ -1,15 +1,16 @@
-"""The fused router's launch config per expert-row width, timed on one GPU.
+"""The router's way (split or fused) and fused launch config per expert-row width, timed.
 
     python -m epmoe.bench.router_tune [--models deepseek-v3,kimi-k2,qwen3-235b-a22b]
-                                      [--tokens 4096] [--json FILE]
+                                      [--tokens 4096] [--quick] [--json FILE]
 
-For each model's router (its real hidden, experts, groups, top-k and scoring) and each
-candidate `RouterConfig` (tokens per program, K step, warps, stages): the fused gate GEMM +
-top-k kernel's median time over many runs, and its agreement with the torch router on the
-same bf16 inputs' float64 logits (the share of tokens whose expert set differs: near-ties
-only, so a correct config stays under `--max-mismatch`). The config the launch picks today
-(`router_config`) is timed in the same run and every candidate is printed as a ratio to it.
-The picks are baked into `epmoe.kernels.gate_topk.TUNED_ROUTERS` by hand.
+For each model's router (its real hidden, experts, groups, top-k and scoring): the split way
+(cuBLAS's GEMM with fp32 logits out, then the routing kernel on them) and each fused candidate
+`RouterConfig` (tokens per program, K step, warps, stages), each the median time over many
+runs, and its agreement with the torch router on the same bf16 inputs' float64 logits (the
+share of tokens whose expert set differs: near-ties only, so a correct way stays under
+`--max-mismatch`). The way the launch runs at those tokens (`gate_way`, and `router_config`
+where it fuses) is timed in the same run and every row is printed as a ratio to it. The
+picks are baked into `epmoe.kernels.gate_topk` (TUNED_ROUTERS, FUSED_FROM_TOKENS) by hand.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from epmoe.argtypes import at_least, int_list, name_list
 from epmoe.bench.timers import event_median_us
 from epmoe.config import PRESETS, get_preset
 from epmoe.kernels._common import next_pow2
-from epmoe.kernels.gate_topk import RouterConfig, router_config, triton_gate_route
+from epmoe.kernels.gate_topk import (LOGITS_ROUTER, RouterConfig, gate_way, router_config,
+                                     triton_gate_route)
 from epmoe.outputs import dump_json, run_main, writable_file
 
 MAX_MISMATCH = 0.005
@@ -58,42 +60,52 @@ def mismatch(ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
 
 def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str = "cuda",
                timer=event_median_us, configs: list[RouterConfig] | None = None) -> dict:
-    """Every candidate (or `configs`) at t tokens, the launch's current config first."""
+    """The split way (the GEMM, then the kernel on its logits at LOGITS_ROUTER), then every
+    fused candidate (or `configs`), the launch's fused config first; ratios are to the way
+    the launch runs at t tokens (`gate_way`)."""
     from epmoe.router import route
 
     cfg = get_preset(model)
     block_e = max(16, next_pow2(cfg.num_experts))
     x, gate, bias = _inputs(cfg, t, 0, device)
     ref = route((x.double() @ gate.double().T).float(), cfg, bias, backend="torch")
+    launch_way = gate_way(cfg.num_experts, t)
     current = router_config(cfg.num_experts)
+    others = candidates(block_e) if configs is None else configs
+    ways = [("split", LOGITS_ROUTER)] + [("fused", c) for c in
+                                          [current] + [c for c in others if c != current]]
     rows = []
-    for c in [current] + [c for c in configs or candidates(block_e) if c != current]:
-        row = dict(config=c.__dict__, current=c == current)
+    for way, c in ways:
+        row = dict(way=way, config=c.__dict__,
+                   current=way == launch_way and (way == "split" or c == current))
         try:
-            ids, w = triton_gate_route(x, gate, cfg, bias, config=c)
+            ids, w = triton_gate_route(x, gate, cfg, bias, config=c, way=way)
             row["mismatch"] = mismatch(ids, ref.topk_ids_TK)
-            row["us"] = timer(lambda c=c: triton_gate_route(x, gate, cfg, bias, config=c),
-                              iters)
+            row["us"] = timer(lambda c=c, way=way: triton_gate_route(x, gate, cfg, bias,
+                                                                     config=c, way=way), iters)
         except Exception as exc:  # noqa: BLE001  (out of shared memory: recorded, skipped)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
-        print(_line(row, rows[0].get("us")), flush=True)
+    base = next(r for r in rows if r["current"])
+    for row in rows:
+        print(_line(row, base.get("us")), flush=True)
     ok = [r for r in rows if "us" in r and r["mismatch"] <= max_mismatch]
     best = min(ok, key=lambda r: r["us"]) if ok else None
     return dict(model=model, tokens=t, experts=cfg.num_experts, block_e=block_e,
-                hidden=cfg.hidden, rows=rows, best=best,
-                current_us=rows[0].get("us"),
-                speedup=rows[0]["us"] / best["us"] if best and "us" in rows[0] else None)
+                hidden=cfg.hidden, launch_way=launch_way, rows=rows, best=best,
+                current_us=base.get("us"),
+                speedup=base["us"] / best["us"] if best and "us" in base else None)
 
 
 def _line(row: dict, base_us: float | None) -> str:
     c = RouterConfig(**row["config"])
-    name = f"{c.block_m}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+    name = (f"{row['way']} {c.block_m}x{c.block_k} w{c.num_warps}"
+            + (f" s{c.num_stages}" if row["way"] == "fused" else ""))
     if "error" in row:
-        return f"  {name:<16} {row['error'][:60]}"
+        return f"  {name:<22} {row['error'][:54]}"
     ratio = f"{row['us'] / base_us:6.3f}" if base_us else "     -"
-    mark = "  (current)" if row["current"] else ""
-    return f"  {name:<16} {row['us']:9.1f} us  x{ratio}  mismatch {row['mismatch']:.4f}{mark}"
+    mark = "  (launch)" if row["current"] else ""
+    return f"  {name:<22} {row['us']:9.1f} us  x{ratio}  mismatch {row['mismatch']:.4f}{mark}"
 
 
 def main(argv=None) -> int:
@@ -106,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-mismatch", type=float, default=MAX_MISMATCH,
                    help="largest share of tokens whose experts may differ from the torch "
                         "router on float64 logits (near-ties)")
+    p.add_argument("--quick", action="store_true",
+                   help="the two ways at the launch's configs only (no fused candidates)")
     p.add_argument("--json", type=writable_file, default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -115,10 +129,11 @@ def main(argv=None) -> int:
     for m in a.models:
         for t in a.tokens:
             print(f"{m}: {t} tokens (time x ratio to the launch's current config)", flush=True)
-            r = tune_model(m, t, a.iters, a.max_mismatch)
+            r = tune_model(m, t, a.iters, a.max_mismatch, configs=[] if a.quick else None)
             if r["best"]:
                 b = RouterConfig(**r["best"]["config"])
-                print(f"  best {b} {r['best']['us']:.1f} us: {r['speedup']:.2f}x the current")
+                print(f"  best: {r['best']['way']} {b} {r['best']['us']:.1f} us, "
+                      f"{r['speedup']:.2f}x the launch's way ({r['launch_way']})")
             out.append(r)
             if a.json:  # after each model: a run cut short keeps what it measured
                 with open(a.json, "w") as f:

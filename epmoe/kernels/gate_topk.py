@@ -1,5 +1,8 @@
 """Router kernel: (gate GEMM +) scoring + grouped top-k in one Triton launch.
 
+A gate's routing runs one of two ways (`gate_way`, by measurement): split, cuBLAS's bf16 GEMM
+with fp32 logits out, then this kernel on the logits; or fused, this kernel doing the GEMM too.
+
 One program owns BLOCK_M tokens and the whole expert row (BLOCK_E >= E columns in registers):
   FUSED   logits = x [T, D] @ gate [E, D].T as a bf16 GEMM with fp32 accumulation (the logits
           never reach memory), else fp32 logits are read
@@ -53,8 +56,38 @@ class RouterConfig:
 # 2026-12-01): 64 tokens, K step 64, 8 warps, 4 stages 117.7 us (32/64/4 warps 118.5, 64/64/4
 # warps 195.2; K step 128 at 3 stages needs 240 KB of shared memory: refused).
 TUNED_ROUTER = RouterConfig(64, 64, 8, 4)
-# Per expert-row width (BLOCK_E) where it differs (`python -m epmoe.bench.router_tune`).
-TUNED_ROUTERS: dict[int, RouterConfig] = {}
+# Per expert-row width (BLOCK_E) where it differs (`python -m epmoe.bench.router_tune`, one
+# H100, 2026-12-07: 256 experts 80 / 174 us at 4096 / 16384 tokens, 115 / 271 before).
+TUNED_ROUTERS: dict[int, RouterConfig] = {256: RouterConfig(64, 64, 16, 4)}
+# On given logits there is no GEMM to feed: 16 tokens a program, 8 warps (one H100: 10 us for
+# DeepSeek-V3's 256 experts at 1 .. 2048 tokens, 35 us at 64 tokens a program).
+LOGITS_ROUTER = RouterConfig(16, 64, 8, 1)
+# The gate GEMM's two ways (BENCHMARKS.md 45): "split", cuBLAS's bf16 GEMM with fp32 logits
+# out and then the routing kernel on them, and "fused", one launch whose logits never reach
+# memory. Each fused program streams the whole gate [E, D] through its own SM, so the fused
+# way wins only with many programs and a small gate: measured from 16384 tokens at 128
+# experts (0.70-0.75x split at 4096, 1.15-1.19x at 16384), never at 256 or 384 (0.17-0.56x).
+# BLOCK_E -> the tokens from which the fused way runs.
+FUSED_FROM_TOKENS: dict[int, int] = {128: 12288}
+
+
+def gate_way(num_experts: int, tokens: int) -> str:
+    """'fused' or 'split': the faster way to route `tokens` through a gate of `num_experts`."""
+    block_e = max(16, next_pow2(num_experts))
+    need = min((t for width, t in FUSED_FROM_TOKENS.items() if block_e <= width), default=None)
+    return "fused" if need is not None and tokens >= need else "split"
+
+
+def gate_logits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ gate [E, D].T -> fp32 logits [T, E]: one bf16 GEMM with fp32 accumulation
+    and output on CUDA (cuBLAS); elsewhere, or a torch without mm's out_dtype, in fp32 (bf16
+    values are exact in fp32: the same products, another summation order)."""
+    if x_TD.is_cuda:
+        try:
+            return torch.mm(x_TD, gate_ED.T, out_dtype=torch.float32)
+        except TypeError:
+            pass
+    return torch.mm(x_TD.float(), gate_ED.float().T)
 
 
 def router_config(num_experts: int) -> RouterConfig:
@@ -224,7 +257,7 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     w = torch.empty((t, cfg.top_k), dtype=torch.float32, device=dev)
     if t == 0:
         return ids, w
-    c = config or router_config(cfg.num_experts)
+    c = config or (router_config(cfg.num_experts) if x is not None else LOGITS_ROUTER)
     block_e = max(16, next_pow2(cfg.num_experts))
     block_m = 16 if INTERPRET else max(16, min(c.block_m, 16384 // block_e))
     d = x.shape[1] if x is not None else 0
@@ -258,15 +291,24 @@ def triton_route_logits(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E=None,
 
 
 def triton_gate_route(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig, bias_E=None,
-                      config: RouterConfig | None = None):
-    """x [T, D] @ gate [E, D].T in bf16 with fp32 accumulation, then routing, one launch ->
-    (topk_ids_TK int32, topk_weights_TK fp32). fp32 inputs are cast to bf16 first (keep the
-    gate in bf16 to skip that copy)."""
+                      config: RouterConfig | None = None, way: str | None = None):
+    """x [T, D] @ gate [E, D].T in bf16 with fp32 accumulation, then routing ->
+    (topk_ids_TK int32, topk_weights_TK fp32). way: 'fused' (one launch) or 'split' (the
+    GEMM, then the routing kernel on its fp32 logits); default `gate_way`'s pick. fp32 inputs
+    are cast to bf16 first (keep the gate in bf16 to skip that copy)."""
     check(x_TD.dim() == 2 and gate_ED.dim() == 2 and x_TD.shape[1] == gate_ED.shape[1] and
           gate_ED.shape[0] == cfg.num_experts,
           f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be [T, D] and "
           f"[num_experts={cfg.num_experts}, D]")
-    return _launch(_bf16_rows(x_TD), _bf16_rows(gate_ED), None, cfg, bias_E, config)
+    x, gate = _bf16_rows(x_TD), _bf16_rows(gate_ED)
+    if _way(way, cfg, x) == "split":
+        return _launch(None, None, gate_logits(x, gate), cfg, bias_E, config)
+    return _launch(x, gate, None, cfg, bias_E, config)
+
+
+def _way(way: str | None, cfg: MoEConfig, x: torch.Tensor) -> str:
+    check(way in (None, "fused", "split"), f"way ({way!r}) must be 'fused', 'split' or None")
+    return way or gate_way(cfg.num_experts, x.shape[0])
 
 
 def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
@@ -278,11 +320,11 @@ def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
 def triton_hash_route(x_TD: torch.Tensor | None, gate_ED: torch.Tensor | None,
                       tid2eid_VK: torch.Tensor, token_ids_T: torch.Tensor, cfg: MoEConfig,
                       logits_TE: torch.Tensor | None = None,
-                      config: RouterConfig | None = None):
-    """A hash layer's routing in one launch: the scores of x @ gate.T (bf16 GEMM, fp32
-    accumulation; or given fp32 / bf16 logits), the experts tid2eid[token id], their scores
-    as weights -> (topk_ids_TK int32, topk_weights_TK fp32). Shapes are checked by the
-    caller (`epmoe.router.hash_gate_route`)."""
+                      config: RouterConfig | None = None, way: str | None = None):
+    """A hash layer's routing: the scores of x @ gate.T (bf16 GEMM, fp32 accumulation, fused
+    or split as `triton_gate_route`; or given fp32 / bf16 logits), the experts
+    tid2eid[token id], their scores as weights -> (topk_ids_TK int32, topk_weights_TK fp32).
+    Shapes are checked by the caller (`epmoe.router.hash_gate_route`)."""
     tab = tid2eid_VK if tid2eid_VK.dtype == torch.int32 and tid2eid_VK.is_contiguous() \
         else tid2eid_VK.to(torch.int32).contiguous()
     tok = token_ids_T.contiguous()
@@ -290,8 +332,11 @@ def triton_hash_route(x_TD: torch.Tensor | None, gate_ED: torch.Tensor | None,
         check(logits_TE.stride(1) == 1, f"logits rows must be contiguous (stride "
               f"{logits_TE.stride()})")
         return _launch(None, None, logits_TE, cfg, None, config, tab, tok)
-    return _launch(_bf16_rows(x_TD), _bf16_rows(gate_ED), None, cfg, None, config, tab, tok)
+    x, gate = _bf16_rows(x_TD), _bf16_rows(gate_ED)
+    if _way(way, cfg, x) == "split":
+        return _launch(None, None, gate_logits(x, gate), cfg, None, config, tab, tok)
+    return _launch(x, gate, None, cfg, None, config, tab, tok)
 
 
 __all__ = ["triton_route_logits", "triton_gate_route", "triton_hash_route", "RouterConfig",
-           "unsupported"]
+           "unsupported", "gate_way", "gate_logits"]
