@@ -95,6 +95,27 @@ def test_fallbacks_on_spec_profiles():
         assert s["shared"] > 0 and s["router"] > 0
 
 
+def test_router_fallback_on_a_gpu_is_the_split_way_and_on_a_cpu_the_torch_path():
+    """Without a router fit: on a GPU profile the bf16 gate GEMM at GATE_GEMM_EFFICIENCY of
+    the bf16 peak (or its bytes at HBM rate), plus the top-k's logits read, at least two
+    launches; on the CPU profile the fp32 GEMM and the torch router's ops."""
+    from epmoe.plan.cost import FP32_EFFICIENCY, GATE_GEMM_EFFICIENCY, ROUTER_OPS, _router_us
+
+    cfg = CFG.replace(hidden=7168, num_experts=256, top_k=8)
+    prof = load_profile("h100")
+    flops = 2.0 * 16384 * 7168 * 256
+    hbm = prof.fig("hbm_GBps") * 1e3
+    want = (flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6)
+            + 16384 * (4.0 * 256 + 8.0 * 8) / hbm)
+    assert _router_us(cfg, prof, 16384) == pytest.approx(want)
+    assert _router_us(cfg, prof, 1) == pytest.approx(2 * prof.fig("launch_us"))
+    cpu = load_profile("cpu")
+    assert cpu.fig("sm_arch") == 0
+    gpu_cpu = flops / (cpu.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
+    assert _router_us(cfg, cpu, 16384) >= gpu_cpu
+    assert _router_us(cfg, cpu, 1) >= ROUTER_OPS[cfg.router] * cpu.fig("launch_us")
+
+
 def test_fit_ab_fixed_cost_and_no_fixed_cost():
     a, b = fit_ab([(1e3, 300.0), (1e5, 290.0), (1e6, 295.0)])  # host-bound: flat in bytes
     assert a == pytest.approx(295.0) and b == UNBOUNDED_GBPS

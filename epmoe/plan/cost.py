@@ -58,6 +58,10 @@ ROUTER_OPS = {"softmax": 6, "sigmoid_grouped": 16, "sqrtsoftplus": 12, "softmax_
 # The torch reference's per-expert loop (experts/torch_experts.py): ops per non-empty expert.
 TORCH_OPS = {"experts.gemm1": 3, "experts.act_quant": 8, "experts.gemm2": 2}
 FP32_EFFICIENCY = 0.7  # estimate: fp32 SIMT matmul reaches ~70% of peak (router's gate GEMM)
+# The gate GEMM on a GPU (cuBLAS bf16, fp32 logits out: gate_topk.gate_way's split way):
+# measured 450-455 TFLOPS of the H100's 989 at 16384 tokens for DeepSeek-V3's and Kimi-K2's
+# gates (BENCHMARKS.md 45)
+GATE_GEMM_EFFICIENCY = 0.45
 
 
 @dataclass(frozen=True)
@@ -230,11 +234,19 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
     """The router stage: a measured fit of this router kind (kernels["router"]) when the
-    profile has one, else the gate GEMM at fp32 rates and the router's ops."""
+    profile has one; else on a GPU the split way (the gate GEMM in bf16, then the routing
+    kernel over its fp32 logits: two launches), on a CPU the torch path (the gate GEMM at
+    fp32 rates and the router's ops)."""
     if prof.has_kernel("router", cfg.router):
         return prof.kernel("router", cfg.router).time_us(
             tr.router_bytes(n, cfg.hidden, cfg.num_experts))
     flops = 2.0 * n * cfg.hidden * cfg.num_experts
+    if prof.fig("sm_arch") > 0:
+        hbm = prof.fig("hbm_GBps") * 1e3
+        gemm = max(flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6),
+                   (2.0 * (n + cfg.num_experts) * cfg.hidden + 4.0 * n * cfg.num_experts) / hbm)
+        topk = n * (4.0 * cfg.num_experts + 8.0 * cfg.top_k) / hbm
+        return max(gemm + topk, launch_us(prof, 2))
     gpu = (flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
            + n * (6.0 * cfg.hidden + 24.0 * cfg.num_experts) / (prof.fig("hbm_GBps") * 1e3))
     return max(gpu, launch_us(prof, ROUTER_OPS[cfg.router]))
