@@ -65,8 +65,9 @@ LOGITS_ROUTER = RouterConfig(16, 64, 8, 1)
 # The gate GEMM's two ways (BENCHMARKS.md 45): "split", cuBLAS's bf16 GEMM with fp32 logits
 # out and then the routing kernel on them, and "fused", one launch whose logits never reach
 # memory. Each fused program streams the whole gate [E, D] through its own SM, so the fused
-# way wins only with many programs and a small gate: measured from 16384 tokens at 128
-# experts (0.70-0.75x split at 4096, 1.15-1.19x at 16384), never at 256 or 384 (0.17-0.56x).
+# way wins only with many programs and a small gate: at 128 experts split took 0.70-0.75x
+# the fused time at 4096 tokens and 1.15-1.19x at 16384 (the switch between the two
+# measured points); at 256 and 384 experts 0.17-0.56x up to 16384.
 # BLOCK_E -> the tokens from which the fused way runs.
 FUSED_FROM_TOKENS: dict[int, int] = {128: 12288}
 
@@ -300,15 +301,17 @@ def triton_gate_route(x_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig,
           gate_ED.shape[0] == cfg.num_experts,
           f"x {tuple(x_TD.shape)} and gate {tuple(gate_ED.shape)} must be [T, D] and "
           f"[num_experts={cfg.num_experts}, D]")
-    x, gate = _bf16_rows(x_TD), _bf16_rows(gate_ED)
-    if _way(way, cfg, x) == "split":
-        return _launch(None, None, gate_logits(x, gate), cfg, bias_E, config)
-    return _launch(x, gate, None, cfg, bias_E, config)
+    return _gate_launch(x_TD, gate_ED, cfg, bias_E, config, way)
 
 
-def _way(way: str | None, cfg: MoEConfig, x: torch.Tensor) -> str:
+def _gate_launch(x_TD, gate_ED, cfg: MoEConfig, bias_E, config, way: str | None,
+                 table=None, token_ids=None):
+    """The gate GEMM and the routing kernel, split (the logits through memory) or fused."""
     check(way in (None, "fused", "split"), f"way ({way!r}) must be 'fused', 'split' or None")
-    return way or gate_way(cfg.num_experts, x.shape[0])
+    x, gate = _bf16_rows(x_TD), _bf16_rows(gate_ED)
+    if (way or gate_way(cfg.num_experts, x.shape[0])) == "split":
+        return _launch(None, None, gate_logits(x, gate), cfg, bias_E, config, table, token_ids)
+    return _launch(x, gate, None, cfg, bias_E, config, table, token_ids)
 
 
 def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
@@ -332,10 +335,7 @@ def triton_hash_route(x_TD: torch.Tensor | None, gate_ED: torch.Tensor | None,
         check(logits_TE.stride(1) == 1, f"logits rows must be contiguous (stride "
               f"{logits_TE.stride()})")
         return _launch(None, None, logits_TE, cfg, None, config, tab, tok)
-    x, gate = _bf16_rows(x_TD), _bf16_rows(gate_ED)
-    if _way(way, cfg, x) == "split":
-        return _launch(None, None, gate_logits(x, gate), cfg, None, config, tab, tok)
-    return _launch(x, gate, None, cfg, None, config, tab, tok)
+    return _gate_launch(x_TD, gate_ED, cfg, None, config, way, tab, tok)
 
 
 __all__ = ["triton_route_logits", "triton_gate_route", "triton_hash_route", "RouterConfig",
