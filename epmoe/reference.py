@@ -19,7 +19,14 @@ from epmoe.quant import dequantize_act, quantize_act
 # for every recipe (bf16 output rounding dominates); the margin covers fused kernels whose fp32
 # sums differ in order (an fp8 code of the intermediate can flip). Layer outputs are bf16; fp8/fp4
 # paths re-quantize the intermediate, where bf16 rounding of GEMM1 can flip an fp8 code.
-TOLERANCE = {"bf16": 1e-2, "fp8_block": 2e-2, "mxfp8": 2e-2, "w4a8_mxfp4": 2e-2}
+TOLERANCE = {"bf16": 1e-2, "fp8_block": 2e-2, "mxfp8": 2e-2, "w4a8_mxfp4": 3e-2}
+# W4A8: one fp8 code of the intermediate's largest values (a step of up to 1/14 of the group's
+# amax at the top of e4m3's range) times a coarse e2m1 weight moves an output by up to ~2.3% of
+# max|out| at the tests' sizes: seen in CI (2026-12-07) on the torch experts, kimi-style router,
+# swiglu_clamp, weight seed 248098386, seed 321965278: 2.32e-2, all of it one token whose
+# fp32 GEMM1 in a batch summed in another order than alone (alone: 1.7e-3); that token's four
+# (token, expert) terms each within bf16 rounding of the oracle. 2,400 other seed pairs of the
+# case: at most 3.1e-3.
 # fp8_block, where one-code flips of the intermediate are larger (x 1.5) or more frequent
 # (x 1.5); with both causes the factors multiply:
 #  - power-of-two activation scales (ue8m0_fp32 / ue8m0_packed): a scale rounded up by up to 2x
