@@ -287,6 +287,47 @@ def test_gate_route_matches_float64_logits(kind, way, seed):
     _compare_routings(got, type(got)(ref_ids, ref_w.float()), ok, 1e-5)
 
 
+def _first_on_ties(sel64, cfg):
+    """The kernel's selection rule written out: groups ranked by the sum of their
+    group_best(cfg) best entries, experts by their value, both the first index on ties
+    (stable sorts); ids in the order chosen."""
+    sel = sel64.clone()
+    if cfg.n_group > 1:
+        g = sel.view(sel.shape[0], cfg.n_group, -1)
+        gs = g.sort(dim=-1, descending=True, stable=True).values[..., :group_best(cfg)].sum(-1)
+        keep = gs.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.topk_group]
+        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+        sel = sel.masked_fill(~mask.repeat_interleave(g.shape[-1], 1), float("-inf"))
+    return sel.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.top_k]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["softmax_plain", "v2_groups", "v2_groups_odd_e",
+                                  "sigmoid_grouped", "sigmoid_groups_odd_e"])
+def test_triton_router_ties_pick_the_first_index(kind, seed):
+    """Exact ties everywhere (integer logits): the kernel's packed (value, index) keys pick
+    the lowest index among equal experts and equal groups, in the order chosen, with
+    negative values, -0.0 / +0.0 and -inf ordered as floats are (the softmax router selects
+    on the logits themselves)."""
+    cfg = _kcfg(kind)
+    g = torch.Generator().manual_seed(seed)
+    t = 40
+    if cfg.router == "softmax":
+        logits = torch.randint(-3, 4, (t, cfg.num_experts), generator=g).float()
+        logits[0, :] = 0.0  # a row of ties, -0.0 among +0.0: the first top_k indices
+        logits[0, ::3] = -0.0
+        logits[1, ::2] = float("-inf")
+        sel = logits.double()
+    else:  # sigmoid of 0..3: every pair's sum differs, so group ties are exact ties
+        logits = torch.randint(0, 4, (t, cfg.num_experts), generator=g).float()
+        sel = torch.sigmoid(logits.double())
+    got = route(logits, cfg, None, backend="triton")
+    want = _first_on_ties(sel, cfg)
+    assert torch.equal(got.topk_ids_TK.long(), want), f"{got.topk_ids_TK} vs {want}"
+    if cfg.router == "softmax" and cfg.n_group == 1:
+        assert want[0].tolist() == list(range(cfg.top_k))  # the rule itself ties -0.0 and 0.0
+
+
 def test_triton_router_refusals_and_fallback():
     cfg = MoEConfig("g", hidden=64, moe_intermediate=64, num_experts=1024, top_k=2,
                     router="sigmoid_grouped", n_group=4, topk_group=2)

@@ -101,6 +101,30 @@ def router_config(num_experts: int) -> RouterConfig:
 
 
 @triton.jit
+def _order_key(v, idx, N: tl.constexpr):
+    """fp32 v and its column idx (< N) as one int64 that orders as (v, then the lower idx):
+    v's bits made monotone (negatives' magnitude bits flipped; -0.0 as +0.0, equal as floats
+    are) above N - 1 - idx. One max reduction of these picks the best value and its first
+    index at once."""
+    b = tl.where(v == 0.0, 0, v.to(tl.int32, bitcast=True))
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return (b.to(tl.int64) << 32) | (N - 1 - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_index(key, N: tl.constexpr):
+    """The column index `_order_key` packed into key."""
+    return N - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value `_order_key` packed into key."""
+    b = (key >> 32).to(tl.int32)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
                  NG_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  GROUP_BEST: tl.constexpr):
@@ -111,29 +135,33 @@ def _keep_groups(sel, cols, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, N_GROU
     grp = (cols // GROUP_SIZE)[None, :]
     if GROUP_SIZE * N_GROUP == BLOCK_E:  # the groups tile the row: one reshape
         g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
-        m1 = tl.max(g3, axis=2)
-        gscore = m1
         if GROUP_BEST == 2 and GROUP_SIZE > 1:
             idx = tl.arange(0, GROUP_SIZE)[None, None, :]
-            first = tl.min(tl.where(g3 == m1[:, :, None], idx, GROUP_SIZE), axis=2)
-            gscore = m1 + tl.max(tl.where(idx == first[:, :, None], neg, g3), axis=2)
+            best = tl.max(_order_key(g3, idx, GROUP_SIZE), axis=2)
+            first = _key_index(best, GROUP_SIZE)
+            gscore = _key_value(best) + tl.max(tl.where(idx == first[:, :, None], neg, g3),
+                                               axis=2)
+        else:
+            gscore = tl.max(g3, axis=2)
     else:  # E no power of two (DeepSeek-V2's 160 experts in 8 groups): group by group
         gscore = tl.full((BLOCK_M, NG_PAD), neg, tl.float32)
         for g in tl.static_range(N_GROUP):
             vg = tl.where(grp == g, sel, neg)
-            m1 = tl.max(vg, axis=1)
-            val = m1
             if GROUP_BEST == 2 and GROUP_SIZE > 1:
-                first = tl.min(tl.where(vg == m1[:, None], cols[None, :], BLOCK_E), axis=1)
-                val = m1 + tl.max(tl.where(cols[None, :] == first[:, None], neg, vg), axis=1)
+                best = tl.max(_order_key(vg, cols[None, :], BLOCK_E), axis=1)
+                first = _key_index(best, BLOCK_E)
+                val = _key_value(best) + tl.max(tl.where(cols[None, :] == first[:, None], neg,
+                                                         vg), axis=1)
+            else:
+                val = tl.max(vg, axis=1)
             gscore = tl.where(gidx == g, val[:, None], gscore)
+    gkey = _order_key(gscore, gidx, NG_PAD)
     keep = gidx < 0
     for _ in tl.static_range(TOPK_GROUP):
-        gm = tl.max(gscore, axis=1)
-        gi = tl.min(tl.where(gscore == gm[:, None], gidx, NG_PAD), axis=1)
+        gi = _key_index(tl.max(gkey, axis=1), NG_PAD)
         hit = gidx == gi[:, None]
         keep = keep | hit
-        gscore = tl.where(hit, neg, gscore)
+        gkey = tl.where(hit, -(2**63), gkey)
     if GROUP_SIZE * N_GROUP == BLOCK_E:
         g3 = tl.reshape(sel, (BLOCK_M, N_GROUP, GROUP_SIZE))
         out = tl.reshape(tl.where(keep[:, :, None], g3, neg), (BLOCK_M, BLOCK_E))
@@ -213,18 +241,19 @@ def _router_kernel(x_ptr, g_ptr, l_ptr, bias_ptr, ids_ptr, w_ptr, tab_ptr, tok_p
         tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)
         bad = (tok < 0) | (tok >= V)
         tab = tab_ptr + tl.where(bad, 0, tok) * TOP_K
-    for j in tl.static_range(TOP_K):
-        if HASH:
+    if HASH:
+        for j in tl.static_range(TOP_K):
             i = tl.where(bad, 0, tl.load(tab + j, mask=rm, other=0).to(tl.int32))
-        else:
-            m = tl.max(sel, axis=1)
-            i = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
-        hit = cols[None, :] == i[:, None]
-        wj = tl.sum(tl.where(hit, score, 0.0), axis=1)
-        ids = tl.where(kc == j, i[:, None], ids)
-        ws = tl.where(kc == j, wj[:, None], ws)
-        if not HASH:
-            sel = tl.where(hit, neg, sel)
+            wj = tl.sum(tl.where(cols[None, :] == i[:, None], score, 0.0), axis=1)
+            ids = tl.where(kc == j, i[:, None], ids)
+            ws = tl.where(kc == j, wj[:, None], ws)
+    else:  # TOP_K rounds of one max over (score, index) keys, then one gather of the weights
+        key = _order_key(sel, cols[None, :], BLOCK_E)
+        for j in tl.static_range(TOP_K):
+            i = _key_index(tl.max(key, axis=1), BLOCK_E)
+            ids = tl.where(kc == j, i[:, None], ids)
+            key = tl.where(cols[None, :] == i[:, None], -(2**63), key)
+        ws = tl.where(kc < TOP_K, tl.gather(score, ids, axis=1), 0.0)
     if RENORM:  # + renorm_eps (LFM2-MoE's 1e-6; 0 elsewhere)
         ws = ws / tl.maximum(tl.sum(ws, axis=1) + renorm_eps, 1e-20)[:, None]
     ws = ws * scaling
