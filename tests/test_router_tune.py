@@ -77,3 +77,4 @@ def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
     assert r["rows"][2]["mismatch"] == 1.0  # every token's experts shifted
     assert all(r["rows"][i]["mismatch"] <= 0.05 for i in (0, 1, 3))
     assert RouterConfig(**r["best"]["config"]) == fast and r["speedup"] == 8.0 / 5.0
+    assert r["kernel_us"] == 8.0  # the routing kernel alone, at the split way's config

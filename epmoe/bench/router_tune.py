@@ -9,7 +9,8 @@ For each model's router (its real hidden, experts, groups, top-k and scoring): t
 runs, and its agreement with the torch router on the same bf16 inputs' float64 logits (the
 share of tokens whose expert set differs: near-ties only, so a correct way stays under
 `--max-mismatch`). The way the launch runs at those tokens (`gate_way`, and `router_config`
-where it fuses) is timed in the same run and every row is printed as a ratio to it. The
+where it fuses) is timed in the same run and every row is printed as a ratio to it; the
+routing kernel alone (on logits already in memory) shows the split way's own latency. The
 picks are baked into `epmoe.kernels.gate_topk` (TUNED_ROUTERS, FUSED_FROM_TOKENS) by hand.
 """
 
@@ -25,8 +26,8 @@ from epmoe.argtypes import at_least, int_list, name_list
 from epmoe.bench.timers import event_median_us
 from epmoe.config import PRESETS, get_preset
 from epmoe.kernels._common import next_pow2
-from epmoe.kernels.gate_topk import (LOGITS_ROUTER, RouterConfig, gate_way, router_config,
-                                     triton_gate_route)
+from epmoe.kernels.gate_topk import (LOGITS_ROUTER, RouterConfig, gate_logits, gate_way,
+                                     router_config, triton_gate_route, triton_route_logits)
 from epmoe.outputs import dump_json, run_main, writable_file
 
 MAX_MISMATCH = 0.005
@@ -62,7 +63,7 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
                timer=event_median_us, configs: list[RouterConfig] | None = None) -> dict:
     """The split way (the GEMM, then the kernel on its logits at LOGITS_ROUTER), then every
     fused candidate (or `configs`), the launch's fused config first; ratios are to the way
-    the launch runs at t tokens (`gate_way`)."""
+    the launch runs at t tokens (`gate_way`). kernel_us: the routing kernel alone."""
     from epmoe.router import route
 
     cfg = get_preset(model)
@@ -89,11 +90,16 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
     base = next(r for r in rows if r["current"])
     for row in rows:
         print(_line(row, base.get("us")), flush=True)
+    # the split way's second launch alone, on logits already in memory: its own latency
+    logits = gate_logits(x, gate)
+    kernel_us = timer(lambda c=LOGITS_ROUTER: triton_route_logits(logits, cfg, bias, config=c),
+                      iters)
+    print(f"  {'routing kernel alone':<22} {kernel_us:9.1f} us  (of the split way)", flush=True)
     ok = [r for r in rows if "us" in r and r["mismatch"] <= max_mismatch]
     best = min(ok, key=lambda r: r["us"]) if ok else None
     return dict(model=model, tokens=t, experts=cfg.num_experts, block_e=block_e,
                 hidden=cfg.hidden, launch_way=launch_way, rows=rows, best=best,
-                current_us=base.get("us"),
+                current_us=base.get("us"), kernel_us=kernel_us,
                 speedup=base["us"] / best["us"] if best and "us" in base else None)
 
 
