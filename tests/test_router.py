@@ -302,13 +302,16 @@ def _first_on_ties(sel64, cfg):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("block_m", [1, 16])
 @pytest.mark.parametrize("kind", ["softmax_plain", "v2_groups", "v2_groups_odd_e",
                                   "sigmoid_grouped", "sigmoid_groups_odd_e"])
-def test_triton_router_ties_pick_the_first_index(kind, seed):
+def test_triton_router_ties_pick_the_first_index(kind, block_m, seed):
     """Exact ties everywhere (integer logits): the kernel's packed (value, index) keys pick
     the lowest index among equal experts and equal groups, in the order chosen, with
     negative values, -0.0 / +0.0 and -inf ordered as floats are (the softmax router selects
-    on the logits themselves)."""
+    on the logits themselves); one token a program or 16."""
+    from epmoe.kernels.gate_topk import RouterConfig, triton_route_logits
+
     cfg = _kcfg(kind)
     g = torch.Generator().manual_seed(seed)
     t = 40
@@ -321,11 +324,31 @@ def test_triton_router_ties_pick_the_first_index(kind, seed):
     else:  # sigmoid of 0..3: every pair's sum differs, so group ties are exact ties
         logits = torch.randint(0, 4, (t, cfg.num_experts), generator=g).float()
         sel = torch.sigmoid(logits.double())
-    got = route(logits, cfg, None, backend="triton")
+    ids, _ = triton_route_logits(logits, cfg, config=RouterConfig(block_m, 64, 2, 1))
     want = _first_on_ties(sel, cfg)
-    assert torch.equal(got.topk_ids_TK.long(), want), f"{got.topk_ids_TK} vs {want}"
+    assert torch.equal(ids.long(), want), f"{ids} vs {want}"
     if cfg.router == "softmax" and cfg.n_group == 1:
         assert want[0].tolist() == list(range(cfg.top_k))  # the rule itself ties -0.0 and 0.0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_m,warps", [(1, 1), (4, 2), (32, 8)])
+@pytest.mark.parametrize("kind", ["dsv3_like", "v2_groups_odd_e", "softmax_renorm",
+                                  "renorm_eps"])
+def test_route_logits_at_any_tokens_per_program(kind, block_m, warps, seed):
+    """The routing kernel on logits at the tuner's candidate shapes (`router_tune`'s
+    logits_candidates): 1, 4 or 32 tokens a program, 40 tokens (a ragged last program),
+    against the torch path; weights within 1e-5."""
+    from epmoe.kernels.gate_topk import RouterConfig, triton_route_logits
+
+    cfg = _kcfg(kind)
+    logits = torch.randn(40, cfg.num_experts) * 2
+    bias = None if cfg.router == "softmax" else torch.randn(cfg.num_experts) * 0.1
+    ids, w = triton_route_logits(logits, cfg, bias, config=RouterConfig(block_m, 64, warps, 1))
+    want = route(logits, cfg, bias, backend="torch")
+    _compare_routings(Routing(ids, w), want, _separated(logits, cfg, bias), 1e-5)
+    with pytest.raises(ValueError, match=r"block_m \(3\) must be a power of two"):
+        triton_route_logits(logits, cfg, bias, config=RouterConfig(3, 64, warps, 1))
 
 
 def test_triton_router_refusals_and_fallback():

@@ -36,6 +36,13 @@ def test_gate_logits_are_the_fp32_product_of_the_bf16_values(seed):
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+def test_logits_candidates_are_distinct_powers_of_two_with_the_launch_config():
+    got = rt.logits_candidates()
+    assert len(got) == len(set(got)) == 16 and rt.LOGITS_ROUTER in got
+    assert all(c.block_m & (c.block_m - 1) == 0 and c.num_stages == 1 for c in got)
+    assert min(c.block_m for c in got) == 1
+
+
 @pytest.mark.parametrize("block_e,bms", [(512, {16, 32}), (256, {32, 64}), (128, {64, 128})])
 def test_candidates_stay_under_the_register_cap(block_e, bms):
     got = rt.candidates(block_e)
@@ -53,10 +60,12 @@ def test_mismatch_counts_tokens_whose_expert_set_differs():
 
 
 def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
-    """A config that routes wrongly is not picked however fast it is; the split way and the
-    launch's fused config are timed first, and the ratio is to the way the launch runs."""
+    """A config that routes wrongly is not picked however fast it is; the split way at the
+    launch's config and then at the other routing-kernel configs, then the launch's fused
+    config are timed first, and the ratio is to the way the launch runs."""
     real = rt.triton_gate_route
     wrong = RouterConfig(16, 32, 4, 3)
+    one = RouterConfig(1, 64, 1, 1)  # one token a program on logits
 
     def route(x, gate, cfg, bias, config, way):
         ids, w = real(x, gate, cfg, bias, config=config, way=way)
@@ -64,17 +73,18 @@ def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
 
     monkeypatch.setattr(rt, "triton_gate_route", route)
     fast = RouterConfig(32, 64, 8, 3)
-    us = {wrong: 1.0, fast: 5.0, rt.LOGITS_ROUTER: 8.0}
+    us = {wrong: 1.0, fast: 5.0, one: 4.0, rt.LOGITS_ROUTER: 8.0}
     cur = router_config(24)
     r = rt.tune_model("kimi-k2-tiny", 40, 1, 0.05, device="cpu",
                       timer=lambda fn, iters: us.get(fn.__defaults__[0], 10.0),
-                      configs=[wrong, fast])
+                      configs=[wrong, fast], split_configs=[rt.LOGITS_ROUTER, one])
     rows = [(row["way"], RouterConfig(**row["config"])) for row in r["rows"]]
-    assert rows == [("split", rt.LOGITS_ROUTER), ("fused", cur), ("fused", wrong),
-                    ("fused", fast)]
+    assert rows == [("split", rt.LOGITS_ROUTER), ("split", one), ("fused", cur),
+                    ("fused", wrong), ("fused", fast)]
     assert r["launch_way"] == "split" and r["rows"][0]["current"]  # 40 tokens: split
     assert not any(row["current"] for row in r["rows"][1:]) and r["current_us"] == 8.0
-    assert r["rows"][2]["mismatch"] == 1.0  # every token's experts shifted
-    assert all(r["rows"][i]["mismatch"] <= 0.05 for i in (0, 1, 3))
-    assert RouterConfig(**r["best"]["config"]) == fast and r["speedup"] == 8.0 / 5.0
+    assert r["rows"][3]["mismatch"] == 1.0  # every token's experts shifted
+    assert all(r["rows"][i]["mismatch"] <= 0.05 for i in (0, 1, 2, 4))
+    best = (r["best"]["way"], RouterConfig(**r["best"]["config"]))
+    assert best == ("split", one) and r["speedup"] == 8.0 / 4.0
     assert r["kernel_us"] == 8.0  # the routing kernel alone, at the split way's config

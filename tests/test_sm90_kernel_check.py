@@ -39,7 +39,7 @@ def test_every_layer_kernel_variant_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     names = [r["kernel"] for r in rows]
-    assert len(rows) == 60 and len(set(names)) == 60, names
+    assert len(rows) == 61 and len(set(names)) == 61, names
     for kind in ("pointer", "w4a8", "tma", "scatter", "gather", "act_quant", "router"):
         assert any(n.startswith(kind) for n in names), kind
     assert sum("gather=True" in n for n in names) == 16

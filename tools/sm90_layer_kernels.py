@@ -119,7 +119,8 @@ def _router_cases():
     layers), its constexprs derived from the presets as the launch derives them."""
     from epmoe.config import get_preset
     from epmoe.kernels._common import next_pow2
-    from epmoe.kernels.gate_topk import LOGITS_ROUTER, _KIND, _router_kernel as k, router_config
+    from epmoe.kernels.gate_topk import (LOGITS_ROUTER, _KIND, RouterConfig,
+                                         _router_kernel as k, router_config)
     from epmoe.router import group_best
 
     for model, router, hashed in (("deepseek-v3", None, False), ("kimi-k2", None, False),
@@ -131,9 +132,12 @@ def _router_cases():
         cfg = get_preset(model)
         cfg = cfg.replace(router=router) if router else cfg
         block_e = max(16, next_pow2(cfg.num_experts))
-        for fused in (True, False):
-            c = router_config(cfg.num_experts) if fused else LOGITS_ROUTER
-            yield (f"router {model} ({cfg.router}) fused={fused} hash={hashed}", k,
+        variants = [(True, router_config(cfg.num_experts)), (False, LOGITS_ROUTER)]
+        if model == "deepseek-v3":  # one token a program, one warp (router_tune's smallest)
+            variants.append((False, RouterConfig(1, LOGITS_ROUTER.block_k, 1, 1)))
+        for fused, c in variants:
+            yield (f"router {model} ({cfg.router}) fused={fused} hash={hashed}"
+                   + (f" bm={c.block_m} w={c.num_warps}" if c.block_m == 1 else ""), k,
                    dict(x_ptr=BF16 if fused else F32, g_ptr=BF16, l_ptr=F32, bias_ptr=F32,
                         ids_ptr=I32, w_ptr=F32, tab_ptr=I32, tok_ptr="*i64",
                         scaling="fp32", renorm_eps="fp32"),

@@ -1,17 +1,18 @@
-"""The router's way (split or fused) and fused launch config per expert-row width, timed.
+"""The router's way (split or fused) and launch configs per expert-row width, timed.
 
     python -m epmoe.bench.router_tune [--models deepseek-v3,kimi-k2,qwen3-235b-a22b]
                                       [--tokens 4096] [--quick] [--json FILE]
 
 For each model's router (its real hidden, experts, groups, top-k and scoring): the split way
-(cuBLAS's GEMM with fp32 logits out, then the routing kernel on them) and each fused candidate
-`RouterConfig` (tokens per program, K step, warps, stages), each the median time over many
-runs, and its agreement with the torch router on the same bf16 inputs' float64 logits (the
-share of tokens whose expert set differs: near-ties only, so a correct way stays under
-`--max-mismatch`). The way the launch runs at those tokens (`gate_way`, and `router_config`
-where it fuses) is timed in the same run and every row is printed as a ratio to it; the
-routing kernel alone (on logits already in memory) shows the split way's own latency. The
-picks are baked into `epmoe.kernels.gate_topk` (TUNED_ROUTERS, FUSED_FROM_TOKENS) by hand.
+(cuBLAS's GEMM with fp32 logits out, then the routing kernel on them) at each candidate
+config of that kernel and each fused candidate `RouterConfig` (tokens per program, K step,
+warps, stages), each the median time over many runs, and its agreement with the torch
+router on the same bf16 inputs' float64 logits (the share of tokens whose expert set
+differs: near-ties only, so a correct way stays under `--max-mismatch`). The way the launch
+runs at those tokens (`gate_way`, and `router_config` where it fuses) is timed in the same
+run and every row is printed as a ratio to it; the routing kernel alone (on logits already
+in memory) shows the split way's own latency. The picks are baked into
+`epmoe.kernels.gate_topk` (LOGITS_ROUTER, TUNED_ROUTERS, FUSED_FROM_TOKENS) by hand.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ from epmoe.kernels.gate_topk import (LOGITS_ROUTER, RouterConfig, gate_logits, g
 from epmoe.outputs import dump_json, run_main, writable_file
 
 MAX_MISMATCH = 0.005
+
+
+def logits_candidates() -> list[RouterConfig]:
+    """The routing kernel on logits (the split way's second launch): 1 .. 32 tokens a
+    program, 1 .. 8 warps (no GEMM to feed; fewer, narrower programs shorten the chain of
+    cross-warp reductions a decode-sized batch waits on)."""
+    return [RouterConfig(bm, LOGITS_ROUTER.block_k, w, 1)
+            for bm, w in itertools.product((1, 4, 16, 32), (1, 2, 4, 8))]
 
 
 def candidates(block_e: int) -> list[RouterConfig]:
@@ -60,10 +69,12 @@ def mismatch(ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
 
 
 def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str = "cuda",
-               timer=event_median_us, configs: list[RouterConfig] | None = None) -> dict:
-    """The split way (the GEMM, then the kernel on its logits at LOGITS_ROUTER), then every
-    fused candidate (or `configs`), the launch's fused config first; ratios are to the way
-    the launch runs at t tokens (`gate_way`). kernel_us: the routing kernel alone."""
+               timer=event_median_us, configs: list[RouterConfig] | None = None,
+               split_configs: list[RouterConfig] | None = None) -> dict:
+    """The split way (the GEMM, then the kernel on its logits at LOGITS_ROUTER, then at each
+    of `logits_candidates` or `split_configs`), then every fused candidate (or `configs`),
+    the launch's fused config first; ratios are to the way the launch runs at t tokens
+    (`gate_way`). kernel_us: the routing kernel alone at LOGITS_ROUTER."""
     from epmoe.router import route
 
     cfg = get_preset(model)
@@ -73,12 +84,14 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
     launch_way = gate_way(cfg.num_experts, t)
     current = router_config(cfg.num_experts)
     others = candidates(block_e) if configs is None else configs
-    ways = [("split", LOGITS_ROUTER)] + [("fused", c) for c in
-                                          [current] + [c for c in others if c != current]]
+    splits = logits_candidates() if split_configs is None else split_configs
+    ways = ([("split", c) for c in [LOGITS_ROUTER] + [c for c in splits if c != LOGITS_ROUTER]]
+            + [("fused", c) for c in [current] + [c for c in others if c != current]])
     rows = []
     for way, c in ways:
         row = dict(way=way, config=c.__dict__,
-                   current=way == launch_way and (way == "split" or c == current))
+                   current=way == launch_way and c == (LOGITS_ROUTER if way == "split"
+                                                        else current))
         try:
             ids, w = triton_gate_route(x, gate, cfg, bias, config=c, way=way)
             row["mismatch"] = mismatch(ids, ref.topk_ids_TK)
@@ -125,7 +138,7 @@ def main(argv=None) -> int:
                    help="largest share of tokens whose experts may differ from the torch "
                         "router on float64 logits (near-ties)")
     p.add_argument("--quick", action="store_true",
-                   help="the two ways at the launch's configs only (no fused candidates)")
+                   help="the two ways at the launch's configs only (no other candidates)")
     p.add_argument("--json", type=writable_file, default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -135,7 +148,8 @@ def main(argv=None) -> int:
     for m in a.models:
         for t in a.tokens:
             print(f"{m}: {t} tokens (time x ratio to the launch's current config)", flush=True)
-            r = tune_model(m, t, a.iters, a.max_mismatch, configs=[] if a.quick else None)
+            r = tune_model(m, t, a.iters, a.max_mismatch, configs=[] if a.quick else None,
+                           split_configs=[] if a.quick else None)
             if r["best"]:
                 b = RouterConfig(**r["best"]["config"])
                 print(f"  best: {r['best']['way']} {b} {r['best']['us']:.1f} us, "

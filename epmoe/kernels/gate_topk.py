@@ -288,8 +288,11 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     if t == 0:
         return ids, w
     c = config or (router_config(cfg.num_experts) if x is not None else LOGITS_ROUTER)
+    check(c.block_m & (c.block_m - 1) == 0, f"block_m ({c.block_m}) must be a power of two")
     block_e = max(16, next_pow2(cfg.num_experts))
-    block_m = 16 if INTERPRET else max(16, min(c.block_m, 16384 // block_e))
+    block_m = min(c.block_m, 16384 // block_e)
+    if x is not None:  # the fused GEMM's dot needs >= 16 rows; on logits a program may own 1
+        block_m = 16 if INTERPRET else max(16, block_m)
     d = x.shape[1] if x is not None else 0
     has_bias = bias_E is not None
     hashed = table is not None
