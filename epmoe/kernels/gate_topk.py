@@ -60,7 +60,9 @@ TUNED_ROUTER = RouterConfig(64, 64, 8, 4)
 # H100, 2026-12-07: 256 experts 80 / 174 us at 4096 / 16384 tokens, 115 / 271 before).
 TUNED_ROUTERS: dict[int, RouterConfig] = {256: RouterConfig(64, 64, 16, 4)}
 # On given logits there is no GEMM to feed: 16 tokens a program, 8 warps (one H100: 10 us for
-# DeepSeek-V3's 256 experts at 1 .. 2048 tokens, 35 us at 64 tokens a program).
+# DeepSeek-V3's 256 experts at 1 .. 2048 tokens, 35 us at 64 tokens a program; measured before
+# the selection's packed keys and before programs of fewer than 16 tokens were possible:
+# `python -m epmoe.bench.router_tune` times 1 .. 32 tokens x 1 .. 8 warps).
 LOGITS_ROUTER = RouterConfig(16, 64, 8, 1)
 # The gate GEMM's two ways (BENCHMARKS.md 45): "split", cuBLAS's bf16 GEMM with fp32 logits
 # out and then the routing kernel on them, and "fused", one launch whose logits never reach
