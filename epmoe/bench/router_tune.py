@@ -127,7 +127,7 @@ def _line(row: dict, base_us: float | None) -> str:
     return f"  {name:<22} {row['us']:9.1f} us  x{ratio}  mismatch {row['mismatch']:.4f}{mark}"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.router_tune",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--models", type=name_list(PRESETS),
@@ -140,7 +140,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the two ways at the launch's configs only (no other candidates)")
     p.add_argument("--json", type=writable_file, default=None)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("router_tune needs a CUDA GPU", file=sys.stderr)
         return 2
