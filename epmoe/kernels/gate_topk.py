@@ -290,7 +290,8 @@ def _launch(x, gate, logits, cfg: MoEConfig, bias_E, config: RouterConfig | None
     if t == 0:
         return ids, w
     c = config or (router_config(cfg.num_experts) if x is not None else LOGITS_ROUTER)
-    check(c.block_m & (c.block_m - 1) == 0, f"block_m ({c.block_m}) must be a power of two")
+    if c.block_m & (c.block_m - 1):  # the message only on failure: this runs every route
+        check(False, f"block_m ({c.block_m}) must be a power of two")
     block_e = max(16, next_pow2(cfg.num_experts))
     block_m = min(c.block_m, 16384 // block_e)
     if x is not None:  # the fused GEMM's dot needs >= 16 rows; on logits a program may own 1
