@@ -7,6 +7,18 @@ import torch
 from epmoe.reference import reference_route
 from epmoe.router import route
 
+# The router kinds the router tests run, as MoEConfig fields
+ROUTERS = {
+    "softmax_renorm": dict(router="softmax", renormalize=True),
+    "softmax_plain": dict(router="softmax", renormalize=False),
+    "sigmoid_grouped": dict(router="sigmoid_grouped", n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5),
+    "sigmoid_kimi": dict(router="sigmoid_grouped", n_group=1, topk_group=1,
+                         routed_scaling_factor=2.827),
+    "sqrtsoftplus": dict(router="sqrtsoftplus", routed_scaling_factor=1.5),
+    "softmax_biased": dict(router="softmax_biased"),
+}
+
 
 def assert_routes_as(logits, cfg, bias, want_ids, want_w):
     """epmoe's reference router (weights to 1e-12) and the runtime's torch router (ids) give

@@ -73,7 +73,8 @@ SETS = (
                "issue 11: per-stage accuracy at ep 2, calibrated on this host; shared MLP"),
     # one GPU; est_s of these three estimated, not yet run as sets
     MeasureSet("router-tests", 1, 90.0, (*PY, "pytest", "-q", "-m", "gpu",
-                                         "tests/test_router.py", "tests/test_hash_layers.py",
+                                         "tests/test_router.py", "tests/test_router_kernel.py",
+                                         "tests/test_hash_layers.py",
                                          "tests/test_graph_gpu.py"),
                "the router's split and fused ways and its packed-key selection, compiled"),
     MeasureSet("router-tune", 1, 300.0, (*PY, "epmoe.bench.router_tune", "--tokens",
