@@ -239,7 +239,7 @@ def test_the_fused_router_routes_lfm2_and_v2_as_the_torch_router(raw, seed):
     """LFM2's / (sum + 1e-6) and DeepSeek-V2's group_limited_greedy (160 experts in 8 groups:
     no power of two) run in the Triton router kernel, as the torch router computes them."""
     from epmoe.kernels.gate_topk import unsupported
-    from tests.test_hf_config import DEEPSEEK_V2
+    from tests.test_hf_deepseek_v2 import DEEPSEEK_V2
 
     c = parse_hf_config(DEEPSEEK_V2 if raw == "v2" else raw, "m").cfg
     assert unsupported(c) is None
