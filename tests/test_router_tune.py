@@ -59,32 +59,58 @@ def test_mismatch_counts_tokens_whose_expert_set_differs():
     assert rt.mismatch(one_off, ids) == 0.25
 
 
-def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
-    """A config that routes wrongly is not picked however fast it is; the split way at the
-    launch's config and then at the other routing-kernel configs, then the launch's fused
-    config are timed first, and the ratio is to the way the launch runs."""
+def _tune(monkeypatch, ways=rt.WAYS, launch_way=None):
+    """tune_model on the interpreter with a stand-in timer: a config that routes wrongly
+    (every token's experts shifted) timed fastest, one token a program next."""
     real = rt.triton_gate_route
-    wrong = RouterConfig(16, 32, 4, 3)
-    one = RouterConfig(1, 64, 1, 1)  # one token a program on logits
+    wrong, fast, four = RouterConfig(16, 32, 4, 3), RouterConfig(32, 64, 8, 3), \
+        RouterConfig(4, 64, 2, 1)
 
     def route(x, gate, cfg, bias, config, way):
         ids, w = real(x, gate, cfg, bias, config=config, way=way)
         return ((ids + 1) % cfg.num_experts if config == wrong else ids), w
 
     monkeypatch.setattr(rt, "triton_gate_route", route)
-    fast = RouterConfig(32, 64, 8, 3)
-    us = {wrong: 1.0, fast: 5.0, one: 4.0, rt.LOGITS_ROUTER: 8.0}
-    cur = router_config(24)
+    if launch_way:
+        monkeypatch.setattr(rt, "gate_way", lambda e, t: launch_way)
+    us = {wrong: 1.0, fast: 5.0, four: 6.0, rt.LOGITS_ROUTER: 4.0}
     r = rt.tune_model("kimi-k2-tiny", 40, 1, 0.05, device="cpu",
                       timer=lambda fn, iters: us.get(fn.__defaults__[0], 10.0),
-                      configs=[wrong, fast], split_configs=[rt.LOGITS_ROUTER, one])
+                      configs=[wrong, fast], split_configs=[rt.LOGITS_ROUTER, four],
+                      ways=ways)
     rows = [(row["way"], RouterConfig(**row["config"])) for row in r["rows"]]
-    assert rows == [("split", rt.LOGITS_ROUTER), ("split", one), ("fused", cur),
+    return r, rows, (wrong, fast, four)
+
+
+def test_tune_picks_the_fastest_config_that_routes_right(monkeypatch):
+    """A config that routes wrongly is not picked however fast it is; the launch's way is
+    timed first (40 tokens: the split way at LOGITS_ROUTER), then the other routing-kernel
+    configs, then the launch's fused config and the fused candidates, each once; ratios and
+    the speedup are to the first."""
+    r, rows, (wrong, fast, four) = _tune(monkeypatch)
+    cur = router_config(24)
+    assert rows == [("split", rt.LOGITS_ROUTER), ("split", four), ("fused", cur),
                     ("fused", wrong), ("fused", fast)]
-    assert r["launch_way"] == "split" and r["rows"][0]["current"]  # 40 tokens: split
-    assert not any(row["current"] for row in r["rows"][1:]) and r["current_us"] == 8.0
+    assert r["launch_way"] == "split" and r["rows"][0]["current"]
+    assert not any(row["current"] for row in r["rows"][1:]) and r["current_us"] == 4.0
     assert r["rows"][3]["mismatch"] == 1.0  # every token's experts shifted
     assert all(r["rows"][i]["mismatch"] <= 0.05 for i in (0, 1, 2, 4))
     best = (r["best"]["way"], RouterConfig(**r["best"]["config"]))
-    assert best == ("split", one) and r["speedup"] == 8.0 / 4.0
-    assert r["kernel_us"] == 8.0  # the routing kernel alone, at the split way's config
+    assert best == ("split", rt.LOGITS_ROUTER) and r["speedup"] == 1.0
+    assert r["kernel_us"] == 4.0  # the routing kernel alone, at the split way's config
+
+
+def test_tune_times_the_launch_way_first_even_when_its_candidates_are_not_asked_for(
+        monkeypatch):
+    r, rows, (_, _, four) = _tune(monkeypatch, ways=("split",), launch_way="fused")
+    cur = router_config(24)
+    assert rows == [("fused", cur), ("split", rt.LOGITS_ROUTER), ("split", four)]
+    assert r["rows"][0]["current"] and r["current_us"] == 10.0
+    assert RouterConfig(**r["best"]["config"]) == rt.LOGITS_ROUTER and r["speedup"] == 2.5
+
+
+def test_ways_are_checked_on_the_command_line():
+    assert rt.parser().parse_args(["--ways", "split"]).ways == ("split",)
+    assert rt.parser().parse_args([]).ways == rt.WAYS
+    with pytest.raises(SystemExit):
+        rt.parser().parse_args(["--ways", "fast"])

@@ -133,11 +133,11 @@ def _router_cases():
         cfg = cfg.replace(router=router) if router else cfg
         block_e = max(16, next_pow2(cfg.num_experts))
         variants = [(True, router_config(cfg.num_experts)), (False, LOGITS_ROUTER)]
-        if model == "deepseek-v3":  # one token a program, one warp (router_tune's smallest)
-            variants.append((False, RouterConfig(1, LOGITS_ROUTER.block_k, 1, 1)))
+        if model == "deepseek-v3":  # the logits config before LOGITS_ROUTER's one token
+            variants.append((False, RouterConfig(16, LOGITS_ROUTER.block_k, 8, 1)))
         for fused, c in variants:
             yield (f"router {model} ({cfg.router}) fused={fused} hash={hashed}"
-                   + (f" bm={c.block_m} w={c.num_warps}" if c.block_m == 1 else ""), k,
+                   + ("" if fused else f" bm={c.block_m} w={c.num_warps}"), k,
                    dict(x_ptr=BF16 if fused else F32, g_ptr=BF16, l_ptr=F32, bias_ptr=F32,
                         ids_ptr=I32, w_ptr=F32, tab_ptr=I32, tok_ptr="*i64",
                         scaling="fp32", renorm_eps="fp32"),

@@ -1,7 +1,8 @@
 """The router's way (split or fused) and launch configs per expert-row width, timed.
 
     python -m epmoe.bench.router_tune [--models deepseek-v3,kimi-k2,qwen3-235b-a22b]
-                                      [--tokens 4096] [--quick] [--json FILE]
+                                      [--tokens 4096] [--ways split,fused] [--quick]
+                                      [--json FILE]
 
 For each model's router (its real hidden, experts, groups, top-k and scoring): the split way
 (cuBLAS's GEMM with fp32 logits out, then the routing kernel on them) at each candidate
@@ -32,6 +33,7 @@ from epmoe.kernels.gate_topk import (LOGITS_ROUTER, RouterConfig, gate_logits, g
 from epmoe.outputs import dump_json, run_main, writable_file
 
 MAX_MISMATCH = 0.005
+WAYS = ("split", "fused")
 
 
 def logits_candidates() -> list[RouterConfig]:
@@ -70,11 +72,13 @@ def mismatch(ids: torch.Tensor, ref_ids: torch.Tensor) -> float:
 
 def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str = "cuda",
                timer=event_median_us, configs: list[RouterConfig] | None = None,
-               split_configs: list[RouterConfig] | None = None) -> dict:
-    """The split way (the GEMM, then the kernel on its logits at LOGITS_ROUTER, then at each
-    of `logits_candidates` or `split_configs`), then every fused candidate (or `configs`),
-    the launch's fused config first; ratios are to the way the launch runs at t tokens
-    (`gate_way`). kernel_us: the routing kernel alone at LOGITS_ROUTER."""
+               split_configs: list[RouterConfig] | None = None,
+               ways: tuple[str, ...] = WAYS) -> dict:
+    """The way the launch runs at t tokens (`gate_way`: the split way at LOGITS_ROUTER or
+    the fused one at `router_config`) first, then the split way at each of
+    `logits_candidates` (or `split_configs`) and the fused way at each of `candidates` (or
+    `configs`), of the `ways` asked for; every row printed as it is timed, as a ratio to the
+    first. kernel_us: the routing kernel alone at LOGITS_ROUTER."""
     from epmoe.router import route
 
     cfg = get_preset(model)
@@ -83,15 +87,17 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
     ref = route((x.double() @ gate.double().T).float(), cfg, bias, backend="torch")
     launch_way = gate_way(cfg.num_experts, t)
     current = router_config(cfg.num_experts)
-    others = candidates(block_e) if configs is None else configs
-    splits = logits_candidates() if split_configs is None else split_configs
-    ways = ([("split", c) for c in [LOGITS_ROUTER] + [c for c in splits if c != LOGITS_ROUTER]]
-            + [("fused", c) for c in [current] + [c for c in others if c != current]])
+    launch = ("split", LOGITS_ROUTER) if launch_way == "split" else ("fused", current)
+    tried = [launch]
+    if "split" in ways:
+        splits = logits_candidates() if split_configs is None else split_configs
+        tried += [("split", c) for c in [LOGITS_ROUTER] + splits]
+    if "fused" in ways:
+        others = candidates(block_e) if configs is None else configs
+        tried += [("fused", c) for c in [current] + others]
     rows = []
-    for way, c in ways:
-        row = dict(way=way, config=c.__dict__,
-                   current=way == launch_way and c == (LOGITS_ROUTER if way == "split"
-                                                        else current))
+    for way, c in dict.fromkeys(tried):  # in order, each once
+        row = dict(way=way, config=c.__dict__, current=(way, c) == launch)
         try:
             ids, w = triton_gate_route(x, gate, cfg, bias, config=c, way=way)
             row["mismatch"] = mismatch(ids, ref.topk_ids_TK)
@@ -100,9 +106,8 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
         except Exception as exc:  # noqa: BLE001  (out of shared memory: recorded, skipped)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
-    base = next(r for r in rows if r["current"])
-    for row in rows:
-        print(_line(row, base.get("us")), flush=True)
+        print(_line(row, rows[0].get("us")), flush=True)
+    base = rows[0]
     # the split way's second launch alone, on logits already in memory: its own latency
     logits = gate_logits(x, gate)
     kernel_us = timer(lambda c=LOGITS_ROUTER: triton_route_logits(logits, cfg, bias, config=c),
@@ -137,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-mismatch", type=float, default=MAX_MISMATCH,
                    help="largest share of tokens whose experts may differ from the torch "
                         "router on float64 logits (near-ties)")
+    p.add_argument("--ways", type=name_list(WAYS), default=",".join(WAYS),
+                   help="whose candidates to time (the launch's way is timed always); the "
+                        "fused way compiles a kernel per candidate over the whole gate: slow")
     p.add_argument("--quick", action="store_true",
                    help="the two ways at the launch's configs only (no other candidates)")
     p.add_argument("--json", type=writable_file, default=None)
@@ -151,9 +159,10 @@ def main(argv=None) -> int:
     out = []
     for m in a.models:
         for t in a.tokens:
-            print(f"{m}: {t} tokens (time x ratio to the launch's current config)", flush=True)
+            print(f"{m}: {t} tokens (time x ratio to the launch's way, the first row)",
+                  flush=True)
             r = tune_model(m, t, a.iters, a.max_mismatch, configs=[] if a.quick else None,
-                           split_configs=[] if a.quick else None)
+                           split_configs=[] if a.quick else None, ways=tuple(a.ways))
             if r["best"]:
                 b = RouterConfig(**r["best"]["config"])
                 print(f"  best: {r['best']['way']} {b} {r['best']['us']:.1f} us, "

@@ -71,15 +71,20 @@ SETS = (
                                       "--calibrate-budget-s", "150", "--budget-s", "230",
                                       "--json", "{json}"),
                "issue 11: per-stage accuracy at ep 2, calibrated on this host; shared MLP"),
-    # one GPU; est_s of these three estimated, not yet run as sets
+    # one GPU; est_s of router-tests and plan-1gpu estimated, not yet run as sets
     MeasureSet("router-tests", 1, 90.0, (*PY, "pytest", "-q", "-m", "gpu",
                                          "tests/test_router.py", "tests/test_router_kernel.py",
                                          "tests/test_hash_layers.py",
                                          "tests/test_graph_gpu.py"),
                "the router's split and fused ways and its packed-key selection, compiled"),
-    MeasureSet("router-tune", 1, 300.0, (*PY, "epmoe.bench.router_tune", "--tokens",
-                                         "1,128,4096", "--iters", "30", "--json", "{json}"),
-               "the routing kernel's own latency and config (LOGITS_ROUTER), the ways' crossover"),
+    # the split way's configs only: all of them at 1 / 128 / 4096 tokens and both ways did
+    # not finish the first model's first row in 190 s on an H100 (2026-12-07; a fused
+    # candidate compiles a kernel over the whole gate); 6 routing-kernel configs of 9 cases
+    # took 35 s there
+    MeasureSet("router-tune", 1, 150.0, (*PY, "epmoe.bench.router_tune", "--tokens",
+                                         "1,128,4096", "--ways", "split", "--iters", "30",
+                                         "--json", "{json}"),
+               "the routing kernel's own latency and config (LOGITS_ROUTER)"),
     MeasureSet("plan-1gpu", 1, 480.0, (*PY, "epmoe.bench.plan_accuracy", "--tokens", "128,4096",
                                        "--timing", "launched", "--calibrate", "full",
                                        "--calibrate-budget-s", "200", "--budget-s", "200",

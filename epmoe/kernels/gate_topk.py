@@ -59,11 +59,11 @@ TUNED_ROUTER = RouterConfig(64, 64, 8, 4)
 # Per expert-row width (BLOCK_E) where it differs (`python -m epmoe.bench.router_tune`, one
 # H100, 2026-12-07: 256 experts 80 / 174 us at 4096 / 16384 tokens, 115 / 271 before).
 TUNED_ROUTERS: dict[int, RouterConfig] = {256: RouterConfig(64, 64, 16, 4)}
-# On given logits there is no GEMM to feed: 16 tokens a program, 8 warps (one H100: 10 us for
-# DeepSeek-V3's 256 experts at 1 .. 2048 tokens, 35 us at 64 tokens a program; measured before
-# the selection's packed keys and before programs of fewer than 16 tokens were possible:
-# `python -m epmoe.bench.router_tune` times 1 .. 32 tokens x 1 .. 8 warps).
-LOGITS_ROUTER = RouterConfig(16, 64, 8, 1)
+# On given logits there is no GEMM to feed: one token a program, one warp (one H100,
+# 2026-12-07, the kernel alone at 1 / 128 / 4096 tokens: DeepSeek-V3 5.3 / 5.5 / 13.0 us
+# against 9.9 / 10.0 / 15.9 at the former 16 tokens x 8 warps; Kimi-K2 5.7 / 6.1 / 18.1 vs
+# 12.7 / 12.9 / 23.6; Qwen3-235B 4.4 / 4.6 / 8.0 vs 5.7 / 6.4 / 8.0; BENCHMARKS.md 46).
+LOGITS_ROUTER = RouterConfig(1, 64, 1, 1)
 # The gate GEMM's two ways (BENCHMARKS.md 45): "split", cuBLAS's bf16 GEMM with fp32 logits
 # out and then the routing kernel on them, and "fused", one launch whose logits never reach
 # memory. Each fused program streams the whole gate [E, D] through its own SM, so the fused
