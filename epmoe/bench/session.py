@@ -71,7 +71,7 @@ SETS = (
                                       "--calibrate-budget-s", "150", "--budget-s", "230",
                                       "--json", "{json}"),
                "issue 11: per-stage accuracy at ep 2, calibrated on this host; shared MLP"),
-    # one GPU; est_s of router-tests and plan-1gpu estimated, not yet run as sets
+    # one GPU; est_s of these three estimated, not yet run as sets
     MeasureSet("router-tests", 1, 90.0, (*PY, "pytest", "-q", "-m", "gpu",
                                          "tests/test_router.py", "tests/test_router_kernel.py",
                                          "tests/test_hash_layers.py",
@@ -79,8 +79,8 @@ SETS = (
                "the router's split and fused ways and its packed-key selection, compiled"),
     # the split way's configs only: all of them at 1 / 128 / 4096 tokens and both ways did
     # not finish the first model's first row in 190 s on an H100 (2026-12-07; a fused
-    # candidate compiles a kernel over the whole gate); 6 routing-kernel configs of 9 cases
-    # took 35 s there
+    # candidate compiles a kernel over the whole gate); the routing kernel alone at 6 configs
+    # of 9 cases took 35 s there
     MeasureSet("router-tune", 1, 150.0, (*PY, "epmoe.bench.router_tune", "--tokens",
                                          "1,128,4096", "--ways", "split", "--iters", "30",
                                          "--json", "{json}"),
