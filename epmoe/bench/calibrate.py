@@ -38,6 +38,7 @@ from epmoe.argtypes import at_least, model_name, seconds
 from epmoe.bench.calibrate_device import measure_device, time_us
 from epmoe.outputs import run_main, writable_file
 from epmoe.plan import traffic as tr
+from epmoe.plan.figures import public_note
 from epmoe.plan.profile import (HOST_OP, OVERLAPPED, QUEUED, AlphaBeta, Figure, HardwareProfile,
                                 Provenance, load_profile)
 from epmoe.plan.topology import gpu_kind_of
@@ -52,7 +53,8 @@ class Clock:
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         day = datetime.date.today().isoformat()
-        self.note = f"{machine}, {day}, python -m epmoe.bench.calibrate {' '.join(argv)}".strip()
+        self.note = public_note(f"{machine}, {day}, python -m epmoe.bench.calibrate "
+                                f"{' '.join(argv)}".strip())
         self.skipped: list[str] = []
 
     def left(self) -> float:

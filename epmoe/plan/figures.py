@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +25,14 @@ HOST_PREFIX = "host."  # a kernel fit's name prefix: the host's time to issue a 
 KERNELS = ("permute", "gather", "act_quant")  # per experts backend; kernels["comm"]: quantize
 LOCAL_KERNELS = ("dispatch", "combine")  # kernels["local"]: the local comm backend's own work
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# an absolute or home-relative path (not "GB/s", not a relative one): the file name is kept
+_MACHINE_PATH = re.compile(r"(?<![\w.~/-])(?:~|\.{1,2})?/(?:[\w.~-]+/)*([\w.~-]+)")
+
+
+def public_note(note: str) -> str:
+    """A provenance note with every absolute path reduced to its file name: where a file
+    went on the measuring machine is not the profile's business (nor the repository's)."""
+    return _MACHINE_PATH.sub(lambda m: m.group(1), note)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,149 @@
+"""`python -m epmoe.plan.refresh`: bring some kernel fits of a profile up to date from a
+fresh calibration, keeping everything else the profile holds.
+
+    python -m epmoe.plan.refresh --into h100-calibrated --from fresh.json --tables router \\
+        --out epmoe/plan/profiles/h100-calibrated.json
+
+When a kernel changes (the router's split way, a new permute), its fits in a shipped profile
+go stale while the rest of the profile (more sizes, other refreshed tables) stays good. This
+takes the named tables' fits from `--from` (a calibration's output on the same GPU kind and
+under the same `--timing`) into `--into`:
+- each fit of those tables that `--from` measured replaces the one of its name; fits `--from`
+  does not have are kept and listed (they may be stale too);
+- `--from`'s figures are first put at `--into`'s host (`HardwareProfile.at_host`: the host's
+  share of a launched-timing fit scales with the host's speed), so the profile keeps
+  describing one host;
+- absolute paths in the taken fits' notes are cut to their file names (a machine path is not the
+  profile's business) and the description says what was refreshed, when and from what.
+Exit codes: 0 written, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
+from pathlib import Path
+
+from epmoe.outputs import run_main, writable_file
+from epmoe.plan.figures import public_note
+from epmoe.plan.profile import (AlphaBeta, HardwareProfile, Provenance, from_dict,
+                                load_profile)
+
+_TIMING = re.compile(r"--timing[ =](\w+)")
+
+
+@dataclass(frozen=True)
+class Refreshed:
+    """The profile with the tables' fits taken from the fresh one, and what happened."""
+
+    profile: HardwareProfile
+    taken: tuple[str, ...]  # "table.name" replaced or added
+    kept: tuple[str, ...]  # "table.name" the fresh calibration did not measure
+    host_factor: float  # the fresh figures' host time was scaled by this
+
+
+def timing_of(p: HardwareProfile) -> str | None:
+    """The --timing a calibrated profile was measured under (its description says; the
+    calibration's default is launched), None for a spec-derived one."""
+    m = _TIMING.search(p.description)
+    if m:
+        return m.group(1)
+    return "launched" if "epmoe.bench.calibrate" in p.description else None
+
+
+def refresh(into: HardwareProfile, fresh: HardwareProfile,
+            tables: tuple[str, ...]) -> Refreshed:
+    """`into` with `tables`' fits measured in `fresh` (see the module); ValueError when the
+    two do not describe the same kind of measurement."""
+    if not tables:
+        raise ValueError("no tables to refresh")
+    if into.gpu != fresh.gpu:
+        raise ValueError(f"--from is a {fresh.gpu} profile, --into a {into.gpu} one")
+    ti, tf = timing_of(into), timing_of(fresh)
+    if ti != tf:
+        raise ValueError(f"--into {into.name} was timed {ti or 'from spec sheets'}, --from "
+                         f"{fresh.name} {tf or 'from spec sheets'}: their fits do not mix")
+    missing = [t for t in tables if t not in fresh.kernels]
+    if missing:
+        raise ValueError(f"--from {fresh.name} has no {', '.join(missing)} fits (it has "
+                         f"{', '.join(sorted(fresh.kernels))})")
+    factor, measured = 1.0, fresh
+    if into.host_op_us is not None and fresh.host_op_us is not None:
+        factor = into.host_op_us / fresh.host_op_us
+        fresh, _ = fresh.at_host(into.host_op_us)
+    kern = {b: dict(t) for b, t in into.kernels.items()}
+    taken, kept = [], []
+    for table in tables:
+        new = kern.setdefault(table, {})
+        for name, fit in fresh.kernels[table].items():
+            if fit.prov.source != "measured":
+                continue
+            scaled = fit != measured.kernels[table][name]
+            new[name] = _public(fit, factor if scaled else 1.0, into.name)
+            taken.append(f"{table}.{name}")
+        kept += [f"{table}.{n}" for n in new if f"{table}.{n}" not in taken]
+    if not taken:
+        raise ValueError(f"--from {fresh.name} measured none of the {', '.join(tables)} fits")
+    day = datetime.date.today().isoformat()
+    what = f"the {', '.join(tables)} fits refreshed {day} ({public_note(fresh.description)})"
+    return Refreshed(replace(into, kernels=kern, description=f"{into.description}; {what}"),
+                     tuple(taken), tuple(kept), factor)
+
+
+def _public(fit: AlphaBeta, factor: float, into: str) -> AlphaBeta:
+    note = public_note(fit.prov.note)
+    if factor != 1.0:
+        note += f" (put at {into}'s host: host time x{factor:.3f})"
+    return replace(fit, prov=Provenance(fit.prov.source, note))
+
+
+def _document(spec: str) -> dict:
+    """The profile's JSON as written (a shipped name or a path): refreshing patches it, so
+    the rest of the file stays byte for byte as it was."""
+    path = Path(spec)
+    if not spec.endswith(".json") and not path.is_file():
+        path = Path(str(resources.files("epmoe.plan") / "profiles" / f"{spec.lower()}.json"))
+    return json.loads(path.read_text())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m epmoe.plan.refresh", description=(
+        "Take some kernel tables' fits from a fresh calibration into a profile."))
+    p.add_argument("--into", required=True, help="the profile to refresh (name or JSON)")
+    p.add_argument("--from", dest="fresh", required=True,
+                   help="a calibration's output (python -m epmoe.bench.calibrate --out)")
+    p.add_argument("--tables", required=True,
+                   help="kernel tables to take, comma separated (e.g. router, local)")
+    p.add_argument("--out", required=True, type=writable_file, help="where to write it")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        tables = tuple(t for t in args.tables.split(",") if t)
+        r = refresh(load_profile(args.into), load_profile(args.fresh), tables)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    doc = _document(args.into)
+    doc["description"] = r.profile.description
+    for t in tables:
+        doc.setdefault("kernels", {})[t] = {k: asdict(f) for k, f in
+                                           r.profile.kernels[t].items()}
+    assert from_dict(doc) == r.profile, "the patched document does not load as the refresh"
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}: took {len(r.taken)} fit(s) ({', '.join(r.taken)}), host time "
+          f"x{r.host_factor:.3f}")
+    if r.kept:
+        print(f"  kept, not measured by --from: {', '.join(r.kept)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
