@@ -44,13 +44,14 @@ class MoELayer:
             raise ValueError(f"micro_batches ({micro_batches}) must be 1 or 2")
         self.overlap_shared, self.micro_batches = overlap_shared, micro_batches
         self.streams = LayerStreams(weights.gate_ED.device)
-        # the fused router's bf16 gate (CUDA); on CPU the fp32 gate and the torch router
+        # the router's bf16 gate (CUDA); on CPU the fp32 gate and the torch router
         self._gate_bf16 = weights.gate_ED.to(torch.bfloat16) if weights.gate_ED.is_cuda \
             else None
 
     def route(self, x_TD: torch.Tensor, token_ids: TokenIds | None = None) -> Routing:
-        """Gate GEMM + top-k: one fused Triton launch on CUDA (bf16 GEMM, fp32 accumulation),
-        the fp32 torch reference elsewhere (`epmoe.router.route_tokens`). A hash layer (its
+        """Gate GEMM + top-k on CUDA: cuBLAS's bf16 GEMM (fp32 out) then the routing kernel,
+        or one fused Triton launch, as `epmoe.kernels.gate_topk.gate_way` picks; the fp32
+        torch reference elsewhere (`epmoe.router.route_tokens`). A hash layer (its
         weights hold a token-id table) takes its experts from the table by `token_ids`, its
         weights from the same logits (`epmoe.router.hash_gate_route`: fused on CUDA too)."""
         tid2eid = self.weights.tid2eid_VK
