@@ -20,7 +20,9 @@ rows:
 The roles run at once, so a channel takes as long as its slowest role. The forwarders and
 receivers copy with TMA, the intranode sender with the warp's own loads and stores: equal
 rates per warp are the model's assumption, not a measurement (BENCHMARKS.md section 35:
-where it lands against published internode tables).
+where it lands against published internode tables). A local HBM copy does not support it (8
+TMA warps move 2.5x what this gives them, BENCHMARKS.md 47), but giving them that rate puts
+the two-node H200 rows at +105..135%: what binds across nodes is not the local copy rate.
 """
 
 from __future__ import annotations
