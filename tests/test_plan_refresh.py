@@ -75,8 +75,10 @@ def test_refresh_refuses_what_does_not_mix():
         refresh(launched, launched, ("mlpx",))
     with pytest.raises(ValueError, match="no tables"):
         refresh(launched, launched, ())
-    with pytest.raises(ValueError, match="h200 profile, --into a h100"):
+    with pytest.raises(ValueError, match="h200 profile, --into a h100 one .--across"):
         refresh(launched, load_profile("h200"), ("router",))
+    with pytest.raises(ValueError, match="both are h100"):
+        refresh(launched, launched, ("router",), across="same SM")
     spec_only = _calibrated(OLD + "launched", 8.0, {"x": AlphaBeta(1, 1, Provenance("spec", "s"))})
     with pytest.raises(ValueError, match="measured none"):
         refresh(launched, spec_only, ("router",))
@@ -119,3 +121,20 @@ def test_calibration_notes_name_files_not_machine_paths():
 
     c = Clock(["--out", "/home/me/runs/p.json", "--base", "h100"], 10.0, "GPU")
     assert "--out p.json --base h100" in c.note and "/home" not in c.prov("x").note
+
+
+def test_refresh_across_gpus_writes_derived_fits_with_the_reason():
+    """Another GPU kind's fits only with a reason; they land as derived, saying whose
+    measurement they are and why it carries over; the description says derived too."""
+    h100 = _calibrated(NEW + "--timing device", 8.0,
+                       {"sigmoid_grouped": AlphaBeta(14.0, 2e3, _m("H100, 2026-12-07"), 15.0)})
+    base = load_profile("h200")
+    h200 = base.replace(name="h200-x", description=OLD + "device", kernels={
+        **base.kernels, "router": {"sigmoid_grouped": AlphaBeta(73.0, 1e3, _m(), 112.0)}})
+    r = refresh(h200, h100.replace(gpu="h100"), ("router",), across="same SM and clocks")
+    fit = r.profile.kernels["router"]["sigmoid_grouped"]
+    assert (fit.alpha_us, fit.floor_us) == (14.0, 15.0)  # no host speed on one side: as is
+    assert fit.prov.source == "derived"
+    assert fit.prov.note.startswith("h100's fit taken for h200 (same SM and clocks): "
+                                    "measured: H100, 2026-12-07")
+    assert "derived from h100: " in r.profile.description

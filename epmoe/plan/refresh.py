@@ -13,6 +13,9 @@ under the same `--timing`) into `--into`:
 - `--from`'s figures are first put at `--into`'s host (`HardwareProfile.at_host`: the host's
   share of a launched-timing fit scales with the host's speed), so the profile keeps
   describing one host;
+- with `--across REASON` the fits may come from another GPU kind's calibration (where the
+  kernel's time does not depend on what differs, e.g. H100 for H200: the same SM and
+  clocks); they are then written as `derived`, the reason in each note;
 - absolute paths in the taken fits' notes are cut to their file names (a machine path is not the
   profile's business) and the description says what was refreshed, when and from what.
 Exit codes: 0 written, 2 bad input (one line on stderr).
@@ -57,13 +60,17 @@ def timing_of(p: HardwareProfile) -> str | None:
 
 
 def refresh(into: HardwareProfile, fresh: HardwareProfile,
-            tables: tuple[str, ...]) -> Refreshed:
+            tables: tuple[str, ...], across: str | None = None) -> Refreshed:
     """`into` with `tables`' fits measured in `fresh` (see the module); ValueError when the
-    two do not describe the same kind of measurement."""
+    two do not describe the same kind of measurement. `across`: why `fresh`'s GPU stands for
+    `into`'s where the two differ (the fits are then `derived`, the reason in their notes)."""
     if not tables:
         raise ValueError("no tables to refresh")
-    if into.gpu != fresh.gpu:
-        raise ValueError(f"--from is a {fresh.gpu} profile, --into a {into.gpu} one")
+    if into.gpu != fresh.gpu and not across:
+        raise ValueError(f"--from is a {fresh.gpu} profile, --into a {into.gpu} one (--across "
+                         f"REASON takes its fits as derived, saying why they carry over)")
+    if into.gpu == fresh.gpu and across:
+        raise ValueError(f"--across is for another GPU's fits; both are {into.gpu} profiles")
     ti, tf = timing_of(into), timing_of(fresh)
     if ti != tf:
         raise ValueError(f"--into {into.name} was timed {ti or 'from spec sheets'}, --from "
@@ -85,12 +92,18 @@ def refresh(into: HardwareProfile, fresh: HardwareProfile,
                 continue
             scaled = fit != measured.kernels[table][name]
             new[name] = _public(fit, factor if scaled else 1.0, into.name)
+            if across:
+                new[name] = replace(new[name], prov=Provenance("derived", (
+                    f"{fresh.gpu}'s fit taken for {into.gpu} ({across}): measured: "
+                    f"{new[name].prov.note}")))
             taken.append(f"{table}.{name}")
         kept += [f"{table}.{n}" for n in new if f"{table}.{n}" not in taken]
     if not taken:
         raise ValueError(f"--from {fresh.name} measured none of the {', '.join(tables)} fits")
     day = datetime.date.today().isoformat()
-    what = f"the {', '.join(tables)} fits refreshed {day} ({public_note(fresh.description)})"
+    src = f"derived from {fresh.gpu}: " if across else ""
+    what = f"the {', '.join(tables)} fits refreshed {day} " \
+        f"({src}{public_note(fresh.description)})"
     return Refreshed(replace(into, kernels=kern, description=f"{into.description}; {what}"),
                      tuple(taken), tuple(kept), factor)
 
@@ -120,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", required=True,
                    help="kernel tables to take, comma separated (e.g. router, local)")
     p.add_argument("--out", required=True, type=writable_file, help="where to write it")
+    p.add_argument("--across", default=None, metavar="REASON",
+                   help="--from is another GPU's: why its fits stand for --into's (they are "
+                        "written as derived, with this reason)")
     return p
 
 
@@ -127,7 +143,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         tables = tuple(t for t in args.tables.split(",") if t)
-        r = refresh(load_profile(args.into), load_profile(args.fresh), tables)
+        r = refresh(load_profile(args.into), load_profile(args.fresh), tables, args.across)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
