@@ -337,13 +337,17 @@ def load_profile(spec) -> HardwareProfile:
     path to a JSON file."""
     if isinstance(spec, HardwareProfile):
         return spec
-    s = str(spec)
-    path = Path(s)
-    if not s.endswith(".json") and not path.is_file():
-        root = resources.files("epmoe.plan") / "profiles" / f"{s.lower()}.json"
+    return from_dict(profile_document(str(spec)))
+
+
+def profile_document(spec: str):
+    """The JSON document of a shipped profile's name or of a profile file, as written."""
+    path = Path(spec)
+    if not spec.endswith(".json") and not path.is_file():
+        root = resources.files("epmoe.plan") / "profiles" / f"{spec.lower()}.json"
         if not root.is_file():
-            raise ValueError(f"profile {s!r} is neither a shipped profile "
+            raise ValueError(f"profile {spec!r} is neither a shipped profile "
                              f"({', '.join(shipped_profiles())}) nor a JSON file")
-        return from_dict(json.loads(root.read_text()))
-    return from_dict(read_doc(path, "profile file", f"; write one with python -m "
-                                                    f"epmoe.bench.calibrate --out {s}"))
+        return json.loads(root.read_text())
+    return read_doc(path, "profile file", f"; write one with python -m "
+                                          f"epmoe.bench.calibrate --out {spec}")

@@ -29,13 +29,12 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
-from importlib import resources
 from pathlib import Path
 
 from epmoe.outputs import run_main, writable_file
 from epmoe.plan.figures import public_note
 from epmoe.plan.profile import (AlphaBeta, HardwareProfile, Provenance, from_dict,
-                                load_profile)
+                                load_profile, profile_document)
 
 _TIMING = re.compile(r"--timing[ =](\w+)")
 
@@ -79,7 +78,7 @@ def refresh(into: HardwareProfile, fresh: HardwareProfile,
     if missing:
         raise ValueError(f"--from {fresh.name} has no {', '.join(missing)} fits (it has "
                          f"{', '.join(sorted(fresh.kernels))})")
-    factor, measured = 1.0, fresh
+    factor, as_measured = 1.0, fresh
     if into.host_op_us is not None and fresh.host_op_us is not None:
         factor = into.host_op_us / fresh.host_op_us
         fresh, _ = fresh.at_host(into.host_op_us)
@@ -90,7 +89,7 @@ def refresh(into: HardwareProfile, fresh: HardwareProfile,
         for name, fit in fresh.kernels[table].items():
             if fit.prov.source != "measured":
                 continue
-            scaled = fit != measured.kernels[table][name]
+            scaled = fit != as_measured.kernels[table][name]
             new[name] = _public(fit, factor if scaled else 1.0, into.name)
             if across:
                 new[name] = replace(new[name], prov=Provenance("derived", (
@@ -113,15 +112,6 @@ def _public(fit: AlphaBeta, factor: float, into: str) -> AlphaBeta:
     if factor != 1.0:
         note += f" (put at {into}'s host: host time x{factor:.3f})"
     return replace(fit, prov=Provenance(fit.prov.source, note))
-
-
-def _document(spec: str) -> dict:
-    """The profile's JSON as written (a shipped name or a path): refreshing patches it, so
-    the rest of the file stays byte for byte as it was."""
-    path = Path(spec)
-    if not spec.endswith(".json") and not path.is_file():
-        path = Path(str(resources.files("epmoe.plan") / "profiles" / f"{spec.lower()}.json"))
-    return json.loads(path.read_text())
 
 
 def parser() -> argparse.ArgumentParser:
@@ -147,7 +137,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    doc = _document(args.into)
+    doc = profile_document(args.into)  # patched: the rest of the file stays as written
     doc["description"] = r.profile.description
     for t in tables:
         doc.setdefault("kernels", {})[t] = {k: asdict(f) for k, f in
