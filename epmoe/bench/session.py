@@ -90,9 +90,15 @@ SETS = (
                                        "--timing", "launched", "--calibrate", "full",
                                        "--calibrate-budget-s", "200", "--budget-s", "200",
                                        "--json", "{json}"),
-               "issue 11: one GPU's per-stage accuracy on a fresh calibration (on an H200: "
-               "h200-calibrated's router fits predate the split way; python -m "
-               "epmoe.plan.refresh takes them from the .profile.json it writes)"),
+               "issue 11: one GPU's per-stage accuracy on a fresh calibration (on an H200: the "
+               "H200 profiles' router fits are an H100's; python -m epmoe.plan.refresh "
+               "takes measured ones from the .profile.json it writes)"),
+    MeasureSet("plan-device", 1, 300.0, (*PY, "epmoe.bench.plan_accuracy", "--tokens",
+                                         "128,4096", "--timing", "device", "--calibrate", "full",
+                                         "--calibrate-budget-s", "200", "--budget-s", "200",
+                                         "--json", "{json}"),
+               "issue 11: plan-1gpu under --timing device (GPU time; 78 s on one H100), for "
+               "the *-device-timed profiles"),
     MeasureSet("ll-peers-8", 8, 200.0, (*PY, "epmoe.bench.comm", "--world", "8", "--only", "ll",
                                         "--ll-tokens", "1,128", "--json", "{json}"),
                "issue 11: symm-ll's fixed cost per peer on a real 8-GPU node"),
