@@ -53,8 +53,8 @@ class Clock:
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         day = datetime.date.today().isoformat()
-        self.note = public_note(f"{machine}, {day}, python -m epmoe.bench.calibrate "
-                                f"{' '.join(argv)}".strip())
+        cmd = f"python -m epmoe.bench.calibrate {' '.join(argv)}".strip()
+        self.note = public_note(f"{machine}, {day}, {cmd}")
         self.skipped: list[str] = []
 
     def left(self) -> float:
