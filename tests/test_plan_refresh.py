@@ -138,3 +138,23 @@ def test_refresh_across_gpus_writes_derived_fits_with_the_reason():
     assert fit.prov.note.startswith("h100's fit taken for h200 (same SM and clocks): "
                                     "measured: H100, 2026-12-07")
     assert "derived from h100: " in r.profile.description
+
+
+def test_shipped_profiles_hold_no_machine_paths():
+    """Every shipped profile's notes and description as public_note leaves them."""
+    from epmoe.plan.profile import profile_document, shipped_profiles
+
+    def texts(d):
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if k in ("note", "description") and isinstance(v, str):
+                    yield v
+                else:
+                    yield from texts(v)
+        elif isinstance(d, list):
+            for v in d:
+                yield from texts(v)
+
+    for name in shipped_profiles():
+        found = [t for t in texts(profile_document(name)) if public_note(t) != t]
+        assert not found, f"{name}: {found[0][:200]}"
