@@ -352,3 +352,37 @@ def test_the_local_dispatch_is_fitted_per_recipe_and_bf16_keeps_its_empty_quanti
                           prof).stages_us
         disp[rec] = p["dispatch"] - p["dispatch.quantize"]
     assert disp == pytest.approx({"bf16": 70.0, "fp8_block": 30.0})
+
+
+def test_the_local_combine_is_fitted_per_experts_backend():
+    """The local combine is the cast of the experts' output: one whose output is already
+    bf16 has none, so the pooled fit (every backend's points) would charge it another's
+    cast. The calibration fits it per experts backend too; the model reads that fit first,
+    else the pooled one."""
+    from epmoe.bench.layer_points import LayerFits, host_bound_points
+    from epmoe.config import MoEConfig, QuantConfig
+    from epmoe.plan import traffic as tr
+    from epmoe.plan.cost import Candidate, Workload, predict_layer
+    from epmoe.plan.figures import AlphaBeta, Provenance
+    from epmoe.plan.synthetic import synthetic_profile
+    from epmoe.plan.topology import Topology
+
+    cfg = MoEConfig("t", hidden=256, moe_intermediate=128, num_experts=16, top_k=4)
+    fits = LayerFits()
+    for experts, us in (("triton", 1.0), ("torch", 20.0)):
+        host_bound_points(fits, {"combine": us, "forward": 1e3}, 64, cfg, QuantConfig("bf16"),
+                          experts, False)
+    nb = tr.local_combine_bytes(64, cfg.hidden)
+    assert fits.points[("local", "combine.triton")] == [(nb, 1.0)]
+    assert fits.points[("local", "combine.torch")] == [(nb, 20.0)]
+    assert fits.points[("local", "combine")] == [(nb, 1.0), (nb, 20.0)]
+
+    m = Provenance("measured", "test")
+    prof = synthetic_profile()
+    prof = prof.replace(kernels={**prof.kernels, "local": {
+        "combine": AlphaBeta(20.0, 1e9, m), "combine.triton": AlphaBeta(1.0, 1e9, m)}})
+    topo = Topology.parse("1x1", gpu="h200")
+    got = {ex: predict_layer(Candidate("ep_dp", "local", ex), Workload(cfg, QuantConfig("bf16"),
+                                                                     64), topo, prof
+                             ).stages_us["combine"] for ex in ("triton", "deepgemm")}
+    assert got == pytest.approx({"triton": 1.0, "deepgemm": 20.0})

@@ -63,6 +63,16 @@ def test_refresh_takes_the_measured_fits_at_the_profiles_host_and_keeps_the_rest
     assert "the router fits refreshed" in r.profile.description
     assert "/root" not in r.profile.description
     assert old.kernels["router"]["sigmoid_grouped"].alpha_us == 270.0  # not mutated
+    # names: only those fits and the ones named below them
+    r = refresh(old, fresh, ("router",), names=("sigmoid_grouped.queued",))
+    assert r.taken == ("router.sigmoid_grouped.queued",)
+    assert r.profile.kernels["router"]["sigmoid_grouped"] == \
+        old.kernels["router"]["sigmoid_grouped"]
+    assert "the router sigmoid_grouped.queued fits refreshed" in r.profile.description
+    r = refresh(old, fresh, ("router",), names=("sigmoid_grouped",))
+    assert len(r.taken) == 2
+    with pytest.raises(ValueError, match="measured none of the router fits named sigmoid$"):
+        refresh(old, fresh, ("router",), names=("sigmoid",))
 
 
 def test_refresh_refuses_what_does_not_mix():

@@ -17,7 +17,7 @@ few token counts, so that every figure below covers exactly what the runtime's s
 | kernels["comm"]["quantize(.b(.r))"]    | dispatch.quantize (quantized recipes)| quantize_bytes |
 | kernels["local"]["dispatch(.recipe)"]  | dispatch - dispatch.quantize (bf16: | id/weight bytes|
 |                                        | the whole stage), pooled, per recipe|                |
-| kernels["local"]["combine"]            | combine                             | the cast       |
+| kernels["local"]["combine(.experts)"]  | combine                             | the cast       |
 | kernels["router"][cfg.router]          | router (MoELayer.route_physical)    | router_bytes   |
 | kernels["layer"]["tail(.backend)"]     | the whole forward minus its stages  | output bytes   |
 |                                        | composed as the cost model does     |                |

@@ -98,8 +98,9 @@ def kernel_points(fits: LayerFits, st: dict, size: Size, cfg, quant, experts: st
 def host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: str,
                        overlapped: bool, queued: bool = False) -> None:
     """Router, dispatch.quantize (pooled, per experts backend, per backend and recipe), the
-    local backend's dispatch / combine, and the layer's tail and the host's issue time, from
-    one forward with the layer's router (queued: behind a device hold -> the ".queued" fits,
+    local backend's dispatch (pooled, per recipe) and combine (pooled, per experts backend:
+    a bf16 output has no cast), and the layer's tail and the host's issue time, from one
+    forward with the layer's router (queued: behind a device hold -> the ".queued" fits,
     the tail among them; no issue time)."""
     d, e, k = cfg.hidden, cfg.num_experts, cfg.top_k
     sfx = QUEUED if queued else ""
@@ -114,7 +115,8 @@ def host_bound_points(fits: LayerFits, st: dict, n: int, cfg, quant, experts: st
         for name in ("dispatch", f"dispatch.{quant.recipe}"):
             fits.add_point("local", name + sfx, tr.local_dispatch_bytes(n, k),
                            max(st["dispatch"] - q, 1e-3))
-    fits.add_point("local", "combine" + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
+    for name in ("combine", f"combine.{experts}"):  # pooled, per backend (bf16 out: no cast)
+        fits.add_point("local", name + sfx, tr.local_combine_bytes(n, d), st.get("combine"))
     fits.add_point("router", cfg.router + sfx, tr.router_bytes(n, d, e), st.get("router"))
     for stage in BETWEEN:  # the pre-norm and the residual add around the forward
         fits.add_point("layer", stage + sfx, tr.BETWEEN_BYTES[stage](n, d), st.get(stage))

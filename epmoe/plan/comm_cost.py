@@ -286,10 +286,11 @@ def dispatch_cost(backend: str, c: CommCase) -> CommCost:
 def combine_cost(backend: str, c: CommCase) -> CommCost:
     d = c.cfg.hidden
     hbm = c.prof.fig("hbm_GBps") * 1e3
-    if backend == "local":  # cast the replicated output once
+    if backend == "local":  # cast the replicated output once (where the experts give fp32)
         nbytes = local_combine_bytes(c.tokens, d)
-        if c.prof.has_kernel("local", "combine"):
-            return CommCost(c.prof.kernel("local", "combine").time_us(nbytes))
+        fit = c.prof.most_specific("local", f"combine.{c.experts}", "combine")
+        if fit is not None:
+            return CommCost(fit.time_us(nbytes))
         return CommCost(max(nbytes / hbm, launch_us(c.prof, COMBINE_OPS["local"])))
     if backend in LL or backend in HT_KERNELS:
         us, lb, notes = _sm_transfer(c, backend, "combine")

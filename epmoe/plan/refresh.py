@@ -59,10 +59,13 @@ def timing_of(p: HardwareProfile) -> str | None:
 
 
 def refresh(into: HardwareProfile, fresh: HardwareProfile,
-            tables: tuple[str, ...], across: str | None = None) -> Refreshed:
+            tables: tuple[str, ...], across: str | None = None,
+            names: tuple[str, ...] = ()) -> Refreshed:
     """`into` with `tables`' fits measured in `fresh` (see the module); ValueError when the
     two do not describe the same kind of measurement. `across`: why `fresh`'s GPU stands for
-    `into`'s where the two differ (the fits are then `derived`, the reason in their notes)."""
+    `into`'s where the two differ (the fits are then `derived`, the reason in their notes).
+    `names`: only the fits so named or named below them ("combine": combine, combine.triton,
+    combine.queued, ...); all of the tables' when empty."""
     if not tables:
         raise ValueError("no tables to refresh")
     if into.gpu != fresh.gpu and not across:
@@ -87,7 +90,8 @@ def refresh(into: HardwareProfile, fresh: HardwareProfile,
     for table in tables:
         new = kern.setdefault(table, {})
         for name, fit in fresh.kernels[table].items():
-            if fit.prov.source != "measured":
+            if fit.prov.source != "measured" or (names and not any(
+                    name == n or name.startswith(n + ".") for n in names)):
                 continue
             scaled = fit != as_measured.kernels[table][name]
             new[name] = _public(fit, factor if scaled else 1.0, into.name)
@@ -98,10 +102,12 @@ def refresh(into: HardwareProfile, fresh: HardwareProfile,
             taken.append(f"{table}.{name}")
         kept += [f"{table}.{n}" for n in new if f"{table}.{n}" not in taken]
     if not taken:
-        raise ValueError(f"--from {fresh.name} measured none of the {', '.join(tables)} fits")
+        raise ValueError(f"--from {fresh.name} measured none of the {', '.join(tables)} fits"
+                         + (f" named {', '.join(names)}" if names else ""))
     day = datetime.date.today().isoformat()
     src = f"derived from {fresh.gpu}: " if across else ""
-    what = f"the {', '.join(tables)} fits refreshed {day} " \
+    which = f" {', '.join(names)}" if names else ""
+    what = f"the {', '.join(tables)}{which} fits refreshed {day} " \
         f"({src}{public_note(fresh.description)})"
     return Refreshed(replace(into, kernels=kern, description=f"{into.description}; {what}"),
                      tuple(taken), tuple(kept), factor)
@@ -123,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", required=True,
                    help="kernel tables to take, comma separated (e.g. router, local)")
     p.add_argument("--out", required=True, type=writable_file, help="where to write it")
+    p.add_argument("--names", default="",
+                   help="only these fits of the tables and those named below them, comma "
+                        "separated (e.g. combine: combine.triton, combine.queued, ...)")
     p.add_argument("--across", default=None, metavar="REASON",
                    help="--from is another GPU's: why its fits stand for --into's (they are "
                         "written as derived, with this reason)")
@@ -133,7 +142,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         tables = tuple(t for t in args.tables.split(",") if t)
-        r = refresh(load_profile(args.into), load_profile(args.fresh), tables, args.across)
+        names = tuple(n for n in args.names.split(",") if n)
+        r = refresh(load_profile(args.into), load_profile(args.fresh), tables, args.across,
+                    names)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
