@@ -45,7 +45,7 @@ class Refreshed:
 
     profile: HardwareProfile
     taken: tuple[str, ...]  # "table.name" replaced or added
-    kept: tuple[str, ...]  # "table.name" the fresh calibration did not measure
+    kept: tuple[str, ...]  # "table.name" left as they were (not measured, or not named)
     host_factor: float  # the fresh figures' host time was scaled by this
 
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: took {len(r.taken)} fit(s) ({', '.join(r.taken)}), host time "
           f"x{r.host_factor:.3f}")
     if r.kept:
-        print(f"  kept, not measured by --from: {', '.join(r.kept)}")
+        print(f"  kept as they were: {', '.join(r.kept)}")
     return 0
 
 
