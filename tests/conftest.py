@@ -49,9 +49,11 @@ def _one_thread():
 
 @pytest.fixture
 def seed():
-    """A fresh seed per test run (printed on failure via the test id's repr)."""
+    """A fresh seed per test run (a failure's traceback shows it); EPMOE_TEST_SEED=N replays
+    one."""
     import random
 
-    s = random.randrange(1 << 30)
+    fixed = os.environ.get("EPMOE_TEST_SEED")
+    s = int(fixed) if fixed else random.randrange(1 << 30)
     torch.manual_seed(s)
     return s

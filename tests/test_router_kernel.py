@@ -63,6 +63,9 @@ def _separated(logits64, cfg, bias):
 
 
 def _compare_routings(got, want, ok, tol):
+    """The same experts for every well-separated token, each weight within tol: absolute up to
+    a weight of 1, relative above (a routed_scaling_factor scales a weight and its error
+    alike: DeepSeek-V2's 16 puts a top weight near 5)."""
     assert float(ok.float().mean()) >= 0.9, "too few well-separated tokens to compare"
     gi, gw = got.topk_ids_TK.long().cpu(), got.topk_weights_TK.cpu()
     wi, ww = want.topk_ids_TK.long().cpu(), want.topk_weights_TK.cpu()
@@ -70,7 +73,7 @@ def _compare_routings(got, want, ok, tol):
         g, w = dict(zip(gi[n].tolist(), gw[n].tolist())), dict(zip(wi[n].tolist(),
                                                                    ww[n].tolist()))
         assert set(g) == set(w), f"token {n}: {sorted(g)} != {sorted(w)}"
-        assert all(abs(g[e] - w[e]) <= tol for e in g), f"token {n}: {g} vs {w}"
+        assert all(abs(g[e] - w[e]) <= tol * max(1.0, abs(w[e])) for e in g), f"token {n}: {g} vs {w}"
 
 
 @pytest.mark.interpreter
