@@ -73,7 +73,8 @@ def _compare_routings(got, want, ok, tol):
         g, w = dict(zip(gi[n].tolist(), gw[n].tolist())), dict(zip(wi[n].tolist(),
                                                                    ww[n].tolist()))
         assert set(g) == set(w), f"token {n}: {sorted(g)} != {sorted(w)}"
-        assert all(abs(g[e] - w[e]) <= tol * max(1.0, abs(w[e])) for e in g), f"token {n}: {g} vs {w}"
+        assert all(abs(g[e] - w[e]) <= tol * max(1.0, abs(w[e])) for e in g), \
+            f"token {n}: {g} vs {w}"
 
 
 @pytest.mark.interpreter
