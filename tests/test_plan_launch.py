@@ -48,8 +48,8 @@ def assert_predictions(s: dict, plan_numbers: bool = True) -> None:
         p = s["plan"]
         assert [x["choice"] for x in p["layers"]] == labels
     if "plan" in s and plan_numbers:  # the plan's own numbers: same model, same candidates;
-        # the router's routing is planned as uniform and predicted afterwards by its recorded
-        # load, so the two agree only as far as the gate's skew moves the cost
+        # the router's routing is planned at the gates' loads on a sample of rows and
+        # predicted afterwards by the run's recorded load: they agree as far as the samples do
         same = "measured load" not in t["prediction"].get("routing", "")
         assert t["predicted_step_ms"] == pytest.approx(
             sum(x["predicted_ms"] for x in p["layers"]), rel=1e-6 if same else 0.1)
@@ -81,8 +81,11 @@ def test_plan_auto_one_rank_explains(tmp_path, capsys):
     rc, s = run_cli(tmp_path, *TINY, "--plan", "auto", "--tokens", "8", "--steps", "2",
                     "--layers", "2")
     assert rc == 0 and s["correctness"]["passed"] is True
-    # the router's routing: planned as uniform, predicted afterwards by its recorded load
+    # the router's routing: planned at the synthetic gates' loads (a sample of rows; the
+    # note says so), predicted afterwards by the run's recorded load
     assert s["timing"]["prediction"]["routing"] == "router by its measured load"
+    assert any(n.startswith("routing: planned at the synthetic gates' expert loads")
+               for n in s["timing"]["prediction"]["notes"])
     p = s["plan"]
     assert (p["mode"], p["tokens_per_rank"], p["bucket"]) == ("auto", 8, 8)
     assert [x["choice"] for x in p["layers"]] == ["ep_dp/local/torch"] * 2
@@ -263,10 +266,12 @@ def test_ray_sweep_ep2(joined, tmp_path, capsys):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert any(line.startswith("planner (auto): ") for line in lines)
-    # the plan's prediction is at the routing the planner reads (the router's: uniform), a
-    # row's at its run's: both named, so two predictions of one stack are not a puzzle
-    assert au["planned_routing"] == "uniform"
-    assert "  (planned at uniform routing and the profile's host; a row: its run's)" in lines
+    # the plan's prediction is at the routing the planner reads (the synthetic gates' loads
+    # on a sample of rows), a row's at its run's: both named, so two predictions of one stack
+    # are not a puzzle
+    assert au["planned_routing"] == "sampled-gate"
+    assert "  (planned at sampled-gate routing and the profile's host; a row: its run's)" \
+        in lines
 
 
 def test_compare_ratio_and_noise_floor():

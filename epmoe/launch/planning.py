@@ -31,10 +31,10 @@ from dataclasses import dataclass, field, replace
 
 from epmoe.config import DEFAULT_PRESET
 from epmoe.launch.device_profile import device_and_arch, profile_for_device, timing_kind
+from epmoe.launch.planned_routing import SAMPLE_ROWS, PlannedRouting, planned_routing
 from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile, plan_stack
 from epmoe.plan.comm_cost import migration_links
 from epmoe.plan.planner import rule_violation
-from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
 from epmoe.plan.topology import LINK_SPECS, local_cores
 
@@ -97,6 +97,7 @@ class Planning:
     plan      the Plan the run follows (None without --plan)
     notes     one line each: where the profile and topology came from, warnings, re-plans
     restrict  plan_stack keywords (forms, backends, experts, available) for a re-plan
+    routing   the routing the planner plans for (epmoe.launch.planned_routing)
     """
 
     mode: str | None
@@ -108,6 +109,7 @@ class Planning:
     given_profile: bool = False
     given_topology: bool = False
     restrict: dict = field(default_factory=dict)
+    routing: PlannedRouting = field(default_factory=PlannedRouting)
 
     @property
     def bucket(self) -> int | None:
@@ -150,7 +152,7 @@ class PlannedLaunch:
             from epmoe.launch.driver import ClusterTooSmall
 
             try:
-                plan = make_plan(self.run, topo, prof, p.tokens, p.restrict)
+                plan = make_plan(self.run, topo, prof, p.tokens, p.restrict, p.routing)
             except ValueError as exc:
                 raise ClusterTooSmall(f"--plan {p.mode} on the cluster's topology: {exc}") \
                     from None
@@ -189,7 +191,7 @@ def prepare(a: argparse.Namespace, build_run) -> PlannedLaunch:
         check_plan_file(file_plan, base, ctx, a.plan)
         plan = file_plan
     else:
-        plan = make_plan(base, ctx.topology, ctx.profile, a.tokens, restrict)
+        plan = make_plan(base, ctx.topology, ctx.profile, a.tokens, restrict, ctx.routing)
     return PlannedLaunch(planned_run(base, plan, a.tokens),
                          replace(ctx, plan=plan, restrict=restrict))
 
@@ -246,8 +248,12 @@ def context(a, run: RunConfig, mode: str | None, tokens: int) -> Planning:
         notes.append(f"topology {topo.describe()}: given")
     else:
         topo = Topology.parse(f"1x{run.world}", gpu, **_cores(gpu, local_cores()))
+    routing = planned_routing(run) if mode not in (None, "file") else PlannedRouting()
+    if routing.loads_LE is not None:
+        notes.append(f"routing: planned at the synthetic gates' expert loads "
+                     f"({SAMPLE_ROWS} rows a layer)")
     return Planning(mode, prof, topo, tokens, None, tuple(notes), bool(a.profile),
-                    bool(a.topology))
+                    bool(a.topology), routing=routing)
 
 
 def planner_scope(a, run: RunConfig, mode: str) -> dict:
@@ -312,20 +318,11 @@ def runnable_here(run: RunConfig, device_flag: str = "auto", experts_flag: str =
     return frozenset(comm), tuple(experts)
 
 
-def routing_for_planner(routing: str) -> str:
-    """The run's routing as the planner reads it: uniform / zipf:S as given; the model's
-    router (synthetic gate weights) and replayed routings as uniform."""
-    try:
-        return RoutingSpec.parse(routing).label()
-    except ValueError:
-        return "uniform"
-
-
 def make_plan(run: RunConfig, topo: Topology, prof: HardwareProfile, tokens: int,
-          restrict: dict) -> Plan:
+              restrict: dict, routing: PlannedRouting) -> Plan:
     return plan_stack(run.cfg, run.quant, topo, prof, (tokens,), num_layers=run.num_layers,
-                      routing=routing_for_planner(run.routing),
-                      redundant_experts=run.redundant_experts, model=run.model, **restrict)
+                      redundant_experts=run.redundant_experts, model=run.model,
+                      **routing.plan_kwargs(), **restrict)
 
 
 def planned_run(base: RunConfig, plan: Plan, tokens: int) -> RunConfig:

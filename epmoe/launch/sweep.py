@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 
 from epmoe.launch.planning import PlannedLaunch, Planning, context, make_plan, planned_run, \
-    planner_scope, routing_for_planner
+    planner_scope
 from epmoe.outputs import json_text
 from epmoe.plan import Workload
 from epmoe.plan.planner import candidates, rank_layer
@@ -49,7 +49,7 @@ def launch_summary(run: RunConfig, planning: Planning, address=None, use_gpu=Non
 
 def sweep_candidates(base: RunConfig, ctx: Planning, tokens: int, restrict: dict):
     """-> (feasible candidates fastest-predicted first, [(label, why not)])."""
-    work = Workload(base.cfg, base.quant, tokens, routing_for_planner(base.routing))
+    work = Workload(base.cfg, base.quant, tokens, ctx.routing.layer(0))
     ranked = rank_layer(work, ctx.topology, ctx.profile,
                         candidates(base.world, restrict["forms"], restrict["backends"],
                                    restrict["experts"]),
@@ -104,12 +104,12 @@ def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
             continue
         one = dict(restrict, forms=(c.form,), backends=(c.backend, "local"),
                    experts=(c.experts,))
-        plan = make_plan(base, ctx.topology, ctx.profile, tokens, one)
+        plan = make_plan(base, ctx.topology, ctx.profile, tokens, one, ctx.routing)
         rows.append(_launch(c.label, planned_run(base, plan, tokens),
                             replace(ctx, plan=plan, restrict=one), address, use_gpu))
         if rows[-1]["status"] == "ok":
             measured[c.label] = rows[-1]
-    auto = make_plan(base, ctx.topology, ctx.profile, tokens, restrict)
+    auto = make_plan(base, ctx.topology, ctx.profile, tokens, restrict, ctx.routing)
     labels = [e.choice(tokens).label for e in auto.layers]
     uniform = labels[0] if len(set(labels)) == 1 else None
     if uniform in measured:
@@ -131,7 +131,7 @@ def run_sweep(a: argparse.Namespace, build_run, experts=None) -> dict:
         fastest=best and best["candidate"], fastest_ms=best and best["measured_ms"],
         auto=dict(stack=labels, label=uniform or "mixed", launched=launched,
                   predicted_ms=auto.step_us(tokens) / 1e3,
-                  planned_routing=routing_for_planner(base.routing),
+                  planned_routing=ctx.routing.label,
                   measured_ms=auto_row["measured_ms"], passed=auto_row["passed"],
                   vs_best=gap, within_5pct=None if gap is None else gap <= NEAR_BEST),
         note="predicted / measured: the step (all layers; measured median excludes the "

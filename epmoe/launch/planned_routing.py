@@ -1,0 +1,78 @@
+"""The routing a launch is planned for (`python -m epmoe.launch --plan auto|ep|...|sweep`).
+
+uniform and zipf:S: as given. The model's router with synthetic weights (no --weights): each
+layer's gate and selection bias are pure functions of (seed, layer) (epmoe.weights), so the
+planner routes a sample of the rows a step draws (i.i.d. Gaussian, epmoe.step_tokens) through
+each layer's gate on the host and plans with the expert loads that gives. A synthetic gate is
+far from uniform: DeepSeek-V3's at seed 0 (selection bias std 0.1 on sigmoid scores) hits 165
+of 256 experts with 128 tokens and 224 with 4,096, the hottest at 8x the mean; that moves the
+experts' GEMMs (weights read per expert hit) and the hottest rank's rows. The launch report
+predicts from the loads the run recorded (epmoe.launch.plan_report); planning from the same
+gate makes the plan's and the report's predictions agree. A checkpoint's gate (--weights),
+hash layers and the replayed routings (drift, trace) are planned as uniform: the planner reads
+neither checkpoints nor traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epmoe.plan.routing import RoutingSpec
+from epmoe.plan.run import RunConfig
+
+SAMPLE_ROWS = 1024  # rows routed per layer: ~4 selections per expert-slot at top-8 of 256
+
+
+@dataclass(frozen=True)
+class PlannedRouting:
+    """label: what the plan assumed, for reports (uniform, zipf:S, sampled-gate);
+    loads_LE: per-layer expert loads (a tuple of tuples), or None: `spec` for every layer."""
+
+    label: str = "uniform"
+    spec: str = "uniform"
+    loads_LE: tuple | None = None
+
+    def plan_kwargs(self) -> dict:
+        """plan_stack's routing keywords."""
+        return dict(routing=self.spec, loads_LE=self.loads_LE)
+
+    def layer(self, l: int) -> RoutingSpec:
+        """One layer's routing (what a single-layer ranking reads)."""
+        if self.loads_LE is None:
+            return RoutingSpec.parse(self.spec)
+        return RoutingSpec.from_load(self.loads_LE[l])
+
+
+def planned_routing(run: RunConfig, rows: int = SAMPLE_ROWS) -> PlannedRouting:
+    """The routing `run`'s plan is made for (see the module docstring)."""
+    try:
+        spec = RoutingSpec.parse(run.routing)
+        return PlannedRouting(spec.label(), run.routing)
+    except ValueError:
+        pass
+    if run.routing != "router" or run.weights is not None:
+        return PlannedRouting()
+    return PlannedRouting("sampled-gate", loads_LE=synthetic_gate_loads(run, rows))
+
+
+def synthetic_gate_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
+    """Per layer, the number of selections of each expert when `rows` Gaussian rows (the
+    run's seed) go through the layer's synthetic gate; hash layers: all ones (uniform)."""
+    import torch
+
+    from epmoe.router import route
+    from epmoe.step_tokens import StepTokens
+    from epmoe.weights import synthetic_router
+
+    cfg = run.cfg
+    x = StepTokens(rows, cfg.hidden, run.seed, 0, torch.device("cpu")).base().float()
+    out = []
+    for l in range(run.num_layers):
+        if l in cfg.hash_layers:
+            out.append((1.0,) * cfg.num_experts)
+            continue
+        gate, bias = synthetic_router(cfg, l, run.seed)
+        ids = route(x @ gate.T, cfg, bias, backend="torch").topk_ids_TK.long().flatten()
+        load = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
+        out.append(tuple(float(v) for v in load.tolist()))
+    return tuple(out)

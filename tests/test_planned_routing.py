@@ -1,0 +1,61 @@
+"""The routing a launch's plan is made for (epmoe.launch.planned_routing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.launch.planned_routing import PlannedRouting, planned_routing, synthetic_gate_loads
+from epmoe.plan import Topology, load_profile, plan_stack
+from epmoe.plan.routing import RoutingSpec
+from epmoe.plan.run import RunConfig
+from epmoe.reference import reference_route
+from epmoe.step_tokens import StepTokens
+from epmoe.weights import synthetic_layer
+
+
+def test_given_routings_pass_through_and_unread_ones_are_uniform():
+    assert planned_routing(RunConfig(routing="uniform")) == PlannedRouting()
+    z = planned_routing(RunConfig(routing="zipf:1.2"))
+    assert (z.label, z.loads_LE) == ("zipf:1.2", None)
+    assert z.layer(3) == RoutingSpec("zipf", 1.2)
+    # a checkpoint's gate and replayed routings are not read ahead: uniform
+    assert planned_routing(RunConfig(weights="/some/checkpoint")) == PlannedRouting()
+    assert planned_routing(RunConfig(routing="drift:1.0:4")) == PlannedRouting()
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3-tiny", "qwen3-moe-tiny"])
+def test_sampled_loads_are_the_oracle_routers_picks_through_the_runs_own_gates(model, seed):
+    """Each layer's loads: the float64 oracle router's selections of the sampled rows through
+    that layer's gate as the runtime builds it (synthetic_layer, the run's seed)."""
+    run = RunConfig(model=model, layers=2, seed=seed % 1000)
+    cfg, rows = run.cfg, 64
+    got = synthetic_gate_loads(run, rows)
+    x = StepTokens(rows, cfg.hidden, run.seed, 0, torch.device("cpu")).base().double()
+    assert len(got) == 2
+    for l in range(2):
+        w = synthetic_layer(cfg, run.quant, l, run.seed, [])
+        bias = None if w.bias_E is None else w.bias_E.double()
+        ids, _ = reference_route(x @ w.gate_ED.double().T, cfg, bias)
+        want = torch.bincount(ids.flatten(), minlength=cfg.num_experts)
+        g = torch.tensor(got[l])
+        assert float(g.sum()) == rows * cfg.top_k
+        # fp32 routing of the planner vs float64: a near-tie may swap one pick in a few rows
+        assert float((g - want).abs().sum()) <= 0.05 * rows * cfg.top_k
+
+
+def test_a_skewed_gate_plans_fewer_experts_hit_than_uniform():
+    """DeepSeek-V3's synthetic gates hit far fewer experts than uniform routing at decode
+    sizes, so the plan at their loads predicts a cheaper experts stage (weights read per
+    expert hit) than the plan at uniform routing."""
+    run = RunConfig(model="deepseek-v3", layers=1)
+    pr = planned_routing(run)
+    assert pr.label == "sampled-gate" and len(pr.loads_LE) == 1
+    load = pr.loads_LE[0]
+    assert sum(v > 0 for v in load) < 0.9 * len(load)  # some experts never picked
+    assert max(load) > 4 * sum(load) / len(load)  # the hottest several times the mean
+    topo, prof = Topology.parse("1x1", "h200"), load_profile("h200")
+    kw = dict(num_layers=1, forms=("ep_dp",), backends=("local",), experts=("triton",))
+    skewed = plan_stack(run.cfg, run.quant, topo, prof, (128,), **pr.plan_kwargs(), **kw)
+    flat = plan_stack(run.cfg, run.quant, topo, prof, (128,), routing="uniform", **kw)
+    assert skewed.step_us(128) < 0.95 * flat.step_us(128)
