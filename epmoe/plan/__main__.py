@@ -19,6 +19,7 @@ from epmoe.plan.forms import FORMS
 from epmoe.plan.planfile import Plan
 from epmoe.plan.planner import SCOPES, plan_stack
 from epmoe.plan.profile import load_profile, shipped_profiles
+from epmoe.plan.recorded import RecordedRouting, is_recorded, read_recorded
 from epmoe.plan.topology import LINK_SPECS, Topology
 from epmoe.outputs import json_text, run_main, writable_file
 
@@ -41,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
                         f"{', '.join(DEFAULT_RECIPES)} whose groups tile the model's widths)")
     p.add_argument("--scale-fmt", default=None,
                    help=f"{', '.join(SCALE_FMTS)} (default: ue8m0_fp32 on SM100, else fp32)")
-    p.add_argument("--routing", default="uniform", help="uniform | zipf:S")
+    p.add_argument("--routing", default="uniform",
+                   help="uniform | zipf:S | FILE: a launch summary's recorded load per layer "
+                        "(and an EPLB run's placement; epmoe/plan/recorded.py)")
     p.add_argument("--redundant-experts", type=int, default=0, help="EPLB extra slots")
     p.add_argument("--layers", type=int, default=None, help="MoE layers (default: preset)")
     p.add_argument("--forms", default=None, help=f"restrict forms: {','.join(FORMS)}")
@@ -58,14 +61,21 @@ def parser() -> argparse.ArgumentParser:
 def build(args) -> tuple[Plan, list[str]]:
     """The plan, and notes on what was chosen for the user (the recipe when not given)."""
     cfg = get_preset(args.model)
-    if args.layers is not None:
-        if args.layers < 1:
-            raise ValueError(f"--layers ({args.layers}) must be >= 1")
-        cfg = cfg.replace(num_moe_layers=args.layers)
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers ({args.layers}) must be >= 1")
+    rec = read_recorded(args.routing) if is_recorded(args.routing) else None
+    routing = _recorded_kwargs(rec, cfg, args) if rec else dict(
+        routing=args.routing, redundant_experts=args.redundant_experts)
+    layers = args.layers or (rec.layers if rec else None)
+    if layers is not None:
+        cfg = cfg.replace(num_moe_layers=layers)
     prof = load_profile(args.profile)
     recipe, why = (args.quant, None) if args.quant else fitting_recipe(cfg)
     notes = textwrap.wrap(f"note: {why}; planned as {recipe} (--quant to choose)", 80,
                           subsequent_indent="  ") if why else []
+    if rec:
+        notes += textwrap.wrap(f"note: planned at the {rec.describe()}", 80,
+                               subsequent_indent="  ")
     quant = QuantConfig(recipe, args.scale_fmt or default_scale_fmt(recipe, prof.fig("sm_arch")))
     gpu = prof.gpu if prof.gpu in LINK_SPECS else "h200"
     topo = Topology.resolve(args.topology, gpu)
@@ -85,9 +95,28 @@ def build(args) -> tuple[Plan, list[str]]:
         raise ValueError(f"--redundant-experts ({args.redundant_experts}) must be >= 0")
     if args.memory_gib is not None and not args.memory_gib > 0:
         raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0 (GiB per rank)")
-    return plan_stack(cfg, quant, topo, prof, buckets, routing=args.routing,
-                      redundant_experts=args.redundant_experts, scope=args.scope, forms=forms,
-                      memory_GiB=args.memory_gib, model=args.model), notes
+    return plan_stack(cfg, quant, topo, prof, buckets, scope=args.scope, forms=forms,
+                      memory_GiB=args.memory_gib, model=args.model, **routing), notes
+
+
+def _recorded_kwargs(rec: RecordedRouting, cfg, args) -> dict:
+    """plan_stack's routing keywords for a recorded load (checked against the model and the
+    flags); one recorded layer stands for every layer."""
+    if rec.num_experts != cfg.num_experts:
+        raise ValueError(f"--routing {args.routing}: {rec.num_experts} experts recorded, "
+                         f"{args.model} has {cfg.num_experts}")
+    layers = args.layers or rec.layers
+    if rec.layers not in (1, layers):
+        raise ValueError(f"--routing {args.routing} records {rec.layers} layers: plan them "
+                         f"(--layers {rec.layers}) or give a file of {layers}")
+    spread = 1 if rec.layers == layers else layers
+    if rec.phy2log_LR is None:
+        return dict(loads_LE=rec.loads_LE * spread, redundant_experts=args.redundant_experts)
+    if args.redundant_experts not in (0, rec.redundant_experts):
+        raise ValueError(f"--redundant-experts {args.redundant_experts}: the file's EPLB "
+                         f"placement has {rec.redundant_experts} (drop the flag)")
+    return dict(loads_LE=rec.loads_LE * spread, placement=rec.phy2log_LR * spread,
+                redundant_experts=rec.redundant_experts)
 
 
 def render(plan: Plan, buckets=None) -> str:
