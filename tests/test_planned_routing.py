@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.launch.planned_routing import PlannedRouting, planned_routing, synthetic_gate_loads
+from epmoe.launch.planned_routing import PlannedRouting, gate_loads, planned_routing
 from epmoe.plan import Topology, load_profile, plan_stack
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
 from epmoe.reference import reference_route
 from epmoe.step_tokens import StepTokens
 from epmoe.weights import synthetic_layer
+from test_launch_weights import MOE_LAYERS, ckpt  # noqa: F401  (a tiny Qwen3-MoE folder)
 
 
 def test_given_routings_pass_through_and_unread_ones_are_uniform():
@@ -19,9 +20,12 @@ def test_given_routings_pass_through_and_unread_ones_are_uniform():
     z = planned_routing(RunConfig(routing="zipf:1.2"))
     assert (z.label, z.loads_LE) == ("zipf:1.2", None)
     assert z.layer(3) == RoutingSpec("zipf", 1.2)
-    # a checkpoint's gate and replayed routings are not read ahead: uniform
-    assert planned_routing(RunConfig(weights="/some/checkpoint")) == PlannedRouting()
+    # replayed routings are not read ahead: uniform; so is a checkpoint the launching host
+    # cannot read (a path only the cluster's nodes see), with a note saying why
     assert planned_routing(RunConfig(routing="drift:1.0:4")) == PlannedRouting()
+    far = planned_routing(RunConfig(weights="/nowhere/checkpoint"))
+    assert (far.label, far.loads_LE) == ("uniform", None)
+    assert far.note.startswith("routing: planned as uniform (the checkpoint's gates not read")
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3-tiny", "qwen3-moe-tiny"])
@@ -30,7 +34,7 @@ def test_sampled_loads_are_the_oracle_routers_picks_through_the_runs_own_gates(m
     that layer's gate as the runtime builds it (synthetic_layer, the run's seed)."""
     run = RunConfig(model=model, layers=2, seed=seed % 1000)
     cfg, rows = run.cfg, 64
-    got = synthetic_gate_loads(run, rows)
+    got = gate_loads(run, rows)
     x = StepTokens(rows, cfg.hidden, run.seed, 0, torch.device("cpu")).base().double()
     assert len(got) == 2
     for l in range(2):
@@ -59,3 +63,22 @@ def test_a_skewed_gate_plans_fewer_experts_hit_than_uniform():
     skewed = plan_stack(run.cfg, run.quant, topo, prof, (128,), **pr.plan_kwargs(), **kw)
     flat = plan_stack(run.cfg, run.quant, topo, prof, (128,), routing="uniform", **kw)
     assert skewed.step_us(128) < 0.95 * flat.step_us(128)
+
+
+def test_a_checkpoints_loads_are_its_own_gates_picks(ckpt):
+    """--weights DIR: each layer's gate read from the checkpoint (its MoE layers 1 and 3)."""
+    from epmoe.launch.checks import build_run
+    from epmoe.launch.cli import parser
+
+    folder, t = ckpt
+    run = build_run(parser().parse_args(["--weights", str(folder), "--tokens", "4"]))
+    pr = planned_routing(run, rows=64)
+    assert pr.label == "sampled-gate" and len(pr.loads_LE) == 2
+    assert pr.note == "routing: planned at the checkpoint's gates' expert loads (64 rows a layer)"
+    cfg = run.cfg
+    x = StepTokens(64, cfg.hidden, run.seed, 0, torch.device("cpu")).base().double()
+    for l, cl in enumerate(MOE_LAYERS):
+        gate = t[f"model.layers.{cl}.mlp.gate.weight"].double()
+        ids, _ = reference_route(x @ gate.T, cfg)
+        want = torch.bincount(ids.flatten(), minlength=cfg.num_experts)
+        assert float((torch.tensor(pr.loads_LE[l]) - want).abs().sum()) <= 0.05 * 64 * cfg.top_k

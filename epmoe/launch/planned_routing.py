@@ -1,16 +1,17 @@
 """The routing a launch is planned for (`python -m epmoe.launch --plan auto|ep|...|sweep`).
 
-uniform and zipf:S: as given. The model's router with synthetic weights (no --weights): each
-layer's gate and selection bias are pure functions of (seed, layer) (epmoe.weights), so the
-planner routes a sample of the rows a step draws (i.i.d. Gaussian, epmoe.step_tokens) through
-each layer's gate on the host and plans with the expert loads that gives. A synthetic gate is
-far from uniform: DeepSeek-V3's at seed 0 (selection bias std 0.1 on sigmoid scores) hits 165
-of 256 experts with 128 tokens and 224 with 4,096, the hottest at 8x the mean; that moves the
-experts' GEMMs (weights read per expert hit) and the hottest rank's rows. The launch report
-predicts from the loads the run recorded (epmoe.launch.plan_report); planning from the same
-gate makes the plan's and the report's predictions agree. A checkpoint's gate (--weights),
-hash layers and the replayed routings (drift, trace) are planned as uniform: the planner reads
-neither checkpoints nor traces.
+uniform and zipf:S: as given. The model's router: the planner routes a sample of the rows a
+step draws (i.i.d. Gaussian, epmoe.step_tokens) through each layer's own gate on the host
+and plans with the expert loads that gives. The gates are the run's: synthetic ones are pure
+functions of (seed, layer) (epmoe.weights), a checkpoint's (--weights) are read from it (the
+router tensors only, `epmoe.weights.layer_weights` with no experts). A gate is far from
+uniform: DeepSeek-V3's synthetic one at seed 0 (selection bias std 0.1 on sigmoid scores) hits
+165 of 256 experts with 128 tokens and 224 with 4,096, the hottest at 8x the mean; that moves
+the experts' GEMMs (weights read per expert hit) and the hottest rank's rows. The launch
+report predicts from the loads the run recorded (epmoe.launch.plan_report); planning from the
+same gates makes the plan's and the report's predictions agree. Hash layers (experts by
+token id) and the replayed routings (drift, trace) are planned as uniform, and so is a
+checkpoint the launching host cannot read (a cluster path: the note says why).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ SAMPLE_ROWS = 1024  # rows routed per layer: ~4 selections per expert-slot at to
 @dataclass(frozen=True)
 class PlannedRouting:
     """label: what the plan assumed, for reports (uniform, zipf:S, sampled-gate);
-    loads_LE: per-layer expert loads (a tuple of tuples), or None: `spec` for every layer."""
+    loads_LE: per-layer expert loads (a tuple of tuples), or None: `spec` for every layer;
+    note: one line for the launch's notes (empty: nothing to say)."""
 
     label: str = "uniform"
     spec: str = "uniform"
     loads_LE: tuple | None = None
+    note: str = ""
 
     def plan_kwargs(self) -> dict:
         """plan_stack's routing keywords."""
@@ -50,29 +53,40 @@ def planned_routing(run: RunConfig, rows: int = SAMPLE_ROWS) -> PlannedRouting:
         return PlannedRouting(spec.label(), run.routing)
     except ValueError:
         pass
-    if run.routing != "router" or run.weights is not None:
+    if run.routing != "router":
         return PlannedRouting()
-    return PlannedRouting("sampled-gate", loads_LE=synthetic_gate_loads(run, rows))
+    whose = "the checkpoint's" if run.weights else "the synthetic"
+    try:
+        loads = gate_loads(run, rows)
+    except (OSError, ValueError, KeyError) as exc:  # e.g. a path only the cluster's nodes see
+        return PlannedRouting(note=f"routing: planned as uniform ({whose} gates not read "
+                                   f"here: {str(exc).splitlines()[0]})")
+    return PlannedRouting("sampled-gate", loads_LE=loads,
+                          note=f"routing: planned at {whose} gates' expert loads ({rows} rows "
+                               f"a layer)")
 
 
-def synthetic_gate_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
+def gate_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
     """Per layer, the number of selections of each expert when `rows` Gaussian rows (the
-    run's seed) go through the layer's synthetic gate; hash layers: all ones (uniform)."""
+    run's seed) go through the layer's gate (synthetic, or the checkpoint's); hash layers: all
+    ones (uniform)."""
     import torch
 
+    from epmoe.checkpoint import SafetensorsCheckpoint
     from epmoe.router import route
     from epmoe.step_tokens import StepTokens
-    from epmoe.weights import synthetic_router
+    from epmoe.weights import layer_weights
 
     cfg = run.cfg
+    ckpt = SafetensorsCheckpoint.open(run.weights)
     x = StepTokens(rows, cfg.hidden, run.seed, 0, torch.device("cpu")).base().float()
     out = []
     for l in range(run.num_layers):
-        if l in cfg.hash_layers:
+        w = layer_weights(cfg, run.quant, l, run.seed, [], with_shared=False, checkpoint=ckpt)
+        if w.tid2eid_VK is not None:
             out.append((1.0,) * cfg.num_experts)
             continue
-        gate, bias = synthetic_router(cfg, l, run.seed)
-        ids = route(x @ gate.T, cfg, bias, backend="torch").topk_ids_TK.long().flatten()
+        ids = route(x @ w.gate_ED.T, cfg, w.bias_E, backend="torch").topk_ids_TK.long().flatten()
         load = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
         out.append(tuple(float(v) for v in load.tolist()))
     return tuple(out)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from epmoe.config import DEFAULT_PRESET
 from epmoe.launch.device_profile import device_and_arch, profile_for_device, timing_kind
-from epmoe.launch.planned_routing import SAMPLE_ROWS, PlannedRouting, planned_routing
+from epmoe.launch.planned_routing import PlannedRouting, planned_routing
 from epmoe.plan import Candidate, HardwareProfile, Plan, Topology, load_profile, plan_stack
 from epmoe.plan.comm_cost import migration_links
 from epmoe.plan.planner import rule_violation
@@ -249,9 +249,7 @@ def context(a, run: RunConfig, mode: str | None, tokens: int) -> Planning:
     else:
         topo = Topology.parse(f"1x{run.world}", gpu, **_cores(gpu, local_cores()))
     routing = planned_routing(run) if mode not in (None, "file") else PlannedRouting()
-    if routing.loads_LE is not None:
-        notes.append(f"routing: planned at the synthetic gates' expert loads "
-                     f"({SAMPLE_ROWS} rows a layer)")
+    notes += [routing.note] if routing.note else []
     return Planning(mode, prof, topo, tokens, None, tuple(notes), bool(a.profile),
                     bool(a.topology), routing=routing)
 
