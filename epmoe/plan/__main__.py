@@ -64,9 +64,9 @@ def build(args) -> tuple[Plan, list[str]]:
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers ({args.layers}) must be >= 1")
     rec = read_recorded(args.routing) if is_recorded(args.routing) else None
-    routing = _recorded_kwargs(rec, cfg, args) if rec else dict(
-        routing=args.routing, redundant_experts=args.redundant_experts)
     layers = args.layers or (rec.layers if rec else None)
+    routing = _recorded_kwargs(rec, cfg, args, layers) if rec else dict(
+        routing=args.routing, redundant_experts=args.redundant_experts)
     if layers is not None:
         cfg = cfg.replace(num_moe_layers=layers)
     prof = load_profile(args.profile)
@@ -99,13 +99,12 @@ def build(args) -> tuple[Plan, list[str]]:
                       memory_GiB=args.memory_gib, model=args.model, **routing), notes
 
 
-def _recorded_kwargs(rec: RecordedRouting, cfg, args) -> dict:
-    """plan_stack's routing keywords for a recorded load (checked against the model and the
-    flags); one recorded layer stands for every layer."""
+def _recorded_kwargs(rec: RecordedRouting, cfg, args, layers: int) -> dict:
+    """plan_stack's routing keywords for a recorded load planned over `layers` (checked
+    against the model and the flags); one recorded layer stands for every layer."""
     if rec.num_experts != cfg.num_experts:
         raise ValueError(f"--routing {args.routing}: {rec.num_experts} experts recorded, "
                          f"{args.model} has {cfg.num_experts}")
-    layers = args.layers or rec.layers
     if rec.layers not in (1, layers):
         raise ValueError(f"--routing {args.routing} records {rec.layers} layers: plan them "
                          f"(--layers {rec.layers}) or give a file of {layers}")
