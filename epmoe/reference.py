@@ -21,12 +21,13 @@ from epmoe.quant import dequantize_act, quantize_act
 # paths re-quantize the intermediate, where bf16 rounding of GEMM1 can flip an fp8 code.
 TOLERANCE = {"bf16": 1e-2, "fp8_block": 2e-2, "mxfp8": 2e-2, "w4a8_mxfp4": 3e-2}
 # W4A8: one fp8 code of the intermediate's largest values (a step of up to 1/14 of the group's
-# amax at the top of e4m3's range) times a coarse e2m1 weight moves an output by up to ~2.3% of
-# max|out| at the tests' sizes: seen in CI (2026-12-07) on the torch experts, kimi-style router,
-# swiglu_clamp, weight seed 248098386, seed 321965278: 2.32e-2, all of it one token whose
-# fp32 GEMM1 in a batch summed in another order than alone (alone: 1.7e-3); that token's four
-# (token, expert) terms each within bf16 rounding of the oracle. 2,400 other seed pairs of the
-# case: at most 3.1e-3.
+# amax at the top of e4m3's range) times a coarse e2m1 weight moves an output by a few % of
+# max|out| at the tests' sizes: seen in CI on the torch experts, swiglu_clamp, one token whose
+# fp32 GEMM1 in a batch summed in another order than alone: 2.32e-2 (2026-12-07, weight seed
+# 248098386, seed 321965278; 2,400 other seed pairs at most 3.1e-3), then 3.02e-2 (weight seed
+# 903696624, seed 919725040), past this tolerance. No fixed tolerance bounds such flips, so
+# checks against fp32-summing experts allow `rounding_slack` on top of it: what rounding h to
+# its other bf16 neighbour moves each output by (the 3.02e-2 case: 3.1e-3 past its slack).
 # fp8_block, where one-code flips of the intermediate are larger (x 1.5) or more frequent
 # (x 1.5); with both causes the factors multiply:
 #  - power-of-two activation scales (ue8m0_fp32 / ue8m0_packed): a scale rounded up by up to 2x
@@ -56,9 +57,14 @@ def tolerance(quant: QuantConfig, fp8_mma: bool = False) -> float:
     return tol
 
 
-def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | None = None) -> float:
+    """max |out - ref| / max |ref|; with `slack` (`rounding_slack`), what each |out - ref|
+    exceeds its slack by."""
     ref = ref.double()
-    diff = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    diff = (out.double() - ref).abs()
+    if slack is not None:
+        diff = (diff - slack).clamp(min=0)
+    diff = diff.max().item() if ref.numel() else 0.0
     if math.isnan(diff):
         return float("inf")
     return diff / max(ref.abs().max().item(), 1e-30)
@@ -147,7 +153,7 @@ def reference_hash_route(logits_TE: torch.Tensor, cfg: MoEConfig, tid2eid_VK: to
 
 def _act(h: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     i = h.shape[-1] // 2
-    g, u = h[:i], h[i:]
+    g, u = h[..., :i], h[..., i:]
     lim = cfg.swiglu_limit
     if lim is not None:
         g = g.clamp(max=lim)
@@ -164,20 +170,26 @@ def _fake_quant(x: torch.Tensor, quant: QuantConfig, on: bool) -> torch.Tensor:
     return dequantize_act(quantize_act(x.float()[None], quant))[0].double()
 
 
+def _quantized_act(h_NF, cfg, quant, b13_F=None):
+    """The intermediate as the experts write it from GEMM1's bf16 h (rows): the activation in
+    fp32 (the bias joins h in fp32, as the fused activation adds it), then quantized."""
+    hf = h_NF.float() if b13_F is None else h_NF.float() + b13_F.float()
+    a = _act(hf, cfg)
+    if quant.recipe == "bf16":
+        return a.to(torch.bfloat16).double()
+    return dequantize_act(quantize_act(a, quant)).double()
+
+
 def _mlp(x_D, w13_FD, w2_DI, cfg, quant, fq, b13_F=None, b2_D=None):
     h = w13_FD @ x_D
     if fq:  # GEMM1 writes bf16 in every fused path (DeepGEMM, Triton): part of the recipe
-        h = h.to(torch.bfloat16).double()
         # ...and the activation is evaluated in fp32 before it is quantized. h is bf16, so two
         # elements of a group often share a gate value and a/amax is an exact ratio that lands
         # on an fp8 rounding tie; float64 would then round it the other way from every fp32
-        # path, a one-code flip worth ~2-3% of the output at small intermediate sizes. The
-        # bias joins the bf16 h in fp32, as the fused activation adds it.
-        hf = h.float() if b13_F is None else h.float() + b13_F.float()
-        a = _act(hf, cfg).double()
+        # path, a one-code flip worth ~2-3% of the output at small intermediate sizes.
+        a = _quantized_act(h.to(torch.bfloat16).double()[None], cfg, quant, b13_F)[0]
     else:
-        a = _act(h if b13_F is None else h + b13_F.double(), cfg)
-    a = _fake_quant(a, quant, fq)
+        a = _fake_quant(_act(h if b13_F is None else h + b13_F.double(), cfg), quant, fq)
     y = w2_DI @ a
     return y if b2_D is None else y + b2_D.double()
 
@@ -205,6 +217,46 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
     """float64 [T, D]. oracle: an `Oracle` (or its first five fields as a tuple) in float64
     (see weights.dequantized_full_layer). Routing from the oracle's own router unless given
     (given ids are logical expert ids; -1 = empty slot)."""
+    return _layer(x_TD, oracle, cfg, quant, topk_ids_TK, topk_weights_TK, fake_quant, _mlp)
+
+
+def rounding_slack(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig,
+                   topk_ids_TK: torch.Tensor | None = None,
+                   topk_weights_TK=None) -> torch.Tensor:
+    """float64 [T, D] >= 0: how far each output of `reference_moe` may move, beyond a
+    tolerance, when an fp32 GEMM1 rounds h to the other bf16 neighbour.
+
+    The oracle rounds h = w13 @ x to bf16 from float64; an fp32 sum of the same exact
+    products lands within (K + 2) * 2^-24 * sum|w13 * x| of it in any order (K the
+    reduction length), and where a bf16 rounding boundary lies in that band the fp32 path may
+    round the other way. Downstream of the intermediate's quantization that one step can move a
+    code, or the group's amax and with it every code of the group: both are correct results.
+    Each such element's effect is the oracle's own output with h taken at the band's ends; a
+    term's slack is the sum of its elements' effects (flips are rare and nearly independent),
+    weighted as the layer weights the term (router weights are non-negative). Zero away from
+    such elements: a check that allows `slack` on top of its tolerance still fails on any error
+    the rounding cannot explain."""
+    return _layer(x_TD, oracle, cfg, quant, topk_ids_TK, topk_weights_TK, True, _mlp_slack)
+
+
+def _mlp_slack(x_D, w13_FD, w2_DI, cfg, quant, fq, b13_F=None, b2_D=None):
+    h = w13_FD @ x_D
+    band = (x_D.numel() + 2) * 2.0 ** -24 * (w13_FD.abs() @ x_D.abs())
+    hb = h.to(torch.bfloat16).double()
+    a0 = _quantized_act(hb[None], cfg, quant, b13_F)
+    worst = x_D.new_zeros(h.numel(), w2_DI.shape[0])  # per element of h: its largest effect
+    for end in ((h - band).to(torch.bfloat16).double(), (h + band).to(torch.bfloat16).double()):
+        idx = (end != hb).nonzero().flatten()
+        hp = hb.repeat(idx.numel(), 1)  # one row per element moved to this end of its band
+        hp[torch.arange(idx.numel()), idx] = end[idx]
+        moved = ((_quantized_act(hp, cfg, quant, b13_F) - a0) @ w2_DI.T).abs()
+        worst[idx] = torch.maximum(worst[idx], moved)
+    return worst.sum(0)
+
+
+def _layer(x_TD, oracle, cfg, quant, topk_ids_TK, topk_weights_TK, fake_quant, mlp):
+    """The layer token by token with `mlp` for each expert's MLP (`_mlp`: the output;
+    `_mlp_slack`: its rounding slack)."""
     gate, bias, w13, w2, shared, b13, b2, shared_gate, tid2eid = Oracle(*oracle)
     x = x_TD.double()
     if topk_ids_TK is None:
@@ -226,10 +278,10 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
                 # quantized, as in the layer: without that rounding the fp8 codes decorrelate
                 xw = x[n] * w
                 xw = xw.to(torch.bfloat16).double() if fake_quant else xw
-                term[n, j] = _mlp(_fake_quant(xw, quant, fake_quant), we13, we2, cfg, quant,
-                                  fake_quant, *bias_e)
+                term[n, j] = mlp(_fake_quant(xw, quant, fake_quant), we13, we2, cfg, quant,
+                                 fake_quant, *bias_e)
             else:
-                term[n, j] = w * _mlp(xq_T[n], we13, we2, cfg, quant, fake_quant, *bias_e)
+                term[n, j] = w * mlp(xq_T[n], we13, we2, cfg, quant, fake_quant, *bias_e)
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
         xq = xq_T[n]
@@ -238,7 +290,7 @@ def reference_moe(x_TD: torch.Tensor, oracle, cfg: MoEConfig, quant: QuantConfig
             if ids[n][j] >= 0:
                 acc += term[n, j]
         if shared is not None:
-            y = _mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
+            y = mlp(xq, shared[0], shared[1], cfg.shared_mlp_cfg, quant, fake_quant)
             if shared_gate is not None:  # on the layer's input, as the model's gate sees it
                 y = y / (1.0 + torch.exp(-(x[n] @ shared_gate.double())))
             acc += y

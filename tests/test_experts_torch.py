@@ -3,10 +3,13 @@
 Contiguous: `Experts.apply` (make_layout, permute, run_contiguous, unpermute_reduce).
 Masked: make_masked_layout, scatter_masked, run_masked, gather_masked_reduce, with the rows past
 each expert's count poisoned (NaN) on the way in and on the way out.
-Tolerance: reference.TOLERANCE[recipe] on max|out - ref| / max|ref|.
+Tolerance: reference.TOLERANCE[recipe] on max|out - ref| / max|ref|, each |out - ref| less
+its rounding slack (reference.rounding_slack: what GEMM1's fp32 sum rounding h to the other bf16
+neighbour can move it by).
 """
 
 import functools
+import os
 import random
 
 import pytest
@@ -17,12 +20,13 @@ from epmoe.experts.base import activation
 from epmoe.experts.torch_experts import TorchExperts
 from epmoe.layout import gather_masked_reduce, make_masked_layout, scatter_masked
 from epmoe.quant import FP8_DTYPE, QTensor, quantize_act
-from epmoe.reference import TOLERANCE, max_rel_err, reference_moe
+from epmoe.reference import TOLERANCE, max_rel_err, reference_moe, rounding_slack
 from epmoe.router import route
 from epmoe.weights import layer_to_oracle, synthetic_layer
 
 D, I, E, K, T = 128, 128, 16, 4, 24
-WEIGHT_SEED = random.randrange(1 << 30)  # fresh per session, printed in every message
+# fresh per session, printed in every message; EPMOE_TEST_WEIGHT_SEED=N replays one
+WEIGHT_SEED = int(os.environ.get("EPMOE_TEST_WEIGHT_SEED") or random.randrange(1 << 30))
 
 RECIPES = {"bf16": ("bf16", "fp32"), "fp8_block": ("fp8_block", "fp32"),
            "mxfp8": ("mxfp8", "fp32"), "w4a8_mxfp4": ("w4a8_mxfp4", "fp32"),
@@ -103,10 +107,14 @@ def _run(experts, xq, ids, w, layout):
     return run_masked_path(experts, xq, ids, w, capacity=ids.shape[0])
 
 
-def _check(out, ref, recipe, msg):
+def _check(out, oracle_args, recipe, msg):
+    """oracle_args: (x, oracle, cfg, quant, ids, weights) as `reference_moe` takes them."""
     assert not out.isnan().any(), f"NaN in output; {msg}"
-    err = max_rel_err(out, ref)
-    assert err <= TOLERANCE[RECIPES[recipe][0]], f"rel err {err:.2e}; {msg}"
+    ref = reference_moe(*oracle_args)
+    err = max_rel_err(out, ref, rounding_slack(*oracle_args))
+    assert err <= TOLERANCE[RECIPES[recipe][0]], \
+        f"rel err {err:.2e} past the rounding slack ({max_rel_err(out, ref):.2e} raw); {msg}"
+    return ref
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -120,9 +128,8 @@ def test_experts_match_oracle(recipe, router, act, layout, seed):
     x, ids, w = _inputs(cfg, lw, seed, scale=ACTIVATIONS[act][1])
     out = _run(experts, quantize_act(x, quant), ids, w, layout)
     assert out.shape == (T, D)
-    ref = reference_moe(x, oracle, cfg, quant, ids, w)
     msg = f"{recipe=} {router=} {act=} {layout=} {seed=} {WEIGHT_SEED=}"
-    _check(out, ref, recipe, msg)
+    _check(out, (x, oracle, cfg, quant, ids, w), recipe, msg)
     if cfg.swiglu_limit is not None:  # the case must actually exercise the clamp
         h = torch.einsum("td,efd->tef", x.double(), oracle[2])
         assert (h.abs() > cfg.swiglu_limit).any(), f"clamp never reached; {msg}"
@@ -192,12 +199,11 @@ def test_special_routings_match_oracle(recipe, case, layout, seed):
     ids = _special_ids(case, T, g)
     w = torch.rand(T, K, generator=g) + 0.1  # nonzero weights on -1 slots too: must be skipped
     out = _run(experts, quantize_act(x, quant), ids, w, layout)
-    ref = reference_moe(x, oracle, cfg, quant, ids, w)
     msg = f"{recipe=} {case=} {layout=} {seed=} {WEIGHT_SEED=}"
     if case == "all_empty":
         assert torch.equal(out, torch.zeros(T, D)), msg
         return
-    _check(out, ref, recipe, msg)
+    _check(out, (x, oracle, cfg, quant, ids, w), recipe, msg)
     # rows whose slots are all -1 are exact zeros
     none = (ids < 0).all(-1)
     assert bool((out[none] == 0).all()), msg
@@ -209,7 +215,7 @@ def test_masked_capacity_larger_than_needed(seed):
     experts = TorchExperts(lw.experts, cfg, quant)
     x, ids, w = _inputs(cfg, lw, seed)
     out = run_masked_path(experts, quantize_act(x, quant), ids, w, capacity=64)
-    _check(out, reference_moe(x, oracle, cfg, quant, ids, w), "fp8_block", f"{seed=}")
+    _check(out, (x, oracle, cfg, quant, ids, w), "fp8_block", f"{seed=}")
 
 
 def test_subset_of_experts_with_local_ids(seed):
@@ -222,8 +228,7 @@ def test_subset_of_experts_with_local_ids(seed):
     local = torch.where(ids >= 8, ids - 8, torch.full_like(ids, -1))
     out = TorchExperts(lw.experts, cfg, quant).apply(quantize_act(x, quant), local, w)
     only_here = torch.where(ids >= 8, ids, torch.full_like(ids, -1))
-    ref = reference_moe(x, oracle, cfg, quant, only_here, w)
-    _check(out, ref, "mxfp8", f"{seed=} {WEIGHT_SEED=}")
+    _check(out, (x, oracle, cfg, quant, only_here, w), "mxfp8", f"{seed=} {WEIGHT_SEED=}")
 
 
 def test_finer_alignment_than_gemm_refused():
