@@ -10,7 +10,8 @@ import pytest
 
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan.comm_cost import CommCase, dispatch_cost
-from epmoe.plan.cost import STAGES, TOP_STAGES, Candidate, Workload, _aligned, predict_layer
+from epmoe.plan.cost import (STAGES, TOP_STAGES, Candidate, Workload, _aligned_rows,
+                             predict_layer)
 from epmoe.plan.routing import (RoutingSpec, SlotMap, finite_max, hit_probability_uniform,
                                 routing_stats)
 from epmoe.plan.synthetic import SYN as SYN_PROV, synthetic_profile
@@ -235,12 +236,21 @@ def test_tp_is_immune_to_skew_and_ep_is_not():
 
 
 def test_aligned_rows_are_a_poisson_expectation():
-    assert _aligned(37.0, 1) == 37.0
-    assert _aligned(0.5, 128) == pytest.approx(128 * (1 - math.exp(-0.5)), rel=1e-9)
-    lam, a = 20.0, 16
-    direct = sum(math.exp(-lam) * lam**x / math.factorial(x) * math.ceil(x / a) * a
-                 for x in range(120))
-    assert _aligned(lam, a) == pytest.approx(direct, rel=1e-8)  # tail cut at 1e-9
+    assert _aligned_rows([37.0, 2.5, 0.0, -1.0], 1) == 37.0 + 2.5
+    assert _aligned_rows([0.5], 128) == pytest.approx(128 * (1 - math.exp(-0.5)), rel=1e-12)
+
+    def direct(lam, a):
+        return sum(math.exp(x * math.log(lam) - lam - math.lgamma(x + 1)) * math.ceil(x / a)
+                   * a for x in range(int(lam * 3) + 60))
+
+    assert _aligned_rows([20.0], 16) == pytest.approx(direct(20.0, 16), rel=1e-12)
+    # groups of mixed sizes sum (a large one beside tiny ones: the grid is the largest's);
+    # above 400 rows, the mean plus half an alignment; empty and negative means add nothing
+    means, a = [0.003, 1.5, 20.0, 140.0], 64
+    assert _aligned_rows(means + [0.0, -2.0], a) == \
+        pytest.approx(sum(direct(m, a) for m in means), rel=1e-12)
+    assert _aligned_rows([1000.0, 20.0], 16) == \
+        pytest.approx(1000.0 + 7.5 + direct(20.0, 16), rel=1e-12)
 
 
 def test_shared_mlp_overlaps_on_cuda_only():

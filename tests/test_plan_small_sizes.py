@@ -133,7 +133,7 @@ def test_act_quant_costs_the_real_rows_in_kernel_blocks_not_the_padding():
     groups are padded to 128) and the masked one (whose capacity can be far larger)."""
     from epmoe.config import get_preset
     from epmoe.kernels.act_quant import BLOCK_M_GPU
-    from epmoe.plan.cost import _aligned, _experts_stages
+    from epmoe.plan.cost import _aligned_rows, _experts_stages
 
     assert tr.ACT_BLOCK_ROWS == BLOCK_M_GPU  # the model's block is the kernel's
     cfg = get_preset("deepseek-v3-tiny")
@@ -149,11 +149,11 @@ def test_act_quant_costs_the_real_rows_in_kernel_blocks_not_the_padding():
 
     per_row = tr.act_quant_bytes(1, inter, q) / 1e3
     few = [0.5] * 8 + [40.0] * 8  # experts with < 1 row expected, and 40 (3 blocks of 16)
-    expect = sum(_aligned(m, 16) for m in few) * per_row
+    expect = _aligned_rows(few, 16) * per_row
     assert act_quant("tokens", few) == pytest.approx(expect)
     assert act_quant("masked", few) == pytest.approx(expect)  # not capacity x experts
-    assert _aligned(40.0, 16) == pytest.approx(48.0, abs=4.0)  # ~3 blocks of 16
-    assert expect < sum(_aligned(m, 128) for m in few) * per_row / 3  # vs the GEMM groups
+    assert _aligned_rows([40.0], 16) == pytest.approx(48.0, abs=4.0)  # ~3 blocks of 16
+    assert expect < _aligned_rows(few, 128) * per_row / 3  # vs the GEMM groups
 
 
 def test_an_overlapped_shared_mlp_is_held_back_at_most_until_the_routed_path_ends():

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.plan import traffic as tr
 from epmoe.plan.beside import blend
@@ -272,18 +274,21 @@ def _expert_rows(cand, work, topo, stats, n_rep):
     return n_in, pairs, slot_rows
 
 
-def _aligned(m: float, a: int) -> float:
-    """E[ceil(X / a) * a] for X ~ Poisson(m): rows a group of mean m occupies at alignment a."""
-    if a <= 1 or m <= 0:
-        return max(m, 0.0)
-    if m > 400:
-        return m + (a - 1) / 2.0
-    p, cdf, total, x = math.exp(-m), 0.0, 0.0, 0
-    while cdf < 1 - 1e-9 and x < m + 12 * math.sqrt(m) + 2 * a:
-        total += p * math.ceil(x / a) * a
-        cdf += p
-        x += 1
-        p *= m / x
+def _aligned_rows(means, a: int) -> float:
+    """sum of E[ceil(X / a) * a] for X ~ Poisson(m), m in `means`: the rows groups of those
+    mean sizes occupy at alignment a (above 400 rows, the mean plus half an alignment)."""
+    m = np.maximum(np.asarray(means, dtype=float), 0.0)
+    if a <= 1:
+        return float(m.sum())
+    big = m > 400
+    total = float((m[big] + (a - 1) / 2.0).sum())
+    small = m[~big & (m > 0)]
+    if small.size:
+        top = small.max()
+        x = np.arange(int(top + 12 * math.sqrt(top) + 2 * a) + 1)
+        log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, x.size)))))
+        log_p = x[None, :] * np.log(small)[:, None] - small[:, None] - log_fact[None, :]
+        total += float((np.exp(log_p) @ (np.ceil(x / a) * a)).sum())
     return total
 
 
@@ -323,15 +328,14 @@ def _experts_stages(experts, kind, cfg, quant, prof, n_in, pairs, slot_rows, int
     timeline decides which stages run so)."""
     d = cfg.hidden
     align = MASKED_BLOCK if kind == "masked" and experts != "torch" else ALIGN[experts]
-    rows = sum(_aligned(m, align) for m in slot_rows)
+    rows = _aligned_rows(slot_rows, align)
     layout = "masked" if kind == "masked" else "contiguous"
     s = {"experts.gemm1": _gemm_us(prof, experts, quant, layout, slot_rows, 2 * inter, d,
                                    align, overlapped),
          "experts.gemm2": _gemm_us(prof, experts, quant, layout, slot_rows, d, inter, align,
                                    overlapped)}
     # act+quant computes each expert's rows in whole blocks and skips padding (either layout)
-    aq_rows = rows if experts == "torch" else sum(_aligned(m, tr.ACT_BLOCK_ROWS)
-                                                   for m in slot_rows)
+    aq_rows = rows if experts == "torch" else _aligned_rows(slot_rows, tr.ACT_BLOCK_ROWS)
     recipe = "bf16" if experts == "torch" else quant.recipe  # (its fp8 and bf16 passes differ)
     busy = sum(1 - math.exp(-m) for m in slot_rows)  # experts given a row (Poisson)
     s["experts.act_quant"] = _kernel_us(prof, experts, (f"act_quant.{recipe}", "act_quant"),
