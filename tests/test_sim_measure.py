@@ -43,11 +43,13 @@ def test_a_row_becomes_the_launchers_flags():
 
 def test_rows_of_other_gpus_and_eplb_rows_are_skipped_with_a_reason():
     sweep = Sweep.from_dict({"gpus": ["cpu", "h800"]})
-    rows = [_row(gpu="h800"), _row(redundant=2, redundant_per_rank=1)]
+    rows = [_row(gpu="h800"), _row(redundant=2, redundant_per_rank=1), _row(routing="rec:run"),
+            _row(routing="recorded")]
     out = measure(rows, sweep, MeasureOptions("cpu"), say=lambda m: None)
-    assert [r["measured"]["status"] for r in out] == ["skipped", "skipped"]
+    assert [r["measured"]["status"] for r in out] == ["skipped"] * 4
     assert "gpu h800" in out[0]["measured"]["error"]
     assert "EPLB" in out[1]["measured"]["error"]
+    assert all("recorded load" in r["measured"]["error"] for r in out[2:])
     assert exit_code(out) == 0  # nothing launched, nothing failed
 
 

@@ -10,7 +10,8 @@ topology itself, so each measured row carries two predictions: the sweep's (its 
 topology) and the launch's own (the topology it ran on), both from the same profile.
 
 Rows with EPLB redundancy are predicted only: a launch places replicas from the load it
-records, the sweep from the expected load. A launch that fails (a cluster too small, a
+records, the sweep from the expected load; so are rows at a recorded load (a launch routes by
+its own router). A launch that fails (a cluster too small, a
 backend this machine lacks) is reported with the launcher's one-line error; a launch past
 `timeout_s` is stopped and reported.
 """
@@ -67,6 +68,8 @@ def _skip(row: dict, opts: MeasureOptions) -> str | None:
         return f"gpu {row['gpu']} (this run measures {opts.gpu})"
     if row["redundant"]:
         return "EPLB redundancy: predicted only (a launch places replicas from measured load)"
+    if row["routing"].startswith(("rec:", "recorded")):
+        return "recorded load: predicted only (a launch routes by its own router)"
     return None
 
 

@@ -6,15 +6,16 @@
     ep = [8, 16, 32, 64, 128, 256]   # ranks
     gpus_per_node = 8                # or a table per GPU: {gb200 = 72, default = 8}
     tokens = [128, 4096]             # per rank: the LL (decode) and HT (prefill) regimes
-    routing = ["uniform", "zipf:1.0"]
+    routing = ["uniform", "zipf:1.0"]  # or a load vector, or a run's recorded load (FILE.json)
     redundant_per_rank = [0, 1]      # EPLB: extra slots per rank, placed by epmoe.eplb
     candidates = []                  # extra fixed "form/backend/experts" rows besides the pick
     scope = "model"                  # model: every mechanism; runtime: what epmoe runs today
     cores_per_node = 0               # cpu rows: cores a node's ranks share (0: this machine's)
 
-Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike)
-and reports the pick; a step is the layer time x the preset's MoE layers (with a measured
-profile's queued figures, the later layers as they run behind the first: `stack_us`). A node holds
+Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike;
+a recorded file's layers each at their own load, sim/layers.py) and reports the pick; a step is
+the stack's layers in sequence (with a measured profile's queued figures, the later layers as
+they run behind the first: `stack_us`). A node holds
 gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink domain of 72).
 """
 
@@ -26,12 +27,12 @@ from dataclasses import dataclass, field
 
 from epmoe.config import PRESETS, QuantConfig, default_scale_fmt, fitting_recipe, get_preset
 from epmoe.docfile import is_int, read_doc
-from epmoe.plan.backlog import Backlog
-from epmoe.plan.cost import Candidate, Workload, predict_layer
+from epmoe.plan.cost import Candidate, Workload
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.profile import load_profile
-from epmoe.plan.routing import RoutingSpec, SlotMap, routing_stats
+from epmoe.plan.routing import SlotMap, routing_stats
 from epmoe.plan.topology import Topology, local_cores
+from epmoe.sim.layers import stack_layers_us, stack_pick, stack_routing
 
 KEYS = {"name", "model", "quant", "scale_fmt", "gpus", "ep", "gpus_per_node", "tokens",
         "routing", "redundant_per_rank", "candidates", "scope", "layers", "cores_per_node"}
@@ -73,13 +74,23 @@ class Sweep:
 
     @classmethod
     def load(cls, path) -> "Sweep":
-        """A relative config.json path as `model` is read beside the sweep file."""
+        """A relative config.json path as `model`, or a recorded routing file, is read beside
+        the sweep file."""
         d = read_doc(path, "sweep file")
-        m = d.get("model")
-        if isinstance(m, str) and m not in PRESETS and not os.path.isabs(m):
-            beside = os.path.join(os.path.dirname(os.path.abspath(path)), m)
-            if os.path.exists(beside):
-                d = dict(d, model=beside)
+        here = os.path.dirname(os.path.abspath(path))
+
+        def beside(name):
+            if not isinstance(name, str) or os.path.isabs(name):
+                return name
+            full = os.path.join(here, name)
+            return full if os.path.exists(full) else name
+
+        if isinstance(d.get("model"), str) and d["model"] not in PRESETS:
+            d = dict(d, model=beside(d.get("model")))
+        r = d.get("routing")
+        if isinstance(r, list):
+            d = dict(d, routing=[beside(x) if isinstance(x, str) and x.endswith(".json")
+                                 else x for x in r])
         return cls.from_dict(d)
 
     def check(self) -> None:
@@ -99,11 +110,7 @@ class Sweep:
             raise ValueError(f"sweep gpus_per_node ({bad}) must be ints >= 1 (an int, or a "
                              f"table of GPU name -> GPUs per node with an optional default)")
         for r in self.routing:
-            spec = RoutingSpec.parse(r)
-            if spec.kind == "load" and len(spec.load) != cfg.num_experts:
-                raise ValueError(f"sweep routing {r!r}: a recorded load has one entry per "
-                                 f"expert ({cfg.num_experts}), it has {len(spec.load)}; routing "
-                                 f"is a list of specs (a load vector is one list inside it)")
+            stack_routing(r, self.stack_cfg())
         for c in self.candidates:
             _candidate(c)
         if self.scope not in ("model", "runtime"):
@@ -111,6 +118,11 @@ class Sweep:
         if not isinstance(self.cores_per_node, int) or self.cores_per_node < 0:
             raise ValueError(f"sweep cores_per_node ({self.cores_per_node!r}) must be an int "
                              f">= 0 (0: this machine's cores)")
+
+    def stack_cfg(self):
+        """The model with the sweep's MoE layer count."""
+        base = get_preset(self.model)
+        return base if self.layers is None else base.replace(num_moe_layers=self.layers)
 
     def recipe(self) -> tuple[str, str | None]:
         """The recipe the rows are planned with, and why it is not fp8_block when the file
@@ -150,8 +162,8 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
     """One row per (gpu, ep, tokens, routing, redundancy) and pick (plus fixed candidates).
     progress: called (points done, points in all) after each point (a long sweep says how
     far it is: epmoe.launch.console.Phases.counter)."""
-    base = get_preset(sweep.model)
-    cfg = base if sweep.layers is None else base.replace(num_moe_layers=sweep.layers)
+    cfg = sweep.stack_cfg()
+    routings = [stack_routing(r, cfg) for r in sweep.routing]
     rows = []
     done, total = 0, len(sweep.gpus) * len(sweep.ep) * len(sweep.routing) * \
         len(sweep.redundant_per_rank) * len(sweep.tokens)
@@ -165,27 +177,35 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
             cores = {"cores_per_node": sweep.cores_per_node or local_cores()} \
                 if prof.gpu == "cpu" else {}  # cpu: tcp within a node, ranks share its cores
             topo = Topology.parse(f"{ep // g}x{g}", gpu=prof.gpu, **cores)
-            for rspec in sweep.routing:
-                spec = RoutingSpec.parse(rspec)
+            for routing in routings:
+                specs, index = routing.distinct()
                 for rpr in sweep.redundant_per_rank:
-                    slots, stats = _placed(cfg, spec, ep, g, topo.num_nodes, rpr)
+                    placed = [_placed(cfg, spec, ep, g, topo.num_nodes, rpr) for spec in specs]
                     for tokens in sweep.tokens:
-                        work = Workload(cfg, quant, tokens, spec, slots)
+                        works = [Workload(cfg, quant, tokens, spec, slots)
+                                 for spec, (slots, _) in zip(specs, placed, strict=True)]
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
-                                     routing=spec.label(), redundant=rpr * ep,
+                                     routing=routing.label, redundant=rpr * ep,
                                      redundant_per_rank=rpr)
                         for kind, cands in [("pick", candidates(ep))] + [
                                 ("fixed", [_candidate(c)]) for c in sweep.candidates]:
                             # said, not dropped: e.g. it does not fit, or the experts do not
                             # split over the ranks
-                            ranked = rank_layer(work, topo, prof, cands, cfg.num_moe_layers,
-                                                sweep.scope, stats=stats)
-                            if not ranked.preds:
-                                rows.append(_infeasible(point, ranked.rejected, kind))
+                            ranked = [rank_layer(w, topo, prof, cands, cfg.num_moe_layers,
+                                                 sweep.scope, stats=st)
+                                      for w, (_, st) in zip(works, placed, strict=True)]
+                            preds = stack_pick(ranked, index)
+                            if preds is None:
+                                rejected = next((r.rejected for r in ranked if not r.preds),
+                                                ranked[0].rejected)
+                                rows.append(_infeasible(point, rejected, kind))
                                 continue
-                            p = ranked.preds[0]
-                            step = stack_us(p, work, topo, prof, stats, cfg.num_moe_layers)
-                            rows.append(_row(point, kind, p, step))
+                            each = [(p, works[i], placed[i][1])
+                                    for p, i in zip(preds, index, strict=True)]
+                            if len(each) == 1:  # one routing for every layer
+                                each = each * cfg.num_moe_layers
+                            rows.append(_row(point, kind, preds,
+                                             stack_layers_us(each, topo, prof)))
                         done += 1
                         if progress is not None:
                             progress(done, total)
@@ -203,31 +223,27 @@ def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int):
 
 
 def stack_us(p0, work: Workload, topo, prof, stats, layers: int) -> float:
-    """A step of `layers` alike layers as the launch report composes one (plan/backlog.py):
-    the first as on an idle GPU (p0), the later ones from the profile's queued figures while
-    the GPU runs behind the host (a profile without them: layers x p0)."""
-    behind = Backlog(prof, False, work.tokens * work.cfg.hidden * 2.0)
-    if not behind.differs:
-        return p0.total_us * layers
-    total, queued = 0.0, None
-    for _ in range(layers):
-        p = p0
-        if behind.is_queued():
-            queued = queued or predict_layer(p0.candidate, work, topo, behind.queued, stats)
-            p = queued
-        behind.ran(p.total_us, p0.candidate.experts)
-        total += p.total_us
-    return total
+    """A step of `layers` alike layers (sim/layers.stack_layers_us)."""
+    return stack_layers_us([(p0, work, stats)] * layers, topo, prof)
 
 
-def _row(point: dict, kind: str, p, step_us: float) -> dict:
-    layer = p.total_us
-    return {**point, "kind": kind, "choice": p.candidate.label, "layer_us": layer,
-            "step_ms": step_us / 1e3, "comm_share": p.comm_us / layer,
-            "nvlink_MB": p.link_bytes.get("nvlink", 0.0) / 1e6,
-            "rdma_MB": p.link_bytes.get("rdma", 0.0) / 1e6,
-            "stages_us": {k: v for k, v in p.stages_us.items() if v},
-            "imbalance": p.notes.get("imbalance", 1.0)}
+def _row(point: dict, kind: str, preds: list, step_us: float) -> dict:
+    """preds: the choice's prediction per distinct layer of the stack, one per layer
+    (or one for every layer): per-layer figures are their means."""
+    n = len(preds)
+
+    def mean(f):
+        return sum(f(p) for p in preds) / n
+
+    stages = {k: mean(lambda p, k=k: p.stages_us.get(k, 0.0))
+              for k in dict.fromkeys(k for p in preds for k in p.stages_us)}
+    layer = mean(lambda p: p.total_us)
+    return {**point, "kind": kind, "choice": preds[0].candidate.label, "layer_us": layer,
+            "step_ms": step_us / 1e3, "comm_share": mean(lambda p: p.comm_us) / layer,
+            "nvlink_MB": mean(lambda p: p.link_bytes.get("nvlink", 0.0)) / 1e6,
+            "rdma_MB": mean(lambda p: p.link_bytes.get("rdma", 0.0)) / 1e6,
+            "stages_us": {k: v for k, v in stages.items() if v},
+            "imbalance": mean(lambda p: p.notes.get("imbalance", 1.0))}
 
 
 def _infeasible(point: dict, rejected, kind: str = "pick") -> dict:

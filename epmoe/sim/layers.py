@@ -1,0 +1,94 @@
+"""A sweep point's MoE stack layer by layer: routings that differ per layer (a run's recorded
+load), the pick over the whole stack, and the step composed as the runtime runs it.
+
+A sweep's routing entry is `uniform`, `zipf:S`, one per-expert load vector (every layer
+alike), or a JSON file of recorded load (epmoe/plan/recorded.py: a launch summary's
+`load.tokens_per_layer_expert`, or a bare list per layer). A file's layers are priced each at
+its own load; a file of one layer stands for every layer. Loads are per logical expert, so
+one run's record prices any EP size; an EPLB run's placement is for its own size and is not
+used (a sweep places replicas itself: `redundant_per_rank`, per layer at each point's size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from epmoe.plan.backlog import Backlog
+from epmoe.plan.cost import predict_layer
+from epmoe.plan.recorded import is_recorded, read_recorded
+from epmoe.plan.routing import RoutingSpec
+
+
+@dataclass(frozen=True)
+class StackRouting:
+    """label: the rows' routing column; specs: one per MoE layer, or one for every layer."""
+
+    label: str
+    specs: tuple
+
+    def distinct(self) -> tuple[tuple, tuple[int, ...]]:
+        """(the distinct specs, each layer's index into them)."""
+        uniq, index = [], []
+        for s in self.specs:
+            if s not in uniq:
+                uniq.append(s)
+            index.append(uniq.index(s))
+        return tuple(uniq), tuple(index)
+
+
+def stack_routing(entry, cfg) -> StackRouting:
+    """A sweep routing entry for a stack of cfg.num_moe_layers layers of cfg.num_experts
+    experts; ValueError naming what does not fit."""
+    if isinstance(entry, str) and is_recorded(entry):
+        rec = read_recorded(entry)
+        if rec.num_experts != cfg.num_experts:
+            raise ValueError(f"sweep routing {entry}: {rec.num_experts} experts recorded, the "
+                             f"model has {cfg.num_experts}")
+        if rec.layers not in (1, cfg.num_moe_layers):
+            raise ValueError(f"sweep routing {entry}: {rec.layers} recorded layers for a stack "
+                             f"of {cfg.num_moe_layers} MoE layers: record the whole stack, or "
+                             f"one layer (it stands for all), or set layers = {rec.layers}")
+        specs = tuple(RoutingSpec.from_load(row) for row in rec.loads_LE)
+        return StackRouting("rec:" + Path(entry).stem, specs)
+    spec = RoutingSpec.parse(entry)
+    if spec.kind == "load" and len(spec.load) != cfg.num_experts:
+        raise ValueError(f"sweep routing {entry!r}: a recorded load has one entry per expert "
+                         f"({cfg.num_experts}), it has {len(spec.load)}; routing is a list of "
+                         f"specs (a load vector is one list inside it)")
+    return StackRouting(spec.label(), (spec,))
+
+
+def stack_pick(ranked: list, index: tuple[int, ...]):
+    """The candidate feasible at every distinct layer with the least summed time over the
+    stack, as its prediction per layer; None when no candidate runs every layer. ranked: one
+    `Ranked` per distinct routing; index: each layer's distinct routing."""
+    by_label = [{p.candidate.label: p for p in r.preds} for r in ranked]
+    common = [p.candidate.label for p in ranked[0].preds
+              if all(p.candidate.label in b for b in by_label)]
+    if not common:
+        return None
+    best = min(common, key=lambda c: sum(by_label[i][c].total_us for i in index))
+    return [by_label[i][best] for i in index]
+
+
+def stack_layers_us(layers: list, topo, prof) -> float:
+    """A step of `layers` [(prediction on an idle GPU, workload, routing stats)] as the launch
+    report composes one (plan/backlog.py): the first as on an idle GPU, each later one from the
+    profile's queued figures while the GPU runs behind the host (a profile without them: the
+    sum of the idle predictions)."""
+    work = layers[0][1]
+    behind = Backlog(prof, False, work.tokens * work.cfg.hidden * 2.0)
+    if not behind.differs:
+        return sum(p.total_us for p, _, _ in layers)
+    total, queued = 0.0, {}
+    for p0, w, stats in layers:
+        p = p0
+        if behind.is_queued():
+            key = id(p0)
+            if key not in queued:
+                queued[key] = predict_layer(p0.candidate, w, topo, behind.queued, stats)
+            p = queued[key]
+        behind.ran(p.total_us, p0.candidate.experts)
+        total += p.total_us
+    return total
