@@ -82,6 +82,8 @@ def test_a_config_json_beside_the_sweep_file_is_its_model(tmp_path, monkeypatch)
     ('{"gpus_per_node": {"h200": "x"}}', "sweep gpus_per_node ({'h200': 'x'})"),
     ('{"model": 5}', "sweep model (5) must be a string"),
     ('{"name": 3}', "sweep name (3) must be a string"),
+    ('{"layers": 0}', "sweep layers (0) must be an int >= 1"),
+    ('{"routing": ["missing.json"]}', "sweep routing missing.json: cannot read it"),
     ('{"model": "deepseek-v3-tiny", "routing": [5, 1]}',  # a load vector, flat: 2 specs
      "a recorded load has one entry per expert (16), it has 1"),
 ])

@@ -49,51 +49,52 @@ def is_recorded(spec: str) -> bool:
     return spec.endswith(".json") or Path(spec).is_file()
 
 
-def read_recorded(path: str) -> RecordedRouting:
-    """The file's loads (and placement); ValueError naming what is wrong with it."""
+def read_recorded(path: str, what: str = "--routing") -> RecordedRouting:
+    """The file's loads (and placement); ValueError naming what is wrong with it (each
+    message starts with `what` and the path: the flag or key that named the file)."""
     p = Path(path)
     try:
         doc = json.loads(p.read_text())
     except OSError as exc:
-        raise ValueError(f"--routing {path}: cannot read it ({exc.strerror})") from None
+        raise ValueError(f"{what} {path}: cannot read it ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--routing {path}: not JSON ({exc.msg} at line {exc.lineno})") \
+        raise ValueError(f"{what} {path}: not JSON ({exc.msg} at line {exc.lineno})") \
             from None
     placement = None
     if isinstance(doc, dict):
         loads = (doc.get("load") or {}).get("tokens_per_layer_expert")
         if loads is None:
-            raise ValueError(f"--routing {path}: no load.tokens_per_layer_expert (a launch "
+            raise ValueError(f"{what} {path}: no load.tokens_per_layer_expert (a launch "
                              f"summary, python -m epmoe.launch --out FILE, records it)")
         placement = (doc.get("eplb") or {}).get("final_phy2log_LR")
     else:
         loads = doc
     if loads and all(isinstance(x, (int, float)) for x in loads):
         loads = [loads]  # one load for every layer
-    loads_LE = _rows(loads, path, "loads", float)
+    loads_LE = _rows(loads, f"{what} {path}", "loads", float)
     if any(x < 0 or not math.isfinite(x) for row in loads_LE for x in row) or \
             any(sum(row) <= 0 for row in loads_LE):
-        raise ValueError(f"--routing {path}: every load must be finite and >= 0, and each "
+        raise ValueError(f"{what} {path}: every load must be finite and >= 0, and each "
                          f"layer's must sum to > 0")
     e = len(loads_LE[0])
     if any(len(row) != e for row in loads_LE):
-        raise ValueError(f"--routing {path}: the layers' loads have different expert counts")
+        raise ValueError(f"{what} {path}: the layers' loads have different expert counts")
     phy2log = None
     if placement is not None:
-        phy2log = _rows(placement, path, "eplb.final_phy2log_LR", int)
+        phy2log = _rows(placement, f"{what} {path}", "eplb.final_phy2log_LR", int)
         if len(phy2log) != len(loads_LE) or any(
                 sorted(set(row)) != list(range(e)) for row in phy2log):
-            raise ValueError(f"--routing {path}: eplb.final_phy2log_LR must hold every one of "
+            raise ValueError(f"{what} {path}: eplb.final_phy2log_LR must hold every one of "
                              f"the {e} experts in each of the {len(loads_LE)} layers")
     return RecordedRouting(p.name, loads_LE, phy2log)
 
 
-def _rows(x, path: str, what: str, kind) -> tuple:
+def _rows(x, where: str, what: str, kind) -> tuple:
     if not isinstance(x, list) or not x or not all(isinstance(r, list) and r for r in x):
-        raise ValueError(f"--routing {path}: {what} must be a non-empty list of per-layer "
+        raise ValueError(f"{where}: {what} must be a non-empty list of per-layer "
                          f"lists")
     try:
         return tuple(tuple(kind(v) for v in r) for r in x)
     except (TypeError, ValueError):
-        raise ValueError(f"--routing {path}: {what} holds a value that is not a number") \
+        raise ValueError(f"{where}: {what} holds a value that is not a number") \
             from None

@@ -41,7 +41,7 @@ def stack_routing(entry, cfg) -> StackRouting:
     """A sweep routing entry for a stack of cfg.num_moe_layers layers of cfg.num_experts
     experts; ValueError naming what does not fit."""
     if isinstance(entry, str) and is_recorded(entry):
-        rec = read_recorded(entry)
+        rec = read_recorded(entry, "sweep routing")
         if rec.num_experts != cfg.num_experts:
             raise ValueError(f"sweep routing {entry}: {rec.num_experts} experts recorded, the "
                              f"model has {cfg.num_experts}")

@@ -97,7 +97,10 @@ class Sweep:
         for key in ("name", "model"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ValueError(f"sweep {key} ({getattr(self, key)!r}) must be a string")
-        cfg = get_preset(self.model)
+        if self.layers is not None and (not is_int(self.layers) or self.layers < 1):
+            raise ValueError(f"sweep layers ({self.layers!r}) must be an int >= 1 (the MoE "
+                             f"layers of the stack; default: the model's)")
+        cfg = self.stack_cfg()  # (an unknown model fails here, before the rest)
         if not self.gpus or any(not isinstance(g, str) or not g for g in self.gpus):
             raise ValueError(f"sweep gpus ({list(self.gpus)}) must be profile names (h200, "
                              f"b200, ...), at least one")
@@ -110,7 +113,7 @@ class Sweep:
             raise ValueError(f"sweep gpus_per_node ({bad}) must be ints >= 1 (an int, or a "
                              f"table of GPU name -> GPUs per node with an optional default)")
         for r in self.routing:
-            stack_routing(r, self.stack_cfg())
+            stack_routing(r, cfg)
         for c in self.candidates:
             _candidate(c)
         if self.scope not in ("model", "runtime"):
