@@ -58,8 +58,8 @@ def tolerance(quant: QuantConfig, fp8_mma: bool = False) -> float:
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | None = None) -> float:
-    """max |out - ref| / max |ref|; with `slack` (`rounding_slack`), what each |out - ref|
-    exceeds its slack by."""
+    """max |out - ref| / max |ref|; with `slack` (`rounding_slack`), the most any |out - ref|
+    exceeds its slack by, over max |ref|."""
     ref = ref.double()
     diff = (out.double() - ref).abs()
     if slack is not None:

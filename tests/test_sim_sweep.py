@@ -96,14 +96,14 @@ def test_bad_sweep_exits_2(tmp_path, capsys, text, msg):
 
 
 def test_a_step_with_queued_figures_runs_its_later_layers_behind_the_first():
-    """stack_us: layer 0 as on an idle GPU, the rest from the queued figures while the GPU
+    """stack_layers_us: layer 0 as on an idle GPU, the rest from the queued figures while the GPU
     runs behind the host (the launch report's and the planner's rule); a host slower than a
     layer, or a profile without queued figures: layers x the first."""
     from epmoe.config import QuantConfig, get_preset
     from epmoe.plan.cost import Candidate, Workload, predict_layer
     from epmoe.plan.profile import AlphaBeta, Provenance, load_profile
     from epmoe.plan.topology import Topology
-    from epmoe.sim.sweep import stack_us
+    from epmoe.sim.layers import stack_layers_us
 
     m = Provenance("measured", "test")
     cfg = get_preset("deepseek-v3")
@@ -112,13 +112,14 @@ def test_a_step_with_queued_figures_runs_its_later_layers_behind_the_first():
     work = Workload(cfg, QuantConfig("fp8_block"), 128)
     c = Candidate("ep_dp", "deepep-ll", "deepgemm")
     p0 = predict_layer(c, work, topo, base)
-    assert stack_us(p0, work, topo, base, None, 4) == pytest.approx(4 * p0.total_us)
+    assert stack_layers_us([(p0, work, None)] * 4, topo, base) == \
+        pytest.approx(4 * p0.total_us)
     kern = {**base.kernels, "router": {cfg.router: AlphaBeta(900.0, 1e9, m),
                                        f"{cfg.router}.queued": AlphaBeta(100.0, 1e9, m)}}
     for issue_us, later in ((1.0, 800.0), (1e7, 0.0)):
         prof = base.replace(kernels={**kern, "layer": {"issue": AlphaBeta(issue_us, 1e9, m)}})
         first = predict_layer(c, work, topo, prof)
-        got = stack_us(first, work, topo, prof, None, 4)
+        got = stack_layers_us([(first, work, None)] * 4, topo, prof)
         assert got == pytest.approx(4 * first.total_us - 3 * later), issue_us
 
 

@@ -15,7 +15,7 @@
 Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike;
 a recorded file's layers each at their own load, sim/layers.py) and reports the pick; a step is
 the stack's layers in sequence (with a measured profile's queued figures, the later layers as
-they run behind the first: `stack_us`). A node holds
+they run behind the first: sim/layers.stack_layers_us). A node holds
 gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink domain of 72).
 """
 
@@ -223,11 +223,6 @@ def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int):
         return slots, routing_stats(cfg, spec, ep, g, slots)
     except ValueError:
         return None, None
-
-
-def stack_us(p0, work: Workload, topo, prof, stats, layers: int) -> float:
-    """A step of `layers` alike layers (sim/layers.stack_layers_us)."""
-    return stack_layers_us([(p0, work, stats)] * layers, topo, prof)
 
 
 def _row(point: dict, kind: str, preds: list, step_us: float) -> dict:
