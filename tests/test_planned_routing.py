@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.launch.planned_routing import PlannedRouting, gate_loads, planned_routing
+from epmoe.config import QuantConfig
+from epmoe.launch.planned_routing import (PlannedRouting, gate_loads, planned_routing,
+                                         replayed_loads)
 from epmoe.plan import Topology, load_profile, plan_stack
 from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
@@ -20,9 +22,11 @@ def test_given_routings_pass_through_and_unread_ones_are_uniform():
     z = planned_routing(RunConfig(routing="zipf:1.2"))
     assert (z.label, z.loads_LE) == ("zipf:1.2", None)
     assert z.layer(3) == RoutingSpec("zipf", 1.2)
-    # replayed routings are not read ahead: uniform; so is a checkpoint the launching host
-    # cannot read (a path only the cluster's nodes see), with a note saying why
-    assert planned_routing(RunConfig(routing="drift:1.0:4")) == PlannedRouting()
+    # a checkpoint or a trace the launching host cannot read (a path only the cluster's nodes
+    # see): uniform, with a note saying why
+    gone = planned_routing(RunConfig(routing="trace:/nowhere/trace.pt"))
+    assert (gone.label, gone.loads_LE) == ("uniform", None)
+    assert gone.note.startswith("routing: planned as uniform (trace not read here: trace file")
     far = planned_routing(RunConfig(weights="/nowhere/checkpoint"))
     assert (far.label, far.loads_LE) == ("uniform", None)
     assert far.note.startswith("routing: planned as uniform (the checkpoint's gates not read")
@@ -82,3 +86,41 @@ def test_a_checkpoints_loads_are_its_own_gates_picks(ckpt):
         ids, _ = reference_route(x @ gate.T, cfg)
         want = torch.bincount(ids.flatten(), minlength=cfg.num_experts)
         assert float((torch.tensor(pr.loads_LE[l]) - want).abs().sum()) <= 0.05 * 64 * cfg.top_k
+
+
+@pytest.mark.parametrize("kind", ["drift", "trace"])
+def test_a_replayed_routing_is_planned_at_the_loads_the_runtime_records(kind, tmp_path, seed):
+    """drift and trace: at rows = the run's tokens, the planned loads are the very selections
+    the runtime makes (and records, `load_LE`) over the run's steps; a trace of 3 steps is
+    replayed at step 3 from its step 0."""
+    from epmoe.eplb.routing import make_routing, save_trace
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("bf16"), experts="torch", tokens=24,
+                    layers=2, steps=4, seed=seed % 1000, routing="drift:1.2:1")
+    cfg = run.cfg
+    if kind == "trace":  # three recorded steps of another routing
+        ids = torch.stack([make_routing("zipf:2.0", 2, cfg.num_experts, cfg.top_k, 24, s,
+                                        seed % 997) for s in range(3)])
+        save_trace(tmp_path / "t.pt", ids)
+        run = run.replace(routing=f"trace:{tmp_path / 't.pt'}")
+    rt = Runtime(run, device="cpu")
+    for step in range(run.steps):
+        rt.step(step)
+    got = replayed_loads(run, rows=run.global_tokens)
+    assert torch.equal(torch.tensor(got).long(), rt.load_LE)
+    pr = planned_routing(run)
+    assert pr.label == f"replayed-{kind}" and len(pr.loads_LE) == 2
+    assert sum(pr.loads_LE[0]) == run.steps * (run.global_tokens if kind == "trace"
+                                               else 1024) * cfg.top_k
+    assert pr.note.startswith(f"routing: planned at the loads {kind} gives over the run's 4")
+
+
+def test_a_drifting_routing_plans_flatter_loads_than_one_step_of_it():
+    """drift:S:1 moves its hottest expert every step: summed over the run the loads are
+    flatter than one step's (zipf:S), as the launch report will read them."""
+    run = RunConfig(model="deepseek-v3-tiny", layers=1, steps=8, routing="drift:1.5:1")
+    drift = torch.tensor(planned_routing(run).loads_LE[0])
+    one = torch.tensor(replayed_loads(run.replace(steps=1), rows=8 * 1024)[0])
+    assert drift.sum() == one.sum()
+    assert drift.max() < 0.8 * one.max()

@@ -9,9 +9,12 @@ uniform: DeepSeek-V3's synthetic one at seed 0 (selection bias std 0.1 on sigmoi
 165 of 256 experts with 128 tokens and 224 with 4,096, the hottest at 8x the mean; that moves
 the experts' GEMMs (weights read per expert hit) and the hottest rank's rows. The launch
 report predicts from the loads the run recorded (epmoe.launch.plan_report); planning from the
-same gates makes the plan's and the report's predictions agree. Hash layers (experts by
-token id) and the replayed routings (drift, trace) are planned as uniform, and so is a
-checkpoint the launching host cannot read (a cluster path: the note says why).
+same gates makes the plan's and the report's predictions agree. The replayed routings: a
+trace at the loads its own ids give over the steps the run replays (exact); drift:S:P at the
+loads a sample of rows per step gives over the run's steps (the same generator the runtime
+uses, seeded per step, on fewer rows): the sum over the run, as the report reads it. Hash
+layers (experts by token id) are planned as uniform, and so is a checkpoint or trace the
+launching host cannot read (a cluster path: the note says why).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
 
 SAMPLE_ROWS = 1024  # rows routed per layer: ~4 selections per expert-slot at top-8 of 256
+REPLAY_STEPS = 8  # drift: the steps sampled, spread over a longer run (~0.7 s a step
+# for DeepSeek-V3's 58 layers)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ def planned_routing(run: RunConfig, rows: int = SAMPLE_ROWS) -> PlannedRouting:
         return PlannedRouting(spec.label(), run.routing)
     except ValueError:
         pass
+    if run.routing.startswith(("drift:", "trace:")):
+        return _replayed(run, rows)
     if run.routing != "router":
         return PlannedRouting()
     whose = "the checkpoint's" if run.weights else "the synthetic"
@@ -90,3 +97,53 @@ def gate_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
         load = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
         out.append(tuple(float(v) for v in load.tolist()))
     return tuple(out)
+
+
+def _replayed(run: RunConfig, rows: int) -> PlannedRouting:
+    kind, _, rest = run.routing.partition(":")
+    try:
+        loads = replayed_loads(run, rows)
+    except (OSError, ValueError) as exc:  # e.g. a trace only the cluster's nodes see
+        return PlannedRouting(note=f"routing: planned as uniform ({kind} not read here: "
+                                   f"{str(exc).splitlines()[0]})")
+    how = "its own ids" if kind == "trace" else \
+        f"{rows} rows a step, {len(_drift_steps(run.steps))} of them"
+    return PlannedRouting(f"replayed-{kind}", loads_LE=loads,
+                          note=f"routing: planned at the loads {kind} gives over the run's "
+                               f"{run.steps} steps ({how})")
+
+
+def replayed_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
+    """Per layer, the selections of each expert that the run's replayed routing makes over
+    its steps: a trace's own ids (recorded step s % S at step s), drift at `rows` rows a step
+    (epmoe.eplb.routing.make_routing, the run's seed) on up to REPLAY_STEPS steps spread
+    over the run."""
+    import torch
+
+    from epmoe.eplb.routing import load_trace, make_routing
+
+    cfg, layers = run.cfg, run.num_layers
+    counts = torch.zeros(layers, cfg.num_experts, dtype=torch.float64)
+    if run.routing.startswith("trace:"):
+        t = load_trace(run.routing.partition(":")[2])  # [S, L, T, K]
+        if t.shape[1] != layers or int(t.min()) < 0 or int(t.max()) >= cfg.num_experts:
+            raise ValueError(f"the trace's layers or expert ids do not fit the run "
+                             f"({layers} layers, {cfg.num_experts} experts)")
+        times = torch.bincount(torch.arange(run.steps) % t.shape[0], minlength=t.shape[0])
+        for s in times.nonzero().flatten().tolist():
+            for l in range(layers):
+                counts[l] += float(times[s]) * torch.bincount(
+                    t[s, l].flatten(), minlength=cfg.num_experts).double()
+    else:
+        for step in _drift_steps(run.steps):
+            ids = make_routing(run.routing, layers, cfg.num_experts, cfg.top_k, rows, step,
+                               run.seed)
+            for l in range(layers):
+                counts[l] += torch.bincount(ids[l].flatten(), minlength=cfg.num_experts)
+    return tuple(tuple(row) for row in counts.tolist())
+
+
+def _drift_steps(steps: int) -> list[int]:
+    if steps <= REPLAY_STEPS:
+        return list(range(steps))
+    return sorted({round(i * (steps - 1) / (REPLAY_STEPS - 1)) for i in range(REPLAY_STEPS)})
