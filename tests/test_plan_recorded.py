@@ -87,3 +87,40 @@ def test_a_bad_file_exits_2_naming_what_is_wrong(tmp_path, capsys, doc, flags, s
     assert rc == 2 and says in err, err
     assert plan_main([*PLAN, "--routing", str(tmp_path / "missing.json")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix, prefix", [(".pt", ""), (".safetensors", "trace:")])
+def test_a_routing_trace_is_planned_at_its_selections(tmp_path, capsys, suffix, prefix, seed):
+    """A trace (what `launch --routing trace:FILE` replays): each layer at its selections over
+    all its steps, the same plan as a summary recording those loads."""
+    import torch
+
+    from epmoe.eplb.routing import make_routing, save_trace
+
+    ids = torch.stack([make_routing("zipf:1.5", 2, 16, 4, 64, s, seed % 1000)
+                       for s in range(3)])
+    ids[:, 1] = torch.arange(4)  # layer 1: every token on experts 0..3
+    f = tmp_path / f"t{suffix}"
+    save_trace(f, ids)
+    rc, traced, err = _plan(capsys, "--routing", f"{prefix}{f}")
+    assert rc == 0, err
+    assert f"planned at the recorded load of 2 layer(s) from t{suffix}" in " ".join(err.split())
+    loads = [torch.bincount(ids[:, l].flatten(), minlength=16).tolist() for l in range(2)]
+    assert loads[1][4:] == [0] * 12 and loads[1][:4] == [3 * 64] * 4
+    rc, summed, _ = _plan(capsys, "--routing", _summary(tmp_path, loads))
+    assert traced.to_dict()["layers"] == summed.to_dict()["layers"]
+    # all on four experts (two ranks of eight hold them) vs spread: far more rows there
+    experts = [traced.layers[l].choice(4096).stages_us["experts"] for l in range(2)]
+    assert experts[1] > 1.5 * experts[0]
+
+
+def test_a_bad_trace_exits_2(tmp_path, capsys):
+    import torch
+
+    from epmoe.eplb.routing import save_trace
+
+    save_trace(tmp_path / "big.pt", torch.full((1, 2, 8, 4), 16))  # ids past 16 experts
+    assert plan_main([*PLAN, "--routing", str(tmp_path / "big.pt")]) == 2
+    assert "outside [0, 16) for 16 experts" in capsys.readouterr().err
+    assert plan_main([*PLAN, "--routing", f"trace:{tmp_path / 'gone.pt'}"]) == 2
+    assert "gone.pt' does not exist" in capsys.readouterr().err

@@ -91,3 +91,22 @@ def test_a_recorded_file_that_does_not_fit_exits_2(tmp_path, capsys, doc, msg):
     assert main([str(f)]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1, err
+
+
+def test_a_routing_trace_beside_the_sweep_is_its_selections(tmp_path, seed):
+    """trace:FILE (a launch's replayed routing): the same rows as a summary of its loads."""
+    import torch
+
+    from epmoe.eplb.routing import make_routing, save_trace
+
+    ids = torch.stack([make_routing("zipf:1.3", 2, 256, 8, 512, s, seed % 1000)
+                       for s in range(2)])
+    save_trace(tmp_path / "t.safetensors", ids)
+    loads = [torch.bincount(ids[:, l].flatten(), minlength=256).tolist() for l in range(2)]
+    (tmp_path / "loads.json").write_text(json.dumps(loads))
+    rows = run(_sweep(tmp_path, ["trace:t.safetensors", "loads.json"]))
+    traced, summed = ([r for r in rows if r["routing"] == label]
+                      for label in ("rec:t", "rec:loads"))
+    assert [r["kind"] for r in traced] == ["pick", "fixed"]
+    for a, b in zip(traced, summed, strict=True):
+        assert {**a, "routing": ""} == {**b, "routing": ""}

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"{', '.join(SCALE_FMTS)} (default: ue8m0_fp32 on SM100, else fp32)")
     p.add_argument("--routing", default="uniform",
                    help="uniform | zipf:S | FILE: a launch summary's recorded load per layer "
-                        "(and an EPLB run's placement; epmoe/plan/recorded.py)")
+                        "(and an EPLB run's placement), or a routing trace (trace:FILE, "
+                        ".pt / .safetensors; epmoe/plan/recorded.py)")
     p.add_argument("--redundant-experts", type=int, default=0, help="EPLB extra slots")
     p.add_argument("--layers", type=int, default=None, help="MoE layers (default: preset)")
     p.add_argument("--forms", default=None, help=f"restrict forms: {','.join(FORMS)}")
@@ -63,7 +64,8 @@ def build(args) -> tuple[Plan, list[str]]:
     cfg = get_preset(args.model)
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers ({args.layers}) must be >= 1")
-    rec = read_recorded(args.routing) if is_recorded(args.routing) else None
+    rec = read_recorded(args.routing, num_experts=cfg.num_experts) \
+        if is_recorded(args.routing) else None
     layers = args.layers or (rec.layers if rec else None)
     routing = _recorded_kwargs(rec, cfg, args, layers) if rec else dict(
         routing=args.routing, redundant_experts=args.redundant_experts)

@@ -7,7 +7,9 @@ expert over the run; an EPLB run's (`--eplb`) also holds the placement it ended 
 prices every layer at its own load (popularity: the hottest rank's rows and the experts hit
 follow it) and, with a placement, at the replicas that placement gives (the hottest rank
 after replication, the bytes per link). A bare JSON list of per-layer loads (or one load for
-every layer) is read too.
+every layer) is read too, and so is a routing trace (`trace:FILE` or a .pt / .safetensors
+FILE: `epmoe.eplb.routing.save_trace`'s [steps, layers, tokens, top_k] ids, what a launch
+replays with `--routing trace:FILE`): its selections per layer over all its steps.
 """
 
 from __future__ import annotations
@@ -44,15 +46,24 @@ class RecordedRouting:
         return f"recorded load of {self.layers} layer(s) from {self.source}{extra}"
 
 
+TRACE_SUFFIXES = (".pt", ".safetensors")
+
+
 def is_recorded(spec: str) -> bool:
     """A --routing value naming a file (uniform and zipf:S are specs)."""
-    return spec.endswith(".json") or Path(spec).is_file()
+    return spec.startswith("trace:") or spec.endswith((".json",) + TRACE_SUFFIXES) or \
+        Path(spec).is_file()
 
 
-def read_recorded(path: str, what: str = "--routing") -> RecordedRouting:
+def read_recorded(path: str, what: str = "--routing",
+                  num_experts: int | None = None) -> RecordedRouting:
     """The file's loads (and placement); ValueError naming what is wrong with it (each
-    message starts with `what` and the path: the flag or key that named the file)."""
+    message starts with `what` and the path: the flag or key that named the file).
+    num_experts: a trace's expert count (its ids do not say; default: its largest id + 1)."""
+    path = path.removeprefix("trace:")
     p = Path(path)
+    if p.suffix in TRACE_SUFFIXES:
+        return _read_trace(p, f"{what} {path}", num_experts)
     try:
         doc = json.loads(p.read_text())
     except OSError as exc:
@@ -87,6 +98,26 @@ def read_recorded(path: str, what: str = "--routing") -> RecordedRouting:
             raise ValueError(f"{what} {path}: eplb.final_phy2log_LR must hold every one of "
                              f"the {e} experts in each of the {len(loads_LE)} layers")
     return RecordedRouting(p.name, loads_LE, phy2log)
+
+
+def _read_trace(p: Path, where: str, num_experts: int | None) -> RecordedRouting:
+    import torch
+
+    from epmoe.eplb.routing import load_trace
+
+    try:
+        t = load_trace(p)  # [S, L, T, K]
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if not t.numel():
+        raise ValueError(f"{where}: the trace holds no selections")
+    e = num_experts if num_experts is not None else int(t.max()) + 1
+    if int(t.min()) < 0 or int(t.max()) >= e:
+        raise ValueError(f"{where}: the trace's expert ids span [{int(t.min())}, "
+                         f"{int(t.max())}], outside [0, {e}) for {e} experts")
+    loads = tuple(tuple(float(v) for v in torch.bincount(t[:, l].flatten(), minlength=e))
+                  for l in range(t.shape[1]))
+    return RecordedRouting(p.name, loads)
 
 
 def _rows(x, where: str, what: str, kind) -> tuple:

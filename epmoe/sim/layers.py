@@ -2,11 +2,12 @@
 load), the pick over the whole stack, and the step composed as the runtime runs it.
 
 A sweep's routing entry is `uniform`, `zipf:S`, one per-expert load vector (every layer
-alike), or a JSON file of recorded load (epmoe/plan/recorded.py: a launch summary's
-`load.tokens_per_layer_expert`, or a bare list per layer). A file's layers are priced each at
-its own load; a file of one layer stands for every layer. Loads are per logical expert, so
-one run's record prices any EP size; an EPLB run's placement is for its own size and is not
-used (a sweep places replicas itself: `redundant_per_rank`, per layer at each point's size).
+alike), or a file of recorded load (epmoe/plan/recorded.py: a launch summary's
+`load.tokens_per_layer_expert`, a bare JSON list per layer, or a routing trace). A file's
+layers are priced each at its own load; a file of one layer stands for every layer. Loads
+are per logical expert, so one run's record prices any EP size; an EPLB run's placement is
+for its own size and is not used (a sweep places replicas itself: `redundant_per_rank`, per
+layer at each point's size).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def stack_routing(entry, cfg) -> StackRouting:
     """A sweep routing entry for a stack of cfg.num_moe_layers layers of cfg.num_experts
     experts; ValueError naming what does not fit."""
     if isinstance(entry, str) and is_recorded(entry):
-        rec = read_recorded(entry, "sweep routing")
+        rec = read_recorded(entry, "sweep routing", cfg.num_experts)
         if rec.num_experts != cfg.num_experts:
             raise ValueError(f"sweep routing {entry}: {rec.num_experts} experts recorded, the "
                              f"model has {cfg.num_experts}")

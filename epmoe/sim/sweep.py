@@ -30,6 +30,7 @@ from epmoe.docfile import is_int, read_doc
 from epmoe.plan.cost import Candidate, Workload
 from epmoe.plan.planner import candidates, rank_layer
 from epmoe.plan.profile import load_profile
+from epmoe.plan.recorded import is_recorded
 from epmoe.plan.routing import SlotMap, routing_stats
 from epmoe.plan.topology import Topology, local_cores
 from epmoe.sim.layers import stack_layers_us, stack_pick, stack_routing
@@ -89,8 +90,8 @@ class Sweep:
             d = dict(d, model=beside(d.get("model")))
         r = d.get("routing")
         if isinstance(r, list):
-            d = dict(d, routing=[beside(x) if isinstance(x, str) and x.endswith(".json")
-                                 else x for x in r])
+            d = dict(d, routing=[beside(x.removeprefix("trace:"))
+                                 if isinstance(x, str) and is_recorded(x) else x for x in r])
         return cls.from_dict(d)
 
     def check(self) -> None:
