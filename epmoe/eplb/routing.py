@@ -103,6 +103,22 @@ def load_trace(path) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+def trace_loads(trace_SLTK: torch.Tensor, num_experts: int,
+                steps: int | None = None) -> torch.Tensor:
+    """float64 [L, E]: each expert's selections per layer over the steps a run of `steps`
+    steps replays from the trace (step s replays recorded step s % S); None: each recorded
+    step once. Ids must lie in [0, num_experts)."""
+    S = trace_SLTK.shape[0]
+    times = torch.ones(S, dtype=torch.long) if steps is None else \
+        torch.bincount(torch.arange(steps) % S, minlength=S)
+    loads = torch.zeros(trace_SLTK.shape[1], num_experts, dtype=torch.float64)
+    for s in times.nonzero().flatten().tolist():
+        for l in range(trace_SLTK.shape[1]):
+            loads[l] += float(times[s]) * torch.bincount(trace_SLTK[s, l].flatten(),
+                                                         minlength=num_experts)
+    return loads
+
+
 def _numbers(spec: str, rest: str, n: int) -> list[float]:
     parts = rest.split(":") if rest else []
     try:

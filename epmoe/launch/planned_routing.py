@@ -120,21 +120,17 @@ def replayed_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
     over the run."""
     import torch
 
-    from epmoe.eplb.routing import load_trace, make_routing
+    from epmoe.eplb.routing import load_trace, make_routing, trace_loads
 
     cfg, layers = run.cfg, run.num_layers
-    counts = torch.zeros(layers, cfg.num_experts, dtype=torch.float64)
     if run.routing.startswith("trace:"):
         t = load_trace(run.routing.partition(":")[2])  # [S, L, T, K]
         if t.shape[1] != layers or int(t.min()) < 0 or int(t.max()) >= cfg.num_experts:
             raise ValueError(f"the trace's layers or expert ids do not fit the run "
                              f"({layers} layers, {cfg.num_experts} experts)")
-        times = torch.bincount(torch.arange(run.steps) % t.shape[0], minlength=t.shape[0])
-        for s in times.nonzero().flatten().tolist():
-            for l in range(layers):
-                counts[l] += float(times[s]) * torch.bincount(
-                    t[s, l].flatten(), minlength=cfg.num_experts).double()
+        counts = trace_loads(t, cfg.num_experts, run.steps)
     else:
+        counts = torch.zeros(layers, cfg.num_experts, dtype=torch.float64)
         for step in _drift_steps(run.steps):
             ids = make_routing(run.routing, layers, cfg.num_experts, cfg.top_k, rows, step,
                                run.seed)

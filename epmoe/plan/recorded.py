@@ -101,9 +101,7 @@ def read_recorded(path: str, what: str = "--routing",
 
 
 def _read_trace(p: Path, where: str, num_experts: int | None) -> RecordedRouting:
-    import torch
-
-    from epmoe.eplb.routing import load_trace
+    from epmoe.eplb.routing import load_trace, trace_loads
 
     try:
         t = load_trace(p)  # [S, L, T, K]
@@ -115,8 +113,7 @@ def _read_trace(p: Path, where: str, num_experts: int | None) -> RecordedRouting
     if int(t.min()) < 0 or int(t.max()) >= e:
         raise ValueError(f"{where}: the trace's expert ids span [{int(t.min())}, "
                          f"{int(t.max())}], outside [0, {e}) for {e} experts")
-    loads = tuple(tuple(float(v) for v in torch.bincount(t[:, l].flatten(), minlength=e))
-                  for l in range(t.shape[1]))
+    loads = tuple(tuple(row) for row in trace_loads(t, e).tolist())
     return RecordedRouting(p.name, loads)
 
 
