@@ -100,7 +100,7 @@ def gate_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
 
 
 def _replayed(run: RunConfig, rows: int) -> PlannedRouting:
-    kind, _, rest = run.routing.partition(":")
+    kind = run.routing.partition(":")[0]
     try:
         loads = replayed_loads(run, rows)
     except (OSError, ValueError) as exc:  # e.g. a trace only the cluster's nodes see
