@@ -69,7 +69,7 @@ def test_one_recorded_layer_stands_for_every_layer(tmp_path, capsys):
     ("{not json", [], "not JSON"),
     (json.dumps({"timing": {}}), [], "no load.tokens_per_layer_expert"),
     (json.dumps([[1.0] * 8]), [], "8 experts recorded, deepseek-v3-tiny has 16"),
-    (json.dumps([[1.0] * 16] * 2), ["--layers", "3"], "records 2 layers"),
+    (json.dumps([[1.0] * 16] * 2), ["--layers", "3"], "2 recorded layers for a stack of 3"),
     (json.dumps([[1.0] * 15 + [-1.0]]), [], "finite and >= 0"),
     (json.dumps([[1.0] * 16, [1.0] * 15]), [], "different expert counts"),
     (json.dumps({"load": {"tokens_per_layer_expert": [[1.0] * 16]},

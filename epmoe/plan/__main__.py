@@ -104,19 +104,14 @@ def build(args) -> tuple[Plan, list[str]]:
 def _recorded_kwargs(rec: RecordedRouting, cfg, args, layers: int) -> dict:
     """plan_stack's routing keywords for a recorded load planned over `layers` (checked
     against the model and the flags); one recorded layer stands for every layer."""
-    if rec.num_experts != cfg.num_experts:
-        raise ValueError(f"--routing {args.routing}: {rec.num_experts} experts recorded, "
-                         f"{args.model} has {cfg.num_experts}")
-    if rec.layers not in (1, layers):
-        raise ValueError(f"--routing {args.routing} records {rec.layers} layers: plan them "
-                         f"(--layers {rec.layers}) or give a file of {layers}")
-    spread = 1 if rec.layers == layers else layers
+    loads = rec.fitted(cfg.num_experts, layers, f"--routing {args.routing}", args.model,
+                       f"plan them (--layers {rec.layers}) or give a file of {layers}")
     if rec.phy2log_LR is None:
-        return dict(loads_LE=rec.loads_LE * spread, redundant_experts=args.redundant_experts)
+        return dict(loads_LE=loads, redundant_experts=args.redundant_experts)
     if args.redundant_experts not in (0, rec.redundant_experts):
         raise ValueError(f"--redundant-experts {args.redundant_experts}: the file's EPLB "
                          f"placement has {rec.redundant_experts} (drop the flag)")
-    return dict(loads_LE=rec.loads_LE * spread, placement=rec.phy2log_LR * spread,
+    return dict(loads_LE=loads, placement=rec.phy2log_LR * (len(loads) // rec.layers),
                 redundant_experts=rec.redundant_experts)
 
 

@@ -40,6 +40,19 @@ class RecordedRouting:
     def redundant_experts(self) -> int:
         return 0 if self.phy2log_LR is None else len(self.phy2log_LR[0]) - self.num_experts
 
+    def fitted(self, num_experts: int, layers: int, where: str, model: str = "the model",
+               fix: str = "") -> tuple:
+        """The loads per layer for a stack of `layers` layers of `num_experts` experts (one
+        recorded layer stands for every layer); ValueError naming the mismatch (where: who
+        named the file; fix: what the user can do about a layer count that differs)."""
+        if self.num_experts != num_experts:
+            raise ValueError(f"{where}: {self.num_experts} experts recorded, {model} has "
+                             f"{num_experts}")
+        if self.layers not in (1, layers):
+            raise ValueError(f"{where}: {self.layers} recorded layers for a stack of {layers} "
+                             f"MoE layers: {fix or 'record the whole stack or one layer'}")
+        return self.loads_LE * (1 if self.layers == layers else layers)
+
     def describe(self) -> str:
         extra = f", its EPLB placement ({self.redundant_experts} redundant slots)" \
             if self.phy2log_LR is not None else ""

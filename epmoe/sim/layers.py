@@ -43,14 +43,11 @@ def stack_routing(entry, cfg) -> StackRouting:
     experts; ValueError naming what does not fit."""
     if isinstance(entry, str) and is_recorded(entry):
         rec = read_recorded(entry, "sweep routing", cfg.num_experts)
-        if rec.num_experts != cfg.num_experts:
-            raise ValueError(f"sweep routing {entry}: {rec.num_experts} experts recorded, the "
-                             f"model has {cfg.num_experts}")
-        if rec.layers not in (1, cfg.num_moe_layers):
-            raise ValueError(f"sweep routing {entry}: {rec.layers} recorded layers for a stack "
-                             f"of {cfg.num_moe_layers} MoE layers: record the whole stack, or "
-                             f"one layer (it stands for all), or set layers = {rec.layers}")
-        specs = tuple(RoutingSpec.from_load(row) for row in rec.loads_LE)
+        loads = rec.fitted(cfg.num_experts, cfg.num_moe_layers, f"sweep routing {entry}",
+                           fix=f"record the whole stack, or one layer (it stands for all), "
+                               f"or set layers = {rec.layers}")
+        # (a one-layer record stays one spec: StackRouting's "one for every layer")
+        specs = tuple(RoutingSpec.from_load(row) for row in loads[:rec.layers])
         return StackRouting("rec:" + Path(entry).stem, specs)
     spec = RoutingSpec.parse(entry)
     if spec.kind == "load" and len(spec.load) != cfg.num_experts:
