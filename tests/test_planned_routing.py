@@ -17,11 +17,9 @@ from epmoe.weights import synthetic_layer
 from test_launch_weights import MOE_LAYERS, ckpt  # noqa: F401  (a tiny Qwen3-MoE folder)
 
 
-def test_given_routings_pass_through_and_unread_ones_are_uniform():
+def test_uniform_passes_through_and_unread_ones_are_uniform():
     assert planned_routing(RunConfig(routing="uniform")) == PlannedRouting()
-    z = planned_routing(RunConfig(routing="zipf:1.2"))
-    assert (z.label, z.loads_LE) == ("zipf:1.2", None)
-    assert z.layer(3) == RoutingSpec("zipf", 1.2)
+    assert planned_routing(RunConfig(routing="uniform")).layer(3) == RoutingSpec()
     # a checkpoint or a trace the launching host cannot read (a path only the cluster's nodes
     # see): uniform, with a note saying why
     gone = planned_routing(RunConfig(routing="trace:/nowhere/trace.pt"))
@@ -88,16 +86,17 @@ def test_a_checkpoints_loads_are_its_own_gates_picks(ckpt):
         assert float((torch.tensor(pr.loads_LE[l]) - want).abs().sum()) <= 0.05 * 64 * cfg.top_k
 
 
-@pytest.mark.parametrize("kind", ["drift", "trace"])
+@pytest.mark.parametrize("kind", ["zipf", "drift", "trace"])
 def test_a_replayed_routing_is_planned_at_the_loads_the_runtime_records(kind, tmp_path, seed):
-    """drift and trace: at rows = the run's tokens, the planned loads are the very selections
-    the runtime makes (and records, `load_LE`) over the run's steps; a trace of 3 steps is
-    replayed at step 3 from its step 0."""
+    """zipf, drift and trace: at rows = the run's tokens, the planned loads are the very
+    selections the runtime makes (and records, `load_LE`) over the run's steps; a trace of 3
+    steps is replayed at step 3 from its step 0."""
     from epmoe.eplb.routing import make_routing, save_trace
     from epmoe.runtime import Runtime
 
     run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("bf16"), experts="torch", tokens=24,
-                    layers=2, steps=4, seed=seed % 1000, routing="drift:1.2:1")
+                    layers=2, steps=4, seed=seed % 1000,
+                    routing="zipf:1.2" if kind == "zipf" else "drift:1.2:1")
     cfg = run.cfg
     if kind == "trace":  # three recorded steps of another routing
         ids = torch.stack([make_routing("zipf:2.0", 2, cfg.num_experts, cfg.top_k, 24, s,
@@ -114,6 +113,27 @@ def test_a_replayed_routing_is_planned_at_the_loads_the_runtime_records(kind, tm
     assert sum(pr.loads_LE[0]) == run.steps * (run.global_tokens if kind == "trace"
                                                else 1024) * cfg.top_k
     assert pr.note.startswith(f"routing: planned at the loads {kind} gives over the run's 4")
+
+
+def test_a_zipf_run_is_planned_at_its_own_seeds_hot_experts():
+    """zipf:S puts its hottest experts where the run's seed permutes them, a different set per
+    layer and per seed; the plan's loads follow the run's seed (the bare spec's permutation is
+    the planner's own, seed 0), so the rank holding the hot experts is the run's."""
+    loads = {s: torch.tensor(planned_routing(RunConfig(model="deepseek-v3-tiny", layers=2,
+                                                       seed=s, routing="zipf:2.0")).loads_LE)
+             for s in (1, 2)}
+    for s, lo in loads.items():
+        pop = make_popularity(s)
+        for l in range(2):
+            assert int(lo[l].argmax()) == int(pop[l].argmax())  # the hottest expert, S = 2
+    assert int(loads[1][0].argmax()) != int(loads[2][0].argmax()) or \
+        int(loads[1][1].argmax()) != int(loads[2][1].argmax())
+
+
+def make_popularity(seed):
+    from epmoe.eplb.routing import _zipf
+    cfg = RunConfig(model="deepseek-v3-tiny").cfg
+    return _zipf(2, cfg.num_experts, 2.0, 0, seed)
 
 
 def test_a_drifting_routing_plans_flatter_loads_than_one_step_of_it():

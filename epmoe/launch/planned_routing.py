@@ -1,6 +1,6 @@
 """The routing a launch is planned for (`python -m epmoe.launch --plan auto|ep|...|sweep`).
 
-uniform and zipf:S: as given. The model's router: the planner routes a sample of the rows a
+uniform: as given. The model's router: the planner routes a sample of the rows a
 step draws (i.i.d. Gaussian, epmoe.step_tokens) through each layer's own gate on the host
 and plans with the expert loads that gives. The gates are the run's: synthetic ones are pure
 functions of (seed, layer) (epmoe.weights), a checkpoint's (--weights) are read from it (the
@@ -10,9 +10,11 @@ uniform: DeepSeek-V3's synthetic one at seed 0 (selection bias std 0.1 on sigmoi
 the experts' GEMMs (weights read per expert hit) and the hottest rank's rows. The launch
 report predicts from the loads the run recorded (epmoe.launch.plan_report); planning from the
 same gates makes the plan's and the report's predictions agree. The replayed routings: a
-trace at the loads its own ids give over the steps the run replays (exact); drift:S:P at the
-loads a sample of rows per step gives over the run's steps (the same generator the runtime
-uses, seeded per step, on fewer rows): the sum over the run, as the report reads it. Hash
+trace at the loads its own ids give over the steps the run replays (exact); zipf:S and
+drift:S:P at the loads a sample of rows per step gives over the run's steps (the same
+generator the runtime uses, seeded per step, on fewer rows): the sum over the run, as the
+report reads it. (zipf:S is not planned as the bare spec: which experts are hot, and so on
+which rank they sit, is the run's seeded permutation per layer, not the planner's.) Hash
 layers (experts by token id) are planned as uniform, and so is a checkpoint or trace the
 launching host cannot read (a cluster path: the note says why).
 """
@@ -31,7 +33,7 @@ REPLAY_STEPS = 8  # drift: the steps sampled, spread over a longer run (~0.7 s a
 
 @dataclass(frozen=True)
 class PlannedRouting:
-    """label: what the plan assumed, for reports (uniform, zipf:S, sampled-gate);
+    """label: what the plan assumed, for reports (uniform, sampled-gate, replayed-<kind>);
     loads_LE: per-layer expert loads (a tuple of tuples), or None: `spec` for every layer;
     note: one line for the launch's notes (empty: nothing to say)."""
 
@@ -53,12 +55,7 @@ class PlannedRouting:
 
 def planned_routing(run: RunConfig, rows: int = SAMPLE_ROWS) -> PlannedRouting:
     """The routing `run`'s plan is made for (see the module docstring)."""
-    try:
-        spec = RoutingSpec.parse(run.routing)
-        return PlannedRouting(spec.label(), run.routing)
-    except ValueError:
-        pass
-    if run.routing.startswith(("drift:", "trace:")):
+    if run.routing.startswith(("zipf:", "drift:", "trace:")):
         return _replayed(run, rows)
     if run.routing != "router":
         return PlannedRouting()
@@ -115,7 +112,7 @@ def _replayed(run: RunConfig, rows: int) -> PlannedRouting:
 
 def replayed_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
     """Per layer, the selections of each expert that the run's replayed routing makes over
-    its steps: a trace's own ids (recorded step s % S at step s), drift at `rows` rows a step
+    its steps: a trace's own ids (recorded step s % S at step s), zipf / drift at `rows` rows a step
     (epmoe.eplb.routing.make_routing, the run's seed) on up to REPLAY_STEPS steps spread
     over the run."""
     import torch
