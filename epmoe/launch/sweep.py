@@ -1,9 +1,10 @@
 """`python -m epmoe.launch --plan sweep`: launch every feasible uniform stack, compare.
 
 Every (form, comm backend, experts kernel) the planner would consider for the run (feasible
-here, fitting in memory, within --backend / --experts) runs uniformly across the stack: one
-launch each (each on its own private Ray cluster, or on the --address one), with the run's --steps and --tokens (per
-rank). Each row: the cost model's predicted step, the measured step (median, warm-up step
+at every layer here, fitting in memory, within --backend / --experts) runs uniformly across
+the stack: one launch each (each on its own private Ray cluster, or on the --address one),
+with the run's --steps and --tokens (per rank), least predicted over the stack first (each
+layer at the loads the plan assumes for it). Each row: the cost model's predicted step, the measured step (median, warm-up step
 excluded), their ratio and the oracle check. Then the planner's own pick (`--plan auto`, which
 may mix forms; launched too unless it is one of the rows) against the fastest measured row:
 within 5% or not. --sweep-budget-s bounds the sweep (no new launch after it; the rest are
@@ -24,7 +25,7 @@ from epmoe.launch.planning import PlannedLaunch, Planning, context, make_plan, p
     planner_scope
 from epmoe.outputs import json_text
 from epmoe.plan import Workload
-from epmoe.plan.planner import candidates, rank_layer
+from epmoe.plan.planner import candidates, distinct, rank_layer, stack_order
 from epmoe.plan.run import RunConfig
 
 NEAR_BEST = 0.05  # the planner's pick counts as right within 5% of the best measured
@@ -48,13 +49,23 @@ def launch_summary(run: RunConfig, planning: Planning, address=None, use_gpu=Non
 
 
 def sweep_candidates(base: RunConfig, ctx: Planning, tokens: int, restrict: dict):
-    """-> (feasible candidates fastest-predicted first, [(label, why not)])."""
-    work = Workload(base.cfg, base.quant, tokens, ctx.routing.layer(0))
-    ranked = rank_layer(work, ctx.topology, ctx.profile,
-                        candidates(base.world, restrict["forms"], restrict["backends"],
-                                   restrict["experts"]),
-                        base.num_layers, available=restrict["available"])
-    return [p.candidate for p in ranked.preds], list(ranked.rejected)
+    """-> (the candidates feasible at every layer, least predicted over the whole stack first,
+    [(label, why not)]): each distinct layer routing (the run's planned loads differ per
+    layer) ranked once; a candidate rejected at one layer is out, with that layer's reason."""
+    cands = candidates(base.world, restrict["forms"], restrict["backends"], restrict["experts"])
+    specs, index = distinct([ctx.routing.layer(l) for l in range(base.num_layers)])
+    ranked = [rank_layer(Workload(base.cfg, base.quant, tokens, spec), ctx.topology,
+                         ctx.profile, cands, base.num_layers, available=restrict["available"])
+              for spec in specs]
+    order = stack_order(ranked, index)
+    by_label = {p.candidate.label: p.candidate for p in ranked[0].preds}
+    why_not = {}  # label -> [(first layer of that routing, why)]
+    for i, r in enumerate(ranked):
+        for label, why in r.rejected:
+            why_not.setdefault(label, []).append((index.index(i), why))
+    rejected = [(c, why if len(at) == len(ranked) else f"{why} (at layer {l})")
+                for c, at in why_not.items() for l, why in at[:1]]
+    return [by_label[c] for c in order], rejected
 
 
 def _row(label: str, s: dict | None, error: str | None = None) -> dict:

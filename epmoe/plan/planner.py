@@ -203,6 +203,26 @@ def rank_layer(work: Workload, topo: Topology, prof: HardwareProfile, cands, num
     return Ranked(tuple(preds), tuple(rejected))
 
 
+def distinct(items) -> tuple[tuple, tuple[int, ...]]:
+    """(the distinct items in first-seen order, each item's index into them)."""
+    uniq, index = [], []
+    for x in items:
+        if x not in uniq:
+            uniq.append(x)
+        index.append(uniq.index(x))
+    return tuple(uniq), tuple(index)
+
+
+def stack_order(ranked, index: tuple[int, ...]) -> list[str]:
+    """The labels of the candidates feasible at every distinct layer, least summed predicted
+    time over the stack first. ranked: one `Ranked` per distinct routing; index: each layer's
+    distinct routing (a uniform stack of one candidate for every layer, as `--plan sweep`
+    launches and the simulator's recorded stacks price)."""
+    by_label = [{p.candidate.label: p for p in r.preds} for r in ranked]
+    common = [c for c in by_label[0] if all(c in b for b in by_label[1:])]
+    return sorted(common, key=lambda c: sum(by_label[i][c].total_us for i in index))
+
+
 def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) -> str:
     """One line: how the pick beats the runner-up, and the stage that separates them."""
     if runner is None:

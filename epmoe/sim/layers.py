@@ -17,6 +17,7 @@ from pathlib import Path
 
 from epmoe.plan.backlog import Backlog
 from epmoe.plan.cost import predict_layer
+from epmoe.plan.planner import distinct, stack_order
 from epmoe.plan.recorded import is_recorded, read_recorded
 from epmoe.plan.routing import RoutingSpec
 
@@ -30,12 +31,7 @@ class StackRouting:
 
     def distinct(self) -> tuple[tuple, tuple[int, ...]]:
         """(the distinct specs, each layer's index into them)."""
-        uniq, index = [], []
-        for s in self.specs:
-            if s not in uniq:
-                uniq.append(s)
-            index.append(uniq.index(s))
-        return tuple(uniq), tuple(index)
+        return distinct(self.specs)
 
 
 def stack_routing(entry, cfg) -> StackRouting:
@@ -61,13 +57,10 @@ def stack_pick(ranked: list, index: tuple[int, ...]):
     """The candidate feasible at every distinct layer with the least summed time over the
     stack, as its prediction per layer; None when no candidate runs every layer. ranked: one
     `Ranked` per distinct routing; index: each layer's distinct routing."""
-    by_label = [{p.candidate.label: p for p in r.preds} for r in ranked]
-    common = [p.candidate.label for p in ranked[0].preds
-              if all(p.candidate.label in b for b in by_label)]
-    if not common:
+    order = stack_order(ranked, index)
+    if not order:
         return None
-    best = min(common, key=lambda c: sum(by_label[i][c].total_us for i in index))
-    return [by_label[i][best] for i in index]
+    return [next(p for p in ranked[i].preds if p.candidate.label == order[0]) for i in index]
 
 
 def stack_layers_us(layers: list, topo, prof) -> float:
