@@ -243,14 +243,17 @@ def _mlp_slack(x_D, w13_FD, w2_DI, cfg, quant, fq, b13_F=None, b2_D=None):
     h = w13_FD @ x_D
     band = (x_D.numel() + 2) * 2.0 ** -24 * (w13_FD.abs() @ x_D.abs())
     hb = h.to(torch.bfloat16).double()
+    ends = ((h - band).to(torch.bfloat16).double(), (h + band).to(torch.bfloat16).double())
+    idx = ((ends[0] != hb) | (ends[1] != hb)).nonzero().flatten()  # elements that may flip
+    if not idx.numel():
+        return x_D.new_zeros(w2_DI.shape[0])
     a0 = _quantized_act(hb[None], cfg, quant, b13_F)
-    worst = x_D.new_zeros(h.numel(), w2_DI.shape[0])  # per element of h: its largest effect
-    for end in ((h - band).to(torch.bfloat16).double(), (h + band).to(torch.bfloat16).double()):
-        idx = (end != hb).nonzero().flatten()
+    worst = None  # per element that may flip: its larger effect of the band's two ends
+    for end in ends:
         hp = hb.repeat(idx.numel(), 1)  # one row per element moved to this end of its band
         hp[torch.arange(idx.numel()), idx] = end[idx]
         moved = ((_quantized_act(hp, cfg, quant, b13_F) - a0) @ w2_DI.T).abs()
-        worst[idx] = torch.maximum(worst[idx], moved)
+        worst = moved if worst is None else torch.maximum(worst, moved)
     return worst.sum(0)
 
 

@@ -36,6 +36,9 @@ def test_a_poisoned_layer_fails_by_number_and_the_others_pass(seed):
     clean = check_correctness(run, [rep])
     assert clean["passed"] and len(clean["per_layer"]) == 3
     assert clean["oracle"]["devices"] == ["cpu"] and clean["tokens_checked"] == 12
+    # past the rounding slack (the oracle's own measure of a legitimate bf16 flip of GEMM1's
+    # output) never more than the plain error
+    assert 0 <= clean["max_rel_err"] <= clean["max_rel_err_raw"] <= clean["tolerance"]
     last = [dict(r) for r in rep["last"]]
     out = last[1]["out"].clone()  # poisoned: one element off by 10% of max|out|
     out[5, 7] += 0.1 * out.abs().max()
@@ -44,6 +47,42 @@ def test_a_poisoned_layer_fails_by_number_and_the_others_pass(seed):
     assert not bad["passed"]
     assert bad["per_layer"][1] > bad["tolerance"] >= max(bad["per_layer"][0],
                                                          bad["per_layer"][2])
+    # the slack forgives a flip's worth at most: 10% of max|out| still fails by most of it
+    assert bad["per_layer"][1] > 0.05
+
+
+def test_a_row_past_the_tolerance_is_judged_past_its_rounding_slack(seed):
+    """An output off by more than the tolerance gets its rounding slack (what a bf16 flip of
+    GEMM1's output moves it by): the element with the most slack, set past the tolerance by
+    half its slack, passes; by one and a half, it fails. (The margin, half the slack, is over
+    twice a bf16 output's rounding at the sizes here.)"""
+    from epmoe.launch.oracle import LazyOracleLayer
+    from epmoe.reference import reference_moe, rounding_slack
+
+    run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("fp8_block"), experts="torch",
+                    tokens=12, layers=1, steps=1, seed=seed)
+    rep = _reports(run)[0]
+    (c,) = layer_checks(run, [rep])
+    oracle = LazyOracleLayer(run, 0).as_tuple()
+    ref = reference_moe(c.x, oracle, run.cfg, run.quant, c.ids, c.w)
+    slack = rounding_slack(c.x, oracle, run.cfg, run.quant, c.ids, c.w)
+    tol = check_correctness(run, [rep])["tolerance"]
+    m = ref.abs().max()
+    row, col = divmod(int(slack.argmax()), slack.shape[1])
+    s = slack[row, col]
+    assert s > 0.005 * m  # 2^-9 (m + 3%): a bf16 output's rounding is below half of it
+
+    def judged(past_tol):
+        last = [dict(r) for r in rep["last"]]
+        out = last[0]["out"].clone()
+        out[row, col] = (ref[row, col] + tol * m + past_tol).to(out.dtype)
+        last[0]["out"] = out
+        return check_correctness(run, [dict(rep, last=last)])
+
+    ok = judged(0.5 * s)
+    assert ok["max_rel_err_raw"] > tol and ok["passed"], ok
+    bad = judged(1.5 * s)
+    assert not bad["passed"] and bad["max_rel_err"] > tol, bad
 
 
 def test_a_device_out_of_memory_falls_back_to_the_host(monkeypatch, seed):

@@ -97,3 +97,4 @@ def test_a_flip_the_tolerance_alone_did_not_cover():
     m = ref.abs().max()
     assert slack[20].max() / m > 0.025 and slack.shape == (T, D)
     assert max_rel_err(out, ref, slack) <= 5e-3 < TOLERANCE["w4a8_mxfp4"]
+

@@ -37,7 +37,9 @@ def _bar(share: float) -> str:
 def correctness_line(c: dict) -> str:
     if not c.get("checked"):
         return "not checked (--no-check)"
-    what = f"(max|out-ref|/max|ref|, float64 oracle, {c['tokens_checked']} tokens)"
+    raw = c.get("max_rel_err_raw")  # summaries written before the slack: none
+    past = "" if raw is None else f"past the rounding slack, {raw:.2e} without; "
+    what = f"({past}max|out-ref|/max|ref|, float64 oracle, {c['tokens_checked']} tokens)"
     err, tol = f"{c['max_rel_err']:.2e}", f"{c['tolerance']:.0e}"
     if c["passed"]:
         return f"[green]PASS[/green] max rel err {err} <= tol {tol} {what}"
