@@ -108,6 +108,13 @@ def test_a_replayed_routing_is_planned_at_the_loads_the_runtime_records(kind, tm
         rt.step(step)
     got = replayed_loads(run, rows=run.global_tokens)
     assert torch.equal(torch.tensor(got).long(), rt.load_LE)
+    # and the launch report predicts the run at that same recorded load, layer by layer
+    from epmoe.launch.plan_report import _routing
+
+    rep = rt.report()
+    for l in range(2):
+        spec, label = _routing(run, [rep], l)
+        assert spec == RoutingSpec.from_load(got[l]) and label.endswith("by its measured load")
     pr = planned_routing(run)
     assert pr.label == f"replayed-{kind}" and len(pr.loads_LE) == 2
     assert sum(pr.loads_LE[0]) == run.steps * (run.global_tokens if kind == "trace"

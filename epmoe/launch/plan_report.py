@@ -60,17 +60,14 @@ def _chosen(reason: str) -> str:
 
 
 def _routing(run, reports, l: int) -> tuple[RoutingSpec, str]:
-    """The run's routing for the model: uniform / zipf as given; the model's router and the
-    replayed routings (drift, trace) by the layer's load as recorded over the run (the
+    """The run's routing for the model: uniform as given; the model's router and the
+    replayed routings (zipf, drift, trace) by the layer's load as recorded over the run (the
     routing is the model's input, not its output: a synthetic gate skews the experts, e.g.
-    fewer distinct experts per step than uniform, which the GEMMs' cost follows). A given
+    fewer distinct experts per step than uniform, which the GEMMs' cost follows; zipf's hot
+    experts are where the run's seed put them, as the plan assumed: planned_routing). A given
     routing (not the router) skips the gate: its router stage is predicted as 0."""
-    if run.routing != "router":
-        try:
-            spec = RoutingSpec.parse(run.routing)
-            return spec, spec.label()
-        except ValueError:  # drift / trace: replayed, modelled by the load they produced
-            pass
+    if run.routing == "uniform":
+        return RoutingSpec(), "uniform"
     from epmoe.launch.oracle import layer_sources
 
     load = sum(r["load_LE"][l] for r in layer_sources(run, reports, l))
