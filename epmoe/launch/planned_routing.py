@@ -27,7 +27,7 @@ from epmoe.plan.routing import RoutingSpec
 from epmoe.plan.run import RunConfig
 
 SAMPLE_ROWS = 1024  # rows routed per layer: ~4 selections per expert-slot at top-8 of 256
-REPLAY_STEPS = 8  # drift: the steps sampled, spread over a longer run (~0.7 s a step
+REPLAY_STEPS = 8  # zipf / drift: the steps sampled, spread over a longer run (~0.7 s a step
 # for DeepSeek-V3's 58 layers)
 
 
@@ -112,9 +112,9 @@ def _replayed(run: RunConfig, rows: int) -> PlannedRouting:
 
 def replayed_loads(run: RunConfig, rows: int = SAMPLE_ROWS) -> tuple:
     """Per layer, the selections of each expert that the run's replayed routing makes over
-    its steps: a trace's own ids (recorded step s % S at step s), zipf / drift at `rows` rows a step
-    (epmoe.eplb.routing.make_routing, the run's seed) on up to REPLAY_STEPS steps spread
-    over the run."""
+    its steps: a trace's own ids (recorded step s % S at step s), zipf / drift at `rows` rows
+    a step (epmoe.eplb.routing.make_routing, the run's seed) on up to REPLAY_STEPS steps
+    spread over the run."""
     import torch
 
     from epmoe.eplb.routing import load_trace, make_routing, trace_loads

@@ -4,11 +4,12 @@ Every (form, comm backend, experts kernel) the planner would consider for the ru
 at every layer here, fitting in memory, within --backend / --experts) runs uniformly across
 the stack: one launch each (each on its own private Ray cluster, or on the --address one),
 with the run's --steps and --tokens (per rank), least predicted over the stack first (each
-layer at the loads the plan assumes for it). Each row: the cost model's predicted step, the measured step (median, warm-up step
-excluded), their ratio and the oracle check. Then the planner's own pick (`--plan auto`, which
-may mix forms; launched too unless it is one of the rows) against the fastest measured row:
-within 5% or not. --sweep-budget-s bounds the sweep (no new launch after it; the rest are
-listed as skipped). Output: an 80-column table, and JSON (--out / --json) under "sweep".
+layer at the loads the plan assumes for it). Each row: the cost model's predicted step, the
+measured step (median, warm-up step excluded), their ratio and the oracle check. Then the
+planner's own pick (`--plan auto`, which may mix forms; launched too unless it is one of the
+rows) against the fastest measured row: within 5% or not. --sweep-budget-s bounds the sweep
+(no new launch after it; the rest are listed as skipped). Output: an 80-column table, and
+JSON (--out / --json) under "sweep".
 
 Exit codes: 0 every launch passed (or was unchecked), 1 a correctness check failed, 2 bad flags,
 3 no launch succeeded.
