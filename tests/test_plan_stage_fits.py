@@ -97,16 +97,18 @@ def test_fallbacks_on_spec_profiles():
 
 def test_router_fallback_on_a_gpu_is_the_split_way_and_on_a_cpu_the_torch_path():
     """Without a router fit: on a GPU profile the bf16 gate GEMM at GATE_GEMM_EFFICIENCY of
-    the bf16 peak (or its bytes at HBM rate), plus the top-k's logits read, at least two
-    launches; on the CPU profile the fp32 GEMM and the torch router's ops."""
-    from epmoe.plan.cost import FP32_EFFICIENCY, GATE_GEMM_EFFICIENCY, ROUTER_OPS, _router_us
+    the bf16 peak (or its bytes at HBM rate, or its floor), plus the routing kernel (its floor
+    and its selection work), at least two launches; on the CPU profile the fp32 GEMM and the
+    torch router's ops."""
+    from epmoe.plan.cost import (FP32_EFFICIENCY, GATE_GEMM_EFFICIENCY, GATE_GEMM_FLOOR_US,
+                                 ROUTE_KERNEL_FLOOR_US, ROUTE_PS_PER_SM, ROUTER_OPS,
+                                 _router_us)
 
     cfg = CFG.replace(hidden=7168, num_experts=256, top_k=8)
     prof = load_profile("h100")
     flops = 2.0 * 16384 * 7168 * 256
-    hbm = prof.fig("hbm_GBps") * 1e3
     want = (flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6)
-            + 16384 * (4.0 * 256 + 8.0 * 8) / hbm)
+            + ROUTE_KERNEL_FLOOR_US + 16384 * 256 * 8 * ROUTE_PS_PER_SM * 1e-6 / prof.fig("sms"))
     got = _router_us(cfg, prof, 16384)
     assert got == pytest.approx(want)
     # independent of that formula: never under the bf16 peak's time, and well under the fp32
@@ -114,12 +116,35 @@ def test_router_fallback_on_a_gpu_is_the_split_way_and_on_a_cpu_the_torch_path()
     peak = flops / (prof.fig("peak_tflops_bf16") * 1e6)
     assert peak < got < 3 * peak
     assert got < flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6) / 3
-    assert _router_us(cfg, prof, 1) == pytest.approx(2 * prof.fig("launch_us"))
+    one = _router_us(cfg, prof, 1)
+    assert one == pytest.approx(GATE_GEMM_FLOOR_US + ROUTE_KERNEL_FLOOR_US, rel=1e-3)
+    assert one >= 2 * prof.fig("launch_us")
     cpu = load_profile("cpu")
     assert cpu.fig("sm_arch") == 0
     gpu_cpu = flops / (cpu.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
     assert _router_us(cfg, cpu, 16384) >= gpu_cpu
     assert _router_us(cfg, cpu, 1) >= ROUTER_OPS[cfg.router] * cpu.fig("launch_us")
+
+
+# The split way measured end to end on one H100 (BENCHMARKS.md 47, CUDA events, us at 1 /
+# 128 / 4,096 tokens): what the spec profile's router should land near.
+H100_SPLIT_ROUTER_US = {"deepseek-v3": (11.94, 13.34, 45.57), "kimi-k2": (12.61, 15.33, 55.79),
+                        "qwen3-235b-a22b": (10.82, 11.52, 19.58)}
+
+
+@pytest.mark.parametrize("model", sorted(H100_SPLIT_ROUTER_US))
+def test_router_fallback_lands_near_the_measured_split_way(model):
+    """The spec H100 profile's router (no router fit: the fallback) within 25% of the split
+    way measured on an H100, at decode and prefill sizes, for three gates (K 4,096 / 7,168;
+    128 / 256 / 384 experts)."""
+    from epmoe.config import get_preset
+    from epmoe.plan.cost import _router_us
+
+    prof = load_profile("h100")
+    cfg = get_preset(model)
+    assert not prof.has_kernel("router", cfg.router)
+    for tokens, measured in zip((1, 128, 4096), H100_SPLIT_ROUTER_US[model], strict=True):
+        assert _router_us(cfg, prof, tokens) == pytest.approx(measured, rel=0.25), tokens
 
 
 def test_fit_ab_fixed_cost_and_no_fixed_cost():

@@ -64,6 +64,15 @@ FP32_EFFICIENCY = 0.7  # estimate: fp32 SIMT matmul reaches ~70% of peak (router
 # measured 450-455 TFLOPS of the H100's 989 at 16384 tokens for DeepSeek-V3's and Kimi-K2's
 # gates (BENCHMARKS.md 45)
 GATE_GEMM_EFFICIENCY = 0.45
+# The split way's GPU time at decode sizes (BENCHMARKS.md 47, one H100, CUDA events at 1
+# token): the gate GEMM (cuBLAS's kernel and its split-K reduce) 7.7-8.2 us whatever the gate
+# (K 4,096 or 7,168; 128 to 384 experts), the routing kernel 3.1-4.4 us on top. The routing
+# kernel's selection (TOPK passes over a token's E scores) then costs 0.9-1.1 ps per (token,
+# expert, k) on 132 SMs (4,096 tokens less 1 token: DeepSeek-V3, Kimi-K2, Qwen3-235B): 132 ps
+# an SM, the SM count scaling it to other GPUs.
+GATE_GEMM_FLOOR_US = 8.0
+ROUTE_KERNEL_FLOOR_US = 3.5
+ROUTE_PS_PER_SM = 132.0
 
 
 @dataclass(frozen=True)
@@ -236,19 +245,22 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
     """The router stage: a measured fit of this router kind (kernels["router"]) when the
-    profile has one; else on a GPU the split way (the gate GEMM in bf16, then the routing
-    kernel over its fp32 logits: two launches), on a CPU the torch path (the gate GEMM at
-    fp32 rates and the router's ops)."""
+    profile has one; else on a GPU the split way (the gate GEMM in bf16 at its floor, its
+    compute or its bytes, then the routing kernel at its floor plus its selection work: two
+    launches), on a CPU the torch path (the gate GEMM at fp32 rates and the router's ops)."""
     if prof.has_kernel("router", cfg.router):
         return prof.kernel("router", cfg.router).time_us(
             tr.router_bytes(n, cfg.hidden, cfg.num_experts))
     flops = 2.0 * n * cfg.hidden * cfg.num_experts
     if prof.fig("sm_arch") > 0:
         hbm = prof.fig("hbm_GBps") * 1e3
-        gemm = max(flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6),
+        gemm = max(GATE_GEMM_FLOOR_US,
+                   flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6),
                    (2.0 * (n + cfg.num_experts) * cfg.hidden + 4.0 * n * cfg.num_experts) / hbm)
-        topk = n * (4.0 * cfg.num_experts + 8.0 * cfg.top_k) / hbm
-        return max(gemm + topk, launch_us(prof, 2))
+        select = n * cfg.num_experts * cfg.top_k * ROUTE_PS_PER_SM * 1e-6 / prof.fig("sms")
+        route = ROUTE_KERNEL_FLOOR_US + max(select, n * (4.0 * cfg.num_experts
+                                                         + 8.0 * cfg.top_k) / hbm)
+        return max(gemm + route, launch_us(prof, 2))
     gpu = (flops / (prof.fig("peak_tflops_fp32") * FP32_EFFICIENCY * 1e6)
            + n * (6.0 * cfg.hidden + 24.0 * cfg.num_experts) / (prof.fig("hbm_GBps") * 1e3))
     return max(gpu, launch_us(prof, ROUTER_OPS[cfg.router]))
