@@ -59,3 +59,45 @@ def test_a_uniform_stack_ranks_its_one_routing_once():
     r = rank_layer(Workload(run.cfg, run.quant, 128, RoutingSpec()), topo, prof,
                    candidates(8), 3)
     assert [c.label for c in got] == [p.candidate.label for p in r.preds]
+
+
+def test_a_candidate_rejected_at_some_layers_only_is_out_and_says_at_which(monkeypatch, seed):
+    """A rejection that depends on a layer's load (e.g. memory on the hot rank): the candidate
+    is not launched, and its reason names the first layer of the routing that rejected it;
+    what every layer rejects keeps its bare reason."""
+    import random
+
+    import epmoe.launch.sweep as sw
+    from epmoe.plan.planner import Ranked
+
+    rng = random.Random(seed)
+    run = RunConfig(model="deepseek-v3", layers=5, world=8)
+    E = run.cfg.num_experts
+    hot = tuple(rng.uniform(20, 80) if e in set(rng.sample(range(E), 8)) else 1.0
+                for e in range(E))
+    flat = (1.0,) * E
+    first_hot = rng.randrange(1, 5)  # layer 0 even, so the first ranking is not the hot one
+    loads = tuple(hot if l == first_hot or (l > first_hot and rng.random() < 0.7) else flat
+                  for l in range(5))
+    prof, topo = load_profile("h200"), Topology.parse("1x8", "h200")
+    ctx = Planning("sweep", prof, topo, 128, routing=PlannedRouting("t", loads_LE=loads))
+    real = sw.rank_layer
+    feasible = [p.candidate.label for p in real(
+        Workload(run.cfg, run.quant, 128, RoutingSpec.from_load(flat)), topo, prof,
+        candidates(8), 5).preds]
+    victim = rng.choice(feasible)
+
+    def rank_hot_rejects(work, *args, **kwargs):
+        r = real(work, *args, **kwargs)
+        if work.routing != RoutingSpec.from_load(hot):
+            return r
+        return Ranked(tuple(p for p in r.preds if p.candidate.label != victim),
+                      r.rejected + ((victim, "too hot"),))
+
+    monkeypatch.setattr(sw, "rank_layer", rank_hot_rejects)
+    got, rejected = sw.sweep_candidates(run, ctx, 128, SCOPE)
+    why = dict(rejected)
+    assert victim not in [c.label for c in got]
+    assert why[victim] == f"too hot (at layer {first_hot})"
+    assert sorted(c.label for c in got) == sorted(set(feasible) - {victim})
+    assert all("(at layer" not in w for c, w in rejected if c != victim)
