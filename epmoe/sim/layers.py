@@ -34,23 +34,45 @@ class StackRouting:
         return distinct(self.specs)
 
 
-def stack_routing(entry, cfg) -> StackRouting:
+def stack_routing(entry, cfg, key: str = "routing") -> StackRouting:
     """A sweep routing entry for a stack of cfg.num_moe_layers layers of cfg.num_experts
-    experts; ValueError naming what does not fit."""
+    experts; ValueError naming what does not fit. key: the sweep key that gave it."""
+    where = f"sweep {key}"
     if isinstance(entry, str) and is_recorded(entry):
-        rec = read_recorded(entry, "sweep routing", cfg.num_experts)
-        loads = rec.fitted(cfg.num_experts, cfg.num_moe_layers, f"sweep routing {entry}",
+        rec = read_recorded(entry, where, cfg.num_experts)
+        loads = rec.fitted(cfg.num_experts, cfg.num_moe_layers, f"{where} {entry}",
                            fix=f"record the whole stack, or one layer (it stands for all), "
                                f"or set layers = {rec.layers}")
         # (a one-layer record stays one spec: StackRouting's "one for every layer")
         specs = tuple(RoutingSpec.from_load(row) for row in loads[:rec.layers])
         return StackRouting("rec:" + Path(entry).stem, specs)
-    spec = RoutingSpec.parse(entry)
+    try:
+        spec = RoutingSpec.parse(entry)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if spec.kind == "load" and len(spec.load) != cfg.num_experts:
-        raise ValueError(f"sweep routing {entry!r}: a recorded load has one entry per expert "
-                         f"({cfg.num_experts}), it has {len(spec.load)}; routing is a list of "
-                         f"specs (a load vector is one list inside it)")
+        hint = ("; routing is a list of specs (a load vector is one list inside it)"
+                if key == "routing" else "")
+        raise ValueError(f"{where} {entry!r}: a recorded load has one entry per expert "
+                         f"({cfg.num_experts}), it has {len(spec.load)}{hint}")
     return StackRouting(spec.label(), (spec,))
+
+
+def layer_pairs(priced: StackRouting, placed: StackRouting | None,
+                layers: int) -> tuple[tuple, tuple[int, ...]]:
+    """(the distinct (priced spec, spec the replicas are placed for) pairs, each layer's index
+    into them); placed None: each layer's replicas placed for its own load. One pair for every
+    layer when both routings are one spec for every layer."""
+    if placed is None:
+        specs, index = priced.distinct()
+        return tuple((s, s) for s in specs), index
+    if len(priced.specs) == len(placed.specs) == 1:
+        return ((priced.specs[0], placed.specs[0]),), (0,)
+
+    def at(r: StackRouting, l: int):
+        return r.specs[l if len(r.specs) > 1 else 0]
+
+    return distinct([(at(priced, l), at(placed, l)) for l in range(layers)])
 
 
 def stack_pick(ranked: list, index: tuple[int, ...]):

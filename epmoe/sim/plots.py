@@ -24,6 +24,8 @@ def _panels(rows):
             continue
         var = r["routing"] + (f" +{r['redundant_per_rank']}/rank" if r["redundant_per_rank"]
                               else "")
+        if r.get("placed_for") not in (None, r["routing"]):
+            var += f" for {r['placed_for']}"
         out.setdefault(r["tokens"], {}).setdefault((r["gpu"], var), []).append(r)
     return {t: {k: sorted(v, key=lambda r: r["ep"]) for k, v in s.items()}
             for t, s in sorted(out.items())}

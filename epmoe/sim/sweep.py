@@ -8,6 +8,8 @@
     tokens = [128, 4096]             # per rank: the LL (decode) and HT (prefill) regimes
     routing = ["uniform", "zipf:1.0"]  # or a load vector, or a run's recorded load (FILE.json)
     redundant_per_rank = [0, 1]      # EPLB: extra slots per rank, placed by epmoe.eplb
+    placed_for = "uniform"           # optional: the load those slots were placed for (a
+                                     # routing entry; default each row's own routing)
     candidates = []                  # extra fixed "form/backend/experts" rows besides the pick
     scope = "model"                  # model: every mechanism; runtime: what epmoe runs today
     cores_per_node = 0               # cpu rows: cores a node's ranks share (0: this machine's)
@@ -15,7 +17,10 @@
 Each point runs the planner's ranking for one layer (the MoE layers of a preset are alike;
 a recorded file's layers each at their own load, sim/layers.py) and reports the pick; a step is
 the stack's layers in sequence (with a measured profile's queued figures, the later layers as
-they run behind the first: sim/layers.stack_layers_us). A node holds
+they run behind the first: sim/layers.stack_layers_us). EPLB's replicas are placed for the
+load a row is priced at (a placement that knows its load) unless `placed_for` names another
+(a stale placement: last window's recorded load priced at this window's; a blind one: placed
+for uniform, priced at a skew). A node holds
 gpus_per_node GPUs, or the largest divisor of ep below it (GB200: one NVLink domain of 72).
 """
 
@@ -33,10 +38,11 @@ from epmoe.plan.profile import load_profile
 from epmoe.plan.recorded import is_recorded
 from epmoe.plan.routing import SlotMap, routing_stats
 from epmoe.plan.topology import Topology, local_cores
-from epmoe.sim.layers import stack_layers_us, stack_pick, stack_routing
+from epmoe.sim.layers import layer_pairs, stack_layers_us, stack_pick, stack_routing
 
 KEYS = {"name", "model", "quant", "scale_fmt", "gpus", "ep", "gpus_per_node", "tokens",
-        "routing", "redundant_per_rank", "candidates", "scope", "layers", "cores_per_node"}
+        "routing", "redundant_per_rank", "placed_for", "candidates", "scope", "layers",
+        "cores_per_node"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class Sweep:
     tokens: tuple = (128, 4096)
     routing: tuple = ("uniform",)
     redundant_per_rank: tuple = (0,)
+    placed_for: str | tuple | None = None  # a routing entry; None: each row's own routing
     candidates: tuple = ()
     scope: str = "model"
     layers: int | None = None
@@ -66,6 +73,8 @@ class Sweep:
             if k in kw:
                 v = kw[k]
                 kw[k] = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+        if isinstance(kw.get("placed_for"), list):  # a load vector
+            kw["placed_for"] = tuple(kw["placed_for"])
         g = kw.get("gpus_per_node")
         if g is not None and not isinstance(g, dict):
             kw["gpus_per_node"] = {"default": g}
@@ -90,8 +99,9 @@ class Sweep:
             d = dict(d, model=beside(d.get("model")))
         r = d.get("routing")
         if isinstance(r, list):
-            d = dict(d, routing=[beside(x.removeprefix("trace:"))
-                                 if isinstance(x, str) and is_recorded(x) else x for x in r])
+            d = dict(d, routing=[_recorded_beside(x, beside) for x in r])
+        if "placed_for" in d:
+            d = dict(d, placed_for=_recorded_beside(d["placed_for"], beside))
         return cls.from_dict(d)
 
     def check(self) -> None:
@@ -115,6 +125,12 @@ class Sweep:
                              f"table of GPU name -> GPUs per node with an optional default)")
         for r in self.routing:
             stack_routing(r, cfg)
+        if self.placed_for is not None:
+            stack_routing(self.placed_for, cfg, "placed_for")
+            if not any(self.redundant_per_rank):
+                raise ValueError(f"sweep placed_for ({self.placed_for!r}) places EPLB's "
+                                 f"replicas, and redundant_per_rank "
+                                 f"({list(self.redundant_per_rank)}) adds none")
         for c in self.candidates:
             _candidate(c)
         if self.scope not in ("model", "runtime"):
@@ -136,6 +152,13 @@ class Sweep:
     def node_size(self, gpu: str, ep: int) -> int:
         cap = int(self.gpus_per_node.get(gpu, self.gpus_per_node.get("default", 8)))
         return max(d for d in range(1, min(cap, ep) + 1) if ep % d == 0)
+
+
+def _recorded_beside(entry, beside):
+    """A routing entry with a recorded file's path read beside the sweep file."""
+    if isinstance(entry, str) and is_recorded(entry):
+        return beside(entry.removeprefix("trace:"))
+    return entry
 
 
 def _candidate(text: str) -> Candidate:
@@ -168,6 +191,8 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
     far it is: epmoe.launch.console.Phases.counter)."""
     cfg = sweep.stack_cfg()
     routings = [stack_routing(r, cfg) for r in sweep.routing]
+    placed_for = None if sweep.placed_for is None else \
+        stack_routing(sweep.placed_for, cfg, "placed_for")
     rows = []
     done, total = 0, len(sweep.gpus) * len(sweep.ep) * len(sweep.routing) * \
         len(sweep.redundant_per_rank) * len(sweep.tokens)
@@ -182,15 +207,19 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
                 if prof.gpu == "cpu" else {}  # cpu: tcp within a node, ranks share its cores
             topo = Topology.parse(f"{ep // g}x{g}", gpu=prof.gpu, **cores)
             for routing in routings:
-                specs, index = routing.distinct()
                 for rpr in sweep.redundant_per_rank:
-                    placed = [_placed(cfg, spec, ep, g, topo.num_nodes, rpr) for spec in specs]
+                    place = (placed_for or routing) if rpr else None
+                    pairs, index = layer_pairs(routing, placed_for if rpr else None,
+                                               cfg.num_moe_layers)
+                    placed = [_placed(cfg, spec, ep, g, topo.num_nodes, rpr, to)
+                              for spec, to in pairs]
                     for tokens in sweep.tokens:
                         works = [Workload(cfg, quant, tokens, spec, slots)
-                                 for spec, (slots, _) in zip(specs, placed, strict=True)]
+                                 for (spec, _), (slots, _) in zip(pairs, placed, strict=True)]
                         point = dict(gpu=gpu, ep=ep, nodes=topo.num_nodes, tokens=tokens,
                                      routing=routing.label, redundant=rpr * ep,
-                                     redundant_per_rank=rpr)
+                                     redundant_per_rank=rpr,
+                                     placed_for=place.label if place else None)
                         for kind, cands in [("pick", candidates(ep))] + [
                                 ("fixed", [_candidate(c)]) for c in sweep.candidates]:
                             # said, not dropped: e.g. it does not fit, or the experts do not
@@ -216,11 +245,12 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
     return rows
 
 
-def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int):
-    """(slots, routing stats) of a point; (None, None) when its experts do not split over the
-    ranks (the candidates then say so, one by one: tp still runs)."""
+def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int, placed_for):
+    """(slots placed for routing `placed_for`, the routing stats of `spec` on them) of a
+    point; (None, None) when its experts do not split over the ranks (the candidates then say
+    so, one by one: tp still runs)."""
     try:
-        slots = _eplb_slots(cfg, spec, ep, nodes, rpr * ep) if rpr else None
+        slots = _eplb_slots(cfg, placed_for, ep, nodes, rpr * ep) if rpr else None
         return slots, routing_stats(cfg, spec, ep, g, slots)
     except ValueError:
         return None, None
@@ -271,6 +301,11 @@ def table(rows: list[dict]) -> str:
         ch = r["choice"] if r["kind"] == "pick" else "=" + r["choice"]
         out.append(f"{lead}{ch[:25]:<25}"
                    f"{r['step_ms']:>8.1f}{100 * r['comm_share']:>4.0f}%{r['rdma_MB']:>8.1f}")
+    stale = sorted({(r["routing"], r["placed_for"]) for r in rows
+                    if r.get("placed_for") not in (None, r["routing"])})
+    for priced, placed in stale:
+        out.append(textwrap.fill(f"{priced} rows with redundancy: EPLB's replicas placed for "
+                                 f"{placed}", 80, subsequent_indent="  "))
     for r in rows:
         if r["kind"] == "infeasible":
             out.append(textwrap.fill(f"{r['gpu']} ep {r['ep']}, {r['tokens']} tokens: "
