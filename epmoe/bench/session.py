@@ -85,6 +85,9 @@ SETS = (
                                          "1,128,4096", "--ways", "split", "--iters", "30",
                                          "--json", "{json}"),
                "the routing kernel's own latency and config (LOGITS_ROUTER)"),
+    # 22 s on one H100 (2026-12-07, the 27 rows)
+    MeasureSet("router-model", 1, 60.0, (*PY, "epmoe.bench.router_model", "--json", "{json}"),
+               "issue 11: the spec profiles' router price against the split way timed here"),
     # 82 s on one H100 (2026-12-07): the calibration stops at the sizes that fit
     MeasureSet("plan-1gpu", 1, 300.0, (*PY, "epmoe.bench.plan_accuracy", "--tokens", "128,4096",
                                        "--timing", "launched", "--calibrate", "full",

@@ -60,19 +60,19 @@ ROUTER_OPS = {"softmax": 6, "sigmoid_grouped": 16, "sqrtsoftplus": 12, "softmax_
 # The torch reference's per-expert loop (experts/torch_experts.py): ops per non-empty expert.
 TORCH_OPS = {"experts.gemm1": 3, "experts.act_quant": 8, "experts.gemm2": 2}
 FP32_EFFICIENCY = 0.7  # estimate: fp32 SIMT matmul reaches ~70% of peak (router's gate GEMM)
-# The gate GEMM on a GPU (cuBLAS bf16, fp32 logits out: gate_topk.gate_way's split way):
-# measured 450-455 TFLOPS of the H100's 989 at 16384 tokens for DeepSeek-V3's and Kimi-K2's
-# gates (BENCHMARKS.md 45)
-GATE_GEMM_EFFICIENCY = 0.45
-# The split way's GPU time at decode sizes (BENCHMARKS.md 47, one H100, CUDA events at 1
-# token): the gate GEMM (cuBLAS's kernel and its split-K reduce) 7.7-8.2 us whatever the gate
-# (K 4,096 or 7,168; 128 to 384 experts), the routing kernel 3.1-4.4 us on top. The routing
-# kernel's selection (TOPK passes over a token's E scores) then costs 0.9-1.1 ps per (token,
-# expert, k) on 132 SMs (4,096 tokens less 1 token: DeepSeek-V3, Kimi-K2, Qwen3-235B): 132 ps
-# an SM, the SM count scaling it to other GPUs.
+# The split router on a GPU (gate_topk.gate_way's split way: cuBLAS's bf16 gate GEMM with fp32
+# logits out, then the routing kernel on them), from one H100 (BENCHMARKS.md 50: CUDA events,
+# 1 to 16,384 tokens, the gates of DeepSeek-V3, Kimi-K2 and Qwen3-235B):
+# - the gate GEMM takes max(its fixed time + its compute, its bytes at HBM rate): 7.6-8.1 us at
+#   1 token whatever the gate (cuBLAS's kernel and its split-K reduce); compute-bound gates
+#   (256 and 384 experts) reach 0.61-0.71 of the bf16 peak at 8,192-16,384 tokens on top of
+#   it, while Qwen3-235B's narrow gate (128 experts) streams its tokens at HBM rate and hides it;
+# - the routing kernel: 3.3-4.6 us at 1 token, then its selection (TOPK passes over a token's
+#   E scores) 1.0-1.2 ps per (token, expert, k) on 132 SMs, the SM count scaling it to others.
 GATE_GEMM_FLOOR_US = 8.0
-ROUTE_KERNEL_FLOOR_US = 3.5
-ROUTE_PS_PER_SM = 132.0
+GATE_GEMM_EFFICIENCY = 0.70
+ROUTE_KERNEL_FLOOR_US = 4.0
+ROUTE_PS_PER_SM = 1.1 * 132
 
 
 @dataclass(frozen=True)
@@ -245,17 +245,18 @@ def predict_layer(cand: Candidate, work: Workload, topo: Topology, prof: Hardwar
 
 def _router_us(cfg: MoEConfig, prof: HardwareProfile, n: int) -> float:
     """The router stage: a measured fit of this router kind (kernels["router"]) when the
-    profile has one; else on a GPU the split way (the gate GEMM in bf16 at its floor, its
-    compute or its bytes, then the routing kernel at its floor plus its selection work: two
-    launches), on a CPU the torch path (the gate GEMM at fp32 rates and the router's ops)."""
+    profile has one; else on a GPU the split way (the gate GEMM in bf16: its fixed time and
+    compute, or its bytes; then the routing kernel: its fixed time and its selection work; at
+    least two launches), on a CPU the torch path (the gate GEMM at fp32 rates and the
+    router's ops)."""
     if prof.has_kernel("router", cfg.router):
         return prof.kernel("router", cfg.router).time_us(
             tr.router_bytes(n, cfg.hidden, cfg.num_experts))
     flops = 2.0 * n * cfg.hidden * cfg.num_experts
     if prof.fig("sm_arch") > 0:
         hbm = prof.fig("hbm_GBps") * 1e3
-        gemm = max(GATE_GEMM_FLOOR_US,
-                   flops / (prof.fig("peak_tflops_bf16") * GATE_GEMM_EFFICIENCY * 1e6),
+        gemm = max(GATE_GEMM_FLOOR_US + flops / (prof.fig("peak_tflops_bf16")
+                                                 * GATE_GEMM_EFFICIENCY * 1e6),
                    (2.0 * (n + cfg.num_experts) * cfg.hidden + 4.0 * n * cfg.num_experts) / hbm)
         select = n * cfg.num_experts * cfg.top_k * ROUTE_PS_PER_SM * 1e-6 / prof.fig("sms")
         route = ROUTE_KERNEL_FLOOR_US + max(select, n * (4.0 * cfg.num_experts
