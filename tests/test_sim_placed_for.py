@@ -104,3 +104,16 @@ def test_a_bad_placed_for_exits_2(tmp_path, capsys, extra, msg):
     assert main([str(f)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and msg in err and err.count("\n") == 1
+
+
+def test_layer_pairs_keep_one_pair_for_a_uniform_stack_and_one_per_layer_otherwise():
+    from epmoe.sim.layers import StackRouting, layer_pairs
+
+    u, z = RoutingSpec(), RoutingSpec.parse("zipf:1.1")
+    a, b = (RoutingSpec.from_load([float(i % k + 1) for i in range(16)]) for k in (3, 5))
+    one, two = StackRouting("uniform", (u,)), StackRouting("rec:x", (a, b, a))
+    assert layer_pairs(one, None, 3) == (((u, u),), (0,))
+    assert layer_pairs(two, None, 3) == (((a, a), (b, b)), (0, 1, 0))
+    assert layer_pairs(one, StackRouting("zipf:1.1", (z,)), 3) == (((u, z),), (0,))
+    assert layer_pairs(one, two, 3) == (((u, a), (u, b)), (0, 1, 0))
+    assert layer_pairs(two, one, 3) == (((a, u), (b, u)), (0, 1, 0))
