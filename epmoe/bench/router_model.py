@@ -30,17 +30,13 @@ TOKENS = "1,32,128,512,1024,2048,4096,8192,16384"
 
 def measure(model: str, tokens: int, iters: int, prof, seed: int = 0) -> dict:
     """One row: the split router and its gate GEMM timed here, and the profile's price."""
+    from epmoe.bench.router_tune import router_inputs
     from epmoe.kernels.gate_topk import gate_logits, gate_way
     from epmoe.plan.cost import _router_us
     from epmoe.router import route_tokens
 
     cfg = get_preset(model)
-    g = torch.Generator(device="cuda").manual_seed(seed * 1_000_003 + tokens)
-    x = torch.randn(tokens, cfg.hidden, device="cuda", generator=g).bfloat16()
-    gate = (torch.randn(cfg.num_experts, cfg.hidden, device="cuda", generator=g)
-            * 0.02).bfloat16()
-    bias = None if cfg.router == "softmax" else \
-        torch.randn(cfg.num_experts, device="cuda", generator=g) * 0.1
+    x, gate, bias = router_inputs(cfg, tokens, seed * 1_000_003 + tokens, "cuda")
     route = event_median_us(lambda: route_tokens(x, gate, cfg, bias), iters)
     gemm = event_median_us(lambda: gate_logits(x, gate), iters)
     pred = _router_us(cfg, prof, tokens)

@@ -53,7 +53,9 @@ def candidates(block_e: int) -> list[RouterConfig]:
             for bm, bk, w, s in itertools.product(bms, (32, 64), (4, 8, 16), (3, 4))]
 
 
-def _inputs(cfg, t: int, seed: int, device: str):
+def router_inputs(cfg, t: int, seed: int, device: str):
+    """(tokens [t, hidden] bf16, gate [E, hidden] bf16, selection bias or None) of a model's
+    router, random from `seed`."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(t, cfg.hidden, device=device, generator=g).to(torch.bfloat16)
     gate = (torch.randn(cfg.num_experts, cfg.hidden, device=device, generator=g)
@@ -83,7 +85,7 @@ def tune_model(model: str, t: int, iters: int, max_mismatch: float, device: str 
 
     cfg = get_preset(model)
     block_e = max(16, next_pow2(cfg.num_experts))
-    x, gate, bias = _inputs(cfg, t, 0, device)
+    x, gate, bias = router_inputs(cfg, t, 0, device)
     ref = route((x.double() @ gate.double().T).float(), cfg, bias, backend="torch")
     launch_way = gate_way(cfg.num_experts, t)
     current = router_config(cfg.num_experts)
