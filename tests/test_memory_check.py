@@ -3,12 +3,17 @@ the rank before it builds (named); the launcher's oracle holds one float64 exper
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from epmoe.config import QuantConfig
 from epmoe.launch.cli import main
-from epmoe.memory import GiB, check_fits_here, check_rank_fits, rank_weight_bytes
+from epmoe.memory import (GiB, DoesNotFit, check_fits_here, check_rank_fits, rank_activation_bytes,
+                          rank_bytes, rank_weight_bytes)
 from epmoe.plan.forms import LayerSpec
 from epmoe.plan.run import RunConfig
 from epmoe.reference import reference_moe
@@ -38,6 +43,41 @@ def test_the_weights_per_rank_by_form():
     mixed = rank_weight_bytes(_run(stack=(LayerSpec("ep_dp", "all2all"), LayerSpec("tp"),
                                           LayerSpec("ep", "local"))))
     assert mixed.total == pytest.approx(ep.total)
+
+
+def test_a_steps_activation_floor_by_form():
+    """bf16 throughout: the token batch, 3 stream rows and the logits per row a layer holds;
+    ep_dp across ranks the rows received (one per token, as sent: fp8 + scales); grouped GEMMs
+    GEMM1's 2 x I and GEMM2's D per mean (token, k) pair, per micro-batch; the torch experts
+    (auto on CPU) one expert at a time: no pair term."""
+    d, i, e, k, t = 7168, 2048, 256, 8, 1000
+    stream = (t * d + (3 * d + e) * t) * 2
+    pairs = t * k * (2 * i + d) * 2
+    assert rank_activation_bytes(_run(tokens=t)) == pytest.approx(stream + t * 2 * d + pairs)
+    fp8 = _run(tokens=t, quant=QuantConfig("fp8_block"))
+    assert rank_activation_bytes(fp8) == pytest.approx(stream + t * (d + d / 128 * 4) + pairs)
+    assert rank_activation_bytes(_run(tokens=t), 0, "cpu") == pytest.approx(stream + t * 2 * d)
+    assert rank_activation_bytes(_run(tokens=t, world=1)) == pytest.approx(stream + pairs)
+    assert rank_activation_bytes(_run(tokens=t, micro_batches=2)) == pytest.approx(
+        stream + (t * 2 * d + pairs) / 2)
+    # replicated forms: t is every rank's batch; ep keeps its experts' share of the pairs, tp
+    # every pair at half the intermediate
+    ep = rank_activation_bytes(_run(tokens=t, form="ep", backend="local"))
+    assert ep == pytest.approx(stream + pairs / 2)
+    tp = rank_activation_bytes(_run(tokens=t, form="tp", backend="local"))
+    assert tp == pytest.approx(stream + t * k * (i + d) * 2)
+
+
+def test_a_run_whose_step_cannot_fit_exits_2(monkeypatch, capsys):
+    """Weights that fit and a step that cannot: refused before any rank starts, naming the
+    tokens (not the layers) as what to lower."""
+    monkeypatch.setattr("epmoe.memory.mem_available_bytes", lambda: 2 * GiB)
+    rc = main(["--ep", "2", "--tokens", "2000000", "--device", "cpu", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "of a step's activations (2000000 token(s)) x 2 rank(s)" in err, err
+    assert "lower --tokens (now 2000000)" in err and "--layers" not in err
+    check_fits_here(_run(model="deepseek-v3-tiny", tokens=20000), "cpu")
 
 
 def test_a_run_that_cannot_fit_this_machine_exits_2(monkeypatch, capsys):
@@ -128,3 +168,88 @@ def test_a_gpu_counts_the_blocks_this_process_holds_free(monkeypatch):
         check_rank_fits(run, 0, torch.device("cuda", 0))
     with pytest.raises(ValueError, match=r"does not fit GPU 0: .* 15\.0 GiB free"):
         check_fits_here(run, "cuda")
+
+
+_PEAK = """
+import resource, sys, torch
+from epmoe.config import QuantConfig
+from epmoe.memory import rank_bytes
+from epmoe.plan.run import RunConfig
+from epmoe.runtime import Runtime
+
+torch.set_num_threads(1)
+run = RunConfig(model="deepseek-v3-tiny", quant=QuantConfig("bf16"), world=1, tokens=65536,
+                layers=2, steps=1, seed=int(sys.argv[1]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+Runtime(run, device="cpu").step(0)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(rank_bytes(run, 0, "cpu").total, grew)
+"""
+
+
+def test_the_floor_is_below_what_a_step_holds_on_cpu(seed):
+    """A floor: what a fresh process's peak resident memory grows by while it builds a layer
+    stack and runs a step (65,536 tokens: 0.16 GB of floor) is at least the estimate."""
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(seed)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    floor, grew = map(float, out.stdout.split())
+    assert 0.1e9 < floor <= grew, (floor, grew)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,recipe", [("triton", "bf16"), ("triton", "fp8_block")])
+def test_the_floor_is_below_what_a_step_allocates_on_a_gpu(experts, recipe, seed):
+    """On a GPU, the allocator's peak over building the stack and one step is at least the
+    floor (weights + activations)."""
+    from epmoe.runtime import Runtime
+
+    run = RunConfig(model="qwen3-30b-a3b", quant=QuantConfig(recipe), world=1, tokens=8192,
+                    layers=2, steps=1, experts=experts, seed=seed)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    rt = Runtime(run, device="cuda")
+    rt.step(0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    need = rank_bytes(run, 0, "cuda")
+    assert need.activations > 0.2 * GiB
+    assert need.total <= peak, (need.total / GiB, peak / GiB)
+    rt.close()
+
+
+def test_a_size_the_runtimes_floor_refuses_is_dropped_by_the_calibration(monkeypatch):
+    """The Runtime refuses a build whose floor exceeds the GPU's free memory (DoesNotFit)
+    before it allocates: the calibration drops that size as it drops one that ran out of
+    memory, instead of stopping."""
+    from epmoe.bench import calibrate_layer as cl
+    from epmoe.bench.calibrate import Clock
+    from epmoe.config import get_preset
+
+    class Layer:
+        def forward(self, x, routing):
+            pass
+
+    built = []
+
+    def build(model, quant, experts, tokens, dev):
+        built.append(tokens)
+        if tokens > 500:
+            raise DoesNotFit("rank 0: ... do not fit: its GPU has 1.0 GiB free")
+        if tokens > 300:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return object(), Layer(), experts
+
+    monkeypatch.setattr(cl, "_build", build)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    clock = Clock([], 100.0, "test")
+    *_, ns = cl._build_fitting("deepseek-v3-tiny", get_preset("deepseek-v3-tiny"),
+                               QuantConfig("bf16"), "triton", [10, 100, 250, 400, 1000],
+                               torch.device("cpu"), clock)
+    assert built == [1000, 400, 250] and ns == [10, 100, 250]
+    assert clock.skipped == [f"triton/bf16 tokens>={n}: out of device memory"
+                             for n in (1000, 400)]
+    with pytest.raises(DoesNotFit):
+        cl._build_fitting("deepseek-v3-tiny", get_preset("deepseek-v3-tiny"),
+                          QuantConfig("bf16"), "triton", [1000], torch.device("cpu"), clock)

@@ -168,6 +168,8 @@ def _build_fitting(model: str, cfg, quant, experts: str, ns: list[int], dev, clo
 
     import torch
 
+    from epmoe.memory import DoesNotFit
+
     for keep in range(len(ns), 0, -1):
         if dev.type == "cuda":  # what an earlier backend built (or failed to) goes first
             gc.collect()
@@ -178,8 +180,8 @@ def _build_fitting(model: str, cfg, quant, experts: str, ns: list[int], dev, clo
             x_mid = torch.randn(mid, cfg.hidden, device=dev, dtype=torch.bfloat16)
             layer.forward(x_mid, balanced_routing(mid, cfg, dev))
             return rt, layer, built, ns[:keep]
-        except torch.cuda.OutOfMemoryError:
-            rt = layer = None
+        except (torch.cuda.OutOfMemoryError, DoesNotFit):  # the real thing, or the Runtime's
+            rt = layer = None  # floor on it (epmoe.memory)
             if keep == 1 or clock.left() < 0:
                 raise
             clock.skipped.append(f"{experts}/{quant.recipe} tokens>={ns[keep - 1]}: out of "
