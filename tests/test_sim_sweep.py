@@ -195,3 +195,25 @@ def test_a_long_sweep_says_how_far_it_is():
     seen = []
     rows = run(s, lambda done, total: seen.append((done, total)))
     assert seen == [(i, 8) for i in range(1, 9)] and len(rows) == 8
+
+
+def test_an_infeasible_point_names_each_forms_reason(tmp_path):
+    """EP 7 on DeepSeek-V3: tp fails on the intermediate, ep and ep_dp on the experts; the
+    row names each distinct reason once (not the first candidate's alone), and ep_dp's local
+    backend, which moves no tokens across ranks, is not a candidate there."""
+    from epmoe.plan.planner import candidates
+
+    assert ("ep_dp", "local") not in {(c.form, c.backend) for c in candidates(7)}
+    assert ("ep_dp", "local") in {(c.form, c.backend) for c in candidates(1)}
+    asked = candidates(2, forms=("ep_dp",), backends=("local",))
+    assert [(c.form, c.backend) for c in asked] == [("ep_dp", "local")] * len(asked)
+    f = tmp_path / "s.toml"
+    f.write_text('model = "deepseek-v3"\ngpus = ["h100"]\nep = [7]\ntokens = [128]\n')
+    out = tmp_path / "out"
+    assert main([str(f), "--out", str(out), "--json"]) == 0
+    (row,) = json.loads((out / "sim.json").read_text())["rows"]
+    why = row["reason"]
+    assert row["kind"] == "infeasible" and f"{len(candidates(7))} rejected" in why, why
+    assert "moe intermediate (2048) must be divisible by tp (7)" in why
+    assert "experts (256) must be divisible by ep (7)" in why
+    assert why.count("divisible by ep") == 1 and "moves none" not in why

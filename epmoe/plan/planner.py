@@ -149,9 +149,12 @@ def _experts_rule(experts: str, cfg: MoEConfig, quant: QuantConfig, inter: int,
 
 
 def candidates(world: int, forms=None, backends=None, experts=None) -> list[Candidate]:
+    """Every (form, backend, experts) of the restrictions; ep_dp on more than one rank leaves
+    out the local backend (it moves no tokens) unless asked for by name."""
     out = []
     for form in forms or FORMS:
-        for b in ("local",) if form != "ep_dp" else (backends or BACKENDS):
+        ep_dp = backends or tuple(b for b in BACKENDS if b != "local" or world == 1)
+        for b in ("local",) if form != "ep_dp" else ep_dp:
             if form != "ep_dp" and backends and "local" not in backends and world > 1:
                 continue
             for e in experts or EXPERTS:
@@ -221,6 +224,15 @@ def stack_order(ranked, index: tuple[int, ...]) -> list[str]:
     by_label = [{p.candidate.label: p for p in r.preds} for r in ranked]
     common = [c for c in by_label[0] if all(c in b for b in by_label[1:])]
     return sorted(common, key=lambda c: sum(by_label[i][c].total_us for i in index))
+
+
+def rejections(rejected, most: int = 4) -> str:
+    """Why candidates were rejected, one (candidate: reason) per distinct reason (the tp ones
+    all say the same), the first `most` of them."""
+    seen = {}
+    for c, w in rejected:
+        seen.setdefault(w, c)
+    return "; ".join(f"{c}: {w}" for w, c in list(seen.items())[:most])
 
 
 def explain(best: LayerPrediction, runner: LayerPrediction | None, rejected=()) -> str:
@@ -318,12 +330,9 @@ def _best_path(per_layer, topo, prof) -> list[Choice]:
     """Shortest path over layers: node cost = layer time, edge cost = layout transition."""
     for l, (work, ranked) in enumerate(per_layer):
         if not ranked.preds:
-            seen = {}  # one candidate per distinct reason (the tp ones all say the same)
-            for c, w in ranked.rejected:
-                seen.setdefault(w, c)
-            first = "; ".join(f"{c}: {w}" for w, c in list(seen.items())[:4])
+            first = rejections(ranked.rejected)
             fix = "change --topology, --quant or the memory budget"
-            if any(" fit on " in w for w in seen):  # the profile does not know a link
+            if any(" fit on " in w for _, w in ranked.rejected):  # a link the profile lacks
                 fix = f"give a --profile with fits on those links (e.g. a spec one), or {fix}"
             raise ValueError(f"layer {l}: no candidate is feasible on {topo.describe()} "
                              f"({first}); {fix}")

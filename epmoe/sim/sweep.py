@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from epmoe.config import PRESETS, QuantConfig, default_scale_fmt, fitting_recipe, get_preset
 from epmoe.docfile import is_int, read_doc
 from epmoe.plan.cost import Candidate, Workload
-from epmoe.plan.planner import candidates, rank_layer
+from epmoe.plan.planner import candidates, rank_layer, rejections
 from epmoe.plan.profile import load_profile
 from epmoe.plan.recorded import is_recorded
 from epmoe.plan.routing import SlotMap, routing_stats
@@ -276,11 +276,13 @@ def _row(point: dict, kind: str, preds: list, step_us: float) -> dict:
 
 
 def _infeasible(point: dict, rejected, kind: str = "pick") -> dict:
-    """A point where no candidate is feasible (kind pick), or a fixed candidate that is not:
-    no time, the first candidate's reason."""
-    why = f"{rejected[0][0]}: {rejected[0][1]}" if rejected else "no candidate"
-    reason = (f"no feasible candidate ({len(rejected)} rejected, e.g. {why})" if kind == "pick"
-              else f"fixed candidate {why}")
+    """A point where no candidate is feasible (kind pick: each distinct reason), or a fixed
+    candidate that is not: no time, the reason."""
+    if kind == "pick":
+        why = rejections(rejected, most=3) if rejected else "no candidate"
+        reason = f"no feasible candidate ({len(rejected)} rejected: {why})"
+    else:
+        reason = f"fixed candidate {rejected[0][0]}: {rejected[0][1]}"
     return {**point, "kind": "infeasible", "choice": "-" if kind == "pick" else rejected[0][0],
             "layer_us": None, "step_ms": None, "comm_share": None, "nvlink_MB": None,
             "rdma_MB": None, "stages_us": {}, "imbalance": None, "reason": reason}
