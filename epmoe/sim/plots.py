@@ -45,17 +45,20 @@ def _figure(plt, panels, title, ylabel, ys, log_y, measured=False):
     variants = sorted({v for s in panels.values() for _, v in s})
     colors = {g: f"C{i}" for i, g in enumerate(gpus)}
     for ax, (tokens, series) in zip(axes[0], panels.items()):
+        positive = False  # a log axis needs a value above 0 (one node moves no RDMA bytes)
         for (gpu, var), rs in series.items():
             for field, scale, style in ys:
                 ls = style or STYLES[variants.index(var) % len(STYLES)]
-                ax.plot([r["ep"] for r in rs], [r[field] * scale for r in rs], ls=ls,
+                y = [r[field] * scale for r in rs]
+                positive = positive or any(v > 0 for v in y)
+                ax.plot([r["ep"] for r in rs], y, ls=ls,
                         marker="o", ms=3, color=colors[gpu], label=f"{gpu} {var}")
             pts = _measured(rs) if measured else []
             if pts:
                 ax.plot(*zip(*pts), ls="none", marker="x", ms=8, color=colors[gpu],
                         label=f"{gpu} {var} measured")
         ax.set_xscale("log", base=2)
-        if log_y:
+        if log_y and positive:
             ax.set_yscale("log")
         ax.set_xlabel("EP size (ranks)")
         ax.set_ylabel(ylabel)
