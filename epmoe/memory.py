@@ -74,8 +74,9 @@ def rank_weight_bytes(run: RunConfig, rank: int = 0, device_type: str = "cuda") 
 def rank_activation_bytes(run: RunConfig, rank: int = 0, device_type: str = "cuda") -> float:
     """A floor on one step's activations on `rank`, at its largest layer (bf16 throughout):
     the run's token batch, the residual stream (`STREAM_TENSORS` x the rows the layer holds x
-    hidden), the router's logits; under ep_dp with more than one rank the rows it receives
-    (at least one per token on average, quantized as sent); with grouped GEMMs (not the torch
+    hidden), the router's logits; under ep_dp with more than one rank one received row per
+    token it holds, quantized as sent (all2all's output holds a row per (token, rank); the
+    DeepEP and symm backends' buffers are sized for the worst case); with grouped GEMMs (not the torch
     experts, which run one expert at a time) GEMM1's and GEMM2's outputs for the mean (token,
     k) pairs of a rank, per micro-batch. Means, not the hottest rank: summed over a machine's
     ranks they are exact."""
