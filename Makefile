@@ -19,7 +19,7 @@ run: venv
 	$(BIN)/python -m epmoe.launch $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -q
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
 # DeepEP v1 + DeepGEMM built against the installed torch (CUDA machine; see README "GPU").
 # Sources from git by default; offline: GPU_DEPS_ARGS="--src DIR --cutlass-wheel WHL".
