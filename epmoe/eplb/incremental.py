@@ -6,7 +6,7 @@ import numpy as np
 
 from epmoe.eplb.packing import greedy_counts, lpt
 from epmoe.eplb.placement import Placement, as_f64, counts, gpu_loads, max_load
-from epmoe.eplb.policy import validate
+from epmoe.eplb.policy import rebalance, validate
 
 
 def rebalance_incremental(weight_LE, old: Placement, num_groups: int, num_nodes: int,
@@ -43,6 +43,21 @@ def rebalance_incremental(weight_LE, old: Placement, num_groups: int, num_nodes:
     if (new_p == old_p).all():
         return old, 0
     return Placement.from_phy2log(new_p, E, num_gpus), int((new_p != old_p).sum())
+
+
+def next_placement(weight_LE, old: Placement, num_groups: int, num_nodes: int, num_gpus: int,
+                   mode: str, slack: float) -> tuple[Placement, str]:
+    """What a rebalance places for `weight_LE` [L, E] coming from `old`: (placement, "full" or
+    "incremental"). The incremental one (fewer slots move) when its mean balancedness is
+    within `slack` of the full one's (hierarchical mode: only while the old placement keeps
+    every group on one node)."""
+    new = rebalance(weight_LE, old.num_slots, num_groups, num_nodes, num_gpus, mode)
+    if mode == "global" or old.groups_on_nodes(num_groups, num_nodes).all():
+        incr, _ = rebalance_incremental(weight_LE, old, num_groups, num_nodes, num_gpus, mode)
+        if float(incr.balancedness(weight_LE).mean()) >= \
+                float(new.balancedness(weight_LE).mean()) - slack:
+            return incr, "incremental"
+    return new, "full"
 
 
 def _per_node(w, old_p, num_nodes, num_gpus):

@@ -62,6 +62,20 @@ def plan_migration(old_R: list[int], new_R: list[int], world: int) -> list[Trans
     return out
 
 
+def bytes_to_move(old_LR: list[list[int]], new_LR: list[list[int]], node_of_rank,
+                  slot_bytes: float) -> tuple[list[int], list[int], int]:
+    """Per rank, the bytes it receives from its own node and from other nodes when every layer
+    goes from old_LR to new_LR (slot_bytes: one slot's weights), and the slots that change."""
+    world, b = len(node_of_rank), int(round(slot_bytes))
+    intra, inter, slots = [0] * world, [0] * world, 0
+    for old_R, new_R in zip(old_LR, new_LR, strict=True):
+        for t in plan_migration(old_R, new_R, world):
+            slots += 1
+            if t.src != t.dst:
+                (intra if node_of_rank[t.src] == node_of_rank[t.dst] else inter)[t.dst] += b
+    return intra, inter, slots
+
+
 def slot_tensors(w: ExpertWeights) -> list[torch.Tensor]:
     """Per-slot tensors (leading dim = local slot) that define an expert: data, scales and
     biases (gpt-oss)."""

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from epmoe.config import MoEConfig, QuantConfig
 from epmoe.eplb.background import BackgroundMigration
 from epmoe.eplb.decision import MigrationLinks, decide
-from epmoe.eplb.incremental import rebalance_incremental
-from epmoe.eplb.migrate import apply_staged, migrate_layer, plan_migration, slot_tensors
+from epmoe.eplb.incremental import next_placement
+from epmoe.eplb.migrate import apply_staged, bytes_to_move, migrate_layer, slot_tensors
 from epmoe.eplb.placement import Placement
-from epmoe.eplb.policy import MODES, ModeChoice, choose_mode, rebalance
+from epmoe.eplb.policy import MODES, ModeChoice, choose_mode
 from epmoe.eplb.recorder import LoadRecorder, balancedness_per_layer
 from epmoe.eplb.topology import Topology, discover
 from epmoe.eplb.traffic import Traffic, routing_from_loads, tradeoff, traffic_from_routing
@@ -236,7 +236,7 @@ class Rebalancer:
                         slots_moved=0, rebalance_ms=(time.perf_counter() - t0) * 1e3)
         load = self._window()
         t_load = time.perf_counter()
-        E, R, G = self.cfg.num_experts, load.shape[1], self.num_gpus
+        E, G = self.cfg.num_experts, self.num_gpus
         weight_LE = torch.zeros(load.shape[0], E, dtype=torch.float64)
         for l, p in enumerate(self.phy2log):
             weight_LE[l].index_add_(0, torch.tensor(p), load[l].double())
@@ -244,12 +244,8 @@ class Rebalancer:
         nodes = topo.num_nodes if topo.ranks_per_node is not None else 1
         ng = self.cfg.n_group
         old = Placement.from_phy2log(topo.to_gpu_order(torch.tensor(self.phy2log)), E, G)
-        new, kind = rebalance(weight_LE, R, ng, nodes, G, mode), "full"
-        if mode == "global" or old.groups_on_nodes(ng, nodes).all():
-            incr, _ = rebalance_incremental(weight_LE, old, ng, nodes, G, mode)
-            if float(incr.balancedness(weight_LE).mean()) >= \
-                    float(new.balancedness(weight_LE).mean()) - self.options.incremental_slack:
-                new, kind = incr, "incremental"
+        new, kind = next_placement(weight_LE, old, ng, nodes, G, mode,
+                                   self.options.incremental_slack)
         new_gpu = new.phy2log.clone()
         step = torch.tensor([_median(step_ms), self._move_scale or 0.0], dtype=torch.float64)
         if self.grouped:  # rank 0's placement; the slowest rank's step time and move scale
@@ -307,16 +303,9 @@ class Rebalancer:
 
     def _bytes_to_move(self, layers, new_LR):
         """Per rank, bytes received from its own node and from other nodes; slots changed."""
-        w = layers[0].weights.experts
-        per_slot = sum(t[0].numel() * t.element_size() for t in slot_tensors(w))
-        intra, inter = [0] * self.world, [0] * self.world
-        node, slots = self.topology.node_of_rank, 0
-        for old_R, new_R in zip(self.phy2log, new_LR):
-            for t in plan_migration(old_R, new_R, self.world):
-                slots += 1
-                if t.src != t.dst:
-                    (intra if node[t.src] == node[t.dst] else inter)[t.dst] += per_slot
-        return intra, inter, slots
+        per_slot = sum(t[0].numel() * t.element_size()
+                       for t in slot_tensors(layers[0].weights.experts))
+        return bytes_to_move(self.phy2log, new_LR, self.topology.node_of_rank, per_slot)
 
     def _traffic(self, placements: list[Placement], weight_LE, nodes: int) -> list[Traffic] | None:
         """Traffic of each placement (GPU order) on the last step's routing of every rank
