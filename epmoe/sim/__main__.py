@@ -9,6 +9,10 @@
     python -m epmoe.sim validate [--table FILE ...] [--profile P] [--json]
         predict published tables (default: the shipped ones in epmoe/sim/published/, DeepEP
         v1 on H800 and on H100) from the spec profiles; print the error per row
+    python -m epmoe.sim drift [--routing drift:S:P] [--every N] [--ep N] ... [--out DIR]
+        EPLB over a run whose routing drifts: step time without redundancy, with a
+        rebalance every N steps (and the moves it pays for), and placed for its own load
+        (epmoe/sim/drift.py; --help lists the options)
 
 Exit codes: 0 done, 2 bad input (one line on stderr); with --run also 1 a launch failed its
 oracle check, 3 no launch succeeded.
@@ -71,6 +75,11 @@ def _validate(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["drift"]:
+        from epmoe.sim.drift_cli import main as drift_main
+
+        return drift_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         _check_modes(args)

@@ -132,7 +132,7 @@ class Sweep:
                                  f"replicas, and redundant_per_rank "
                                  f"({list(self.redundant_per_rank)}) adds none")
         for c in self.candidates:
-            _candidate(c)
+            parse_candidate(c)
         if self.scope not in ("model", "runtime"):
             raise ValueError(f"sweep scope ({self.scope!r}) must be model or runtime")
         if not isinstance(self.cores_per_node, int) or self.cores_per_node < 0:
@@ -161,7 +161,7 @@ def _recorded_beside(entry, beside):
     return entry
 
 
-def _candidate(text: str) -> Candidate:
+def parse_candidate(text: str) -> Candidate:
     parts = str(text).split("/")
     if len(parts) != 3:
         raise ValueError(f"candidate {text!r} must be form/backend/experts, e.g. "
@@ -221,7 +221,7 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
                                      redundant_per_rank=rpr,
                                      placed_for=place.label if place else None)
                         for kind, cands in [("pick", candidates(ep))] + [
-                                ("fixed", [_candidate(c)]) for c in sweep.candidates]:
+                                ("fixed", [parse_candidate(c)]) for c in sweep.candidates]:
                             # said, not dropped: e.g. it does not fit, or the experts do not
                             # split over the ranks
                             ranked = [rank_layer(w, topo, prof, cands, cfg.num_moe_layers,
