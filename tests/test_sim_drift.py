@@ -107,8 +107,17 @@ def test_sync_stalls_its_block_and_async_lands_later(seed):
     async_b, async_e, _ = simulate(DriftRun(**kw, migration="async"))
     assert sync_e[0].applied and async_e[0].applied
     assert async_e[0].lands > async_e[0].step == sync_e[0].lands == 10
-    # async: the block starting at the rebalance still runs the old placement
+    # async: the block starting at the rebalance still runs the old placement, the one
+    # starting where it lands the new one (sync's from step 10)
     assert async_b[1].balancedness["eplb"] != sync_b[1].balancedness["eplb"]
+    landed = next(b for b in async_b if b.start == async_e[0].lands)
+    cfg, E = get_preset(kw["model"]), 16
+    loads = [step_loads(DriftRun(**kw), cfg, s) for s in range(20)]
+    start = Placement.from_phy2log(torch.tensor([[s % E for s in range(E + 4)]] * 2), E, 4)
+    new, _ = next_placement(np.sum(loads[:10], axis=0), start, cfg.n_group, 1, 4, "global",
+                            SLACK)
+    assert landed.balancedness["eplb"] == pytest.approx(rank_balancedness(
+        np.sum(loads[landed.start:landed.stop], axis=0), new.phy2log.tolist(), 4))
     # sync: the same placement's block carries the move's stall, spread over its steps
     assert sync_b[1].step_ms["eplb"] > 0 and sync_e[0].move_ms > 0
     assert sync_b[0].step_ms == async_b[0].step_ms  # before the move: one and the same run

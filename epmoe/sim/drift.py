@@ -14,7 +14,9 @@ priced by the planner's cost model, step by step, at the run's `tokens` per rank
   decision (`epmoe.eplb.decision.decide`: the gain until the next rebalance against the link
   time of the weights moved, at the profile's figures) says so; a sync move stalls its step,
   an async one lands ceil(move / step) steps later;
-- ideal: the same slots placed for each block's own load, moved for free (the bound).
+- ideal: the same slots placed for each block's own load, moved for free (what knowing the
+  load is worth; not a strict bound on the step: a placement balances the pairs, not the
+  fan-out).
 
 Steps are priced in blocks of `block` steps (a block never spans a rebalance) at the block's
 summed load, on `layers` of the model's MoE layers (each layer's own routing), scaled to the
@@ -225,31 +227,37 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
     start = [[s % E for s in range(m.num_slots)] for _ in range(run.layers)]
     current = Placement.from_phy2log(torch.tensor(start), E, run.ep)
     pending: tuple[int, Placement] | None = None  # (step it lands, placement): async moves
-    cuts = sorted(set(range(0, run.steps, run.block)) | set(range(run.every, run.steps,
-                                                                  run.every)))
-    blocks, events, stall = [], [], {}
-    last_ms = None
-    for i, a in enumerate(cuts):
-        b = cuts[i + 1] if i + 1 < len(cuts) else run.steps
+    blocks, events = [], []
+    total = len(set(range(0, run.steps, run.block)) | set(range(0, run.steps, run.every)))
+    a, last_ms = 0, None
+    while a < run.steps:
+        stall = 0.0
         if pending is not None and pending[0] <= a:
             current, pending = pending[1], None
-        if a and a % run.every == 0 and pending is None:
-            ev, new = _rebalance(m, run, loads, a, current, last_ms)
-            events.append(ev)
-            if ev.applied and run.migration == "sync":
-                current, stall[a] = new, ev.move_ms
-            elif ev.applied:
-                pending = (ev.lands, new)
+        if a and a % run.every == 0:
+            if pending is not None:  # the runtime's answer while a move is under way
+                events.append(Event(a, "busy", 0, 0.0, 0.0, False, -1,
+                                    "the previous migration is still staging"))
+            else:
+                ev, new = _rebalance(m, run, loads, a, current, last_ms)
+                events.append(ev)
+                if ev.applied and run.migration == "sync":
+                    current, stall = new, ev.move_ms
+                elif ev.applied:
+                    pending = (ev.lands, new)
+                    total += 1
+        b = min(run.steps, (a // run.block + 1) * run.block, (a // run.every + 1) * run.every,
+                *([pending[0]] if pending is not None and pending[0] > a else []))
         load = np.sum(loads[a:b], axis=0)
         ms, bal = {}, {}
         for name, p in (("ideal", m.place(load)), ("none", None), ("eplb", current)):
             ms[name], bal[name] = (float(x) for x in m.price(load / (b - a), p))
         last_ms = ms["eplb"]
-        if a in stall:  # the move's stall, spread over its block's steps
-            ms["eplb"] += stall[a] / (b - a)
+        ms["eplb"] += stall / (b - a)  # a sync move's stall, spread over its block's steps
         blocks.append(Block(a, b, {k: ms[k] for k in SERIES}, {k: bal[k] for k in SERIES}))
         if progress is not None:
-            progress(i + 1, len(cuts))
+            progress(len(blocks), total)
+        a = b
     return blocks, events, m.candidate.label
 
 
