@@ -378,7 +378,19 @@ class Runtime:
 
     # ---------------------------------------------------------------- EPLB
     def rebalance(self, steps_until_next: int | None = None) -> dict:
-        return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next)
+        return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next,
+                                         self._experts_ms())
+
+    def _experts_ms(self) -> float | None:
+        """This rank's experts time per step, median over the steps timed so far (the part
+        of a step that follows its load: what a rebalance credits); None: none timed."""
+        ms, where = self.timer.collect().get("experts"), self.timer.collect_where().get("experts")
+        if not ms or not where:
+            return None
+        per_step: dict = {}
+        for v, (step, _) in zip(ms, where, strict=True):
+            per_step[step] = per_step.get(step, 0.0) + v
+        return statistics.median(per_step.values())
 
     def window_balancedness(self) -> float:
         return self.rebalancer.window_balancedness()

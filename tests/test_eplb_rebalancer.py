@@ -31,6 +31,22 @@ def test_decision_sync_gain_against_move_time():
     assert d.rebalance and d.gain_ms == pytest.approx(500.0) and "> move" in d.reason
 
 
+def test_decision_credits_the_experts_time_that_follows_the_load():
+    """Of a 100 ms step, 30 ms of experts on the hottest rank halve with its load: 15 ms a
+    step, not the 50 the whole step would credit; a figure past the step is the step."""
+    intra, inter = [1e9], [0]  # 6.7 ms at NVLink's 150 GB/s
+    d = decide(100.0, 4.0, 2.0, 1, intra, inter, "sync", follows_ms=30.0)
+    assert d.gain_ms == pytest.approx(15.0) and d.rebalance  # 15 > 6.7
+    assert "gain 15.000 ms/step (of 30.000 ms of experts a step) x 1 steps" in d.reason
+    d = decide(100.0, 4.0, 2.0, 1, [2e9], [0], "sync", follows_ms=10.0)
+    assert d.gain_ms == pytest.approx(5.0) and not d.rebalance  # 5 < 13.3: the whole step
+    assert decide(100.0, 4.0, 2.0, 1, [2e9], [0], "sync").rebalance  # would have moved
+    assert decide(100.0, 4.0, 2.0, 1, intra, inter, "sync", follows_ms=500.0).gain_ms == \
+        pytest.approx(50.0)
+    assert decide(100.0, 4.0, 2.0, 1, intra, inter, "sync", follows_ms=0.0).gain_ms == \
+        pytest.approx(50.0)  # nothing measured: the whole step, as before
+
+
 def test_decision_async_waits_for_the_bytes_to_land():
     intra, inter = [2e8], [0]
     move = 2e8 / NVLINK_GBPS / 1e6  # 1.33 ms

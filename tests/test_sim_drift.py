@@ -35,8 +35,8 @@ def rank_balancedness(load_LE: np.ndarray, phy2log_LR, ep: int) -> float:
 
 
 def test_each_series_is_its_placement_at_the_block_load(seed):
-    run = DriftRun(**TINY, routing="zipf:1.2", steps=30, every=10, window=10, block=10,
-                   seed=seed % 1000)
+    run = DriftRun(**dict(TINY, tokens=16384), routing="zipf:1.2", steps=30, every=10,
+                   window=10, block=10, seed=seed % 1000)  # tokens: moves that pay
     blocks, events, label = simulate(run)
     cfg = get_preset(run.model)
     E = cfg.num_experts
@@ -59,6 +59,7 @@ def test_each_series_is_its_placement_at_the_block_load(seed):
         assert b.balancedness["eplb"] == pytest.approx(rank_balancedness(load, current, 4))
         assert b.balancedness["ideal"] >= b.balancedness["eplb"] - 0.02
     # a skew the first placement (slot s: expert s % E) knows nothing of; the windows do
+    assert events[0].applied
     assert blocks[1].balancedness["eplb"] > blocks[1].balancedness["none"] + 0.1
     s = summary(blocks)  # blocks of equal length: plain means
     for k in ("none", "eplb", "ideal"):
@@ -103,6 +104,7 @@ def test_a_stale_window_is_priced_at_the_load_that_moved_on(tmp_path):
 def test_sync_stalls_its_block_and_async_lands_later(seed):
     kw = dict(TINY, routing="drift:1.2:5", steps=20, every=10, window=10, block=10,
               seed=seed % 1000)
+    kw["tokens"] = 16384  # experts' time enough to pay for the move
     sync_b, sync_e, _ = simulate(DriftRun(**kw, migration="sync"))
     async_b, async_e, _ = simulate(DriftRun(**kw, migration="async"))
     assert sync_e[0].applied and async_e[0].applied
@@ -142,6 +144,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--ep", "3"], "must divide the 16 experts"),
     (["--layers", "9"], "layers (9) must be <="),
     (["--candidate", "tp/local/torch"], "must be ep_dp/backend/experts"),
+    (["--candidate", "ep_dp/deepep-ll/torch"], "is not feasible here"),
     (["--routing", "zipf:x"], "routing spec"),
     (["--routing", "trace:/nonexistent.pt"], "does not exist"),
     (["--model", "nope"], "nope"),

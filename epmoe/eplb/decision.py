@@ -1,10 +1,18 @@
 """Cost-aware rebalancing: is a new placement worth the bytes it moves?
 
-Model: a step's MoE time follows the busiest GPU of each layer, i.e. layer l costs
-mean_l / b_l for balancedness b_l (mean/max GPU load) and equal means across layers, so
+Model: the part of a step that follows the load, the experts' time on the busiest GPU,
+costs mean_l / b_l in layer l for balancedness b_l (mean/max GPU load) and equal means across
+layers, so
 
-    step time after = step time now x sum_l 1/b_new_l / sum_l 1/b_old_l
-    gain per step   = step time now - step time after
+    follows after = follows now x sum_l 1/b_new_l / sum_l 1/b_old_l
+    gain per step = follows now - follows after
+
+where `follows now` is the busiest rank's measured experts time per step (the runtime's
+stage timer; the simulator: the cost model's), or the whole step where none was measured.
+The rest of a step (router, dispatch and combine's fixed costs, the shared experts, the work
+between layers) does not move with the hottest rank: crediting the whole step over-credits a
+move 1.2-1.6x (BENCHMARKS.md 52). The bytes the hottest rank receives do follow it and are
+left out: the gain is a floor.
 
 The move occupies the links for move_ms = max over ranks of (bytes received from its own node
 / intra-node bandwidth + bytes from other nodes / inter-node bandwidth); in sync mode the steps
@@ -71,12 +79,14 @@ class Decision:
 def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_next: int,
            recv_intra_bytes: list[int], recv_inter_bytes: list[int], migration: str,
            link_gbps: float | None = None, links: MigrationLinks | None = None,
-           move_scale: float | None = None) -> Decision:
+           move_scale: float | None = None, follows_ms: float | None = None) -> Decision:
     """inv_bal_*: sum over layers of 1 / balancedness; recv_*_bytes: per rank, bytes it
     receives from its own node / from other nodes; links: the run's link figures (None: the
     defaults); link_gbps (one figure for both) overrides them; move_scale: how much longer
     than its link time the run's last move took (its checksums, collectives' fixed costs, a
-    loaded host: measured, so the next move is costed as moves cost here; None: 1)."""
+    loaded host: measured, so the next move is costed as moves cost here; None: 1);
+    follows_ms: the ms of a step that follow the hottest rank's load (its experts; None or 0:
+    the whole step)."""
     links = links or MigrationLinks()
     intra = links.intra_gbps if link_gbps is None else link_gbps
     inter = links.inter_gbps if link_gbps is None else link_gbps
@@ -85,7 +95,8 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
                                                                recv_inter_bytes))
     move_ms = link_ms * (move_scale or 1.0)
     moved = max(a + b for a, b in zip(recv_intra_bytes, recv_inter_bytes))
-    per_step = step_ms * (1 - inv_bal_new / inv_bal_old) if inv_bal_old > 0 else 0.0
+    follows = min(follows_ms, step_ms) if follows_ms and step_ms > 0 else step_ms
+    per_step = follows * (1 - inv_bal_new / inv_bal_old) if inv_bal_old > 0 else 0.0
     if migration == "async":
         land = max(1, math.ceil(move_ms / step_ms)) if step_ms > 0 else 1
         gain = per_step * max(0, steps_until_next - land)
@@ -101,6 +112,7 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
         return Decision(False, f"no predicted gain (balancedness would not improve); move "
                                f"{link}", gain, move_ms, moved, intra, inter, source, link_ms)
     ok = gain > move_ms
-    why = (f"gain {per_step:.3f} ms/step x {horizon} = {gain:.3f} ms "
+    part = f" (of {follows:.3f} ms of experts a step)" if follows != step_ms else ""
+    why = (f"gain {per_step:.3f} ms/step{part} x {horizon} = {gain:.3f} ms "
            f"{'>' if ok else '<='} move {link}")
     return Decision(ok, why, gain, move_ms, moved, intra, inter, source, link_ms)

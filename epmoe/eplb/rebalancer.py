@@ -224,8 +224,11 @@ class Rebalancer:
                     placement_mode=self.mode.mode, mode_reason=self.mode.reason,
                     topology=self.topology.summary())
 
-    def rebalance(self, layers, step_ms: list[float], steps_until_next: int | None = None) -> dict:
-        """Decide on and start (or apply) a new placement from the window; collective."""
+    def rebalance(self, layers, step_ms: list[float], steps_until_next: int | None = None,
+                  experts_ms: float | None = None) -> dict:
+        """Decide on and start (or apply) a new placement from the window; collective.
+        experts_ms: this rank's experts time per step (the decision credits the slowest
+        rank's: the part of a step that follows the load; None: the whole step)."""
         if self.recorder is None:
             raise RuntimeError("rebalance needs RunConfig(eplb=True)")
         t0 = time.perf_counter()
@@ -247,8 +250,9 @@ class Rebalancer:
         new, kind = next_placement(weight_LE, old, ng, nodes, G, mode,
                                    self.options.incremental_slack)
         new_gpu = new.phy2log.clone()
-        step = torch.tensor([_median(step_ms), self._move_scale or 0.0], dtype=torch.float64)
-        if self.grouped:  # rank 0's placement; the slowest rank's step time and move scale
+        step = torch.tensor([_median(step_ms), self._move_scale or 0.0, experts_ms or 0.0],
+                            dtype=torch.float64)
+        if self.grouped:  # rank 0's placement; the slowest rank's step, move scale, experts
             new_gpu = new_gpu.to(self.device)
             dist.broadcast(new_gpu, 0, group=self.group)
             step = step.to(self.device)
@@ -264,14 +268,14 @@ class Rebalancer:
         scale = float(step[1]) or None  # the same on every rank (all-reduced)
         dec = decide(float(step[0]), float((1 / bal_old).sum()), float((1 / bal_new).sum()),
                      horizon, intra, inter, self.options.migration, self.options.link_gbps,
-                     self.options.links, scale)
+                     self.options.links, scale, float(step[2]) or None)
         t_decide = time.perf_counter()
         ev["timing_ms"] = dict(load=(t_load - t0) * 1e3, placement=(t_place - t_load) * 1e3,
                                decision=(t_decide - t_place) * 1e3)
         ev.update(kind=kind, balancedness_before=float(balancedness_per_layer(
             load, self.world).mean()), balancedness_old_predicted=float(bal_old.mean()),
             balancedness_predicted=float(bal_new.mean()), step_ms=float(step[0]), move_scale=scale,
-            **dec.summary())
+            experts_ms=float(step[2]) or None, **dec.summary())
         if traffic is not None:
             ev.update(traffic_before=traffic[0].summary(), traffic_after=traffic[1].summary(),
                       tradeoff=tradeoff(float(bal_old.mean()), float(bal_new.mean()),

@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
         "Predict MoE step time, comm share and bytes per link over a sweep of GPUs and EP "
         "sizes (a model, not a measurement), or validate against DeepEP's published tables."))
     p.add_argument("sweep", nargs="?", default=str(DEFAULT_SWEEP),
-                   help="sweep file (.toml or .json), or 'validate'")
+                   help="sweep file (.toml or .json), 'validate', or 'drift' (python -m "
+                        "epmoe.sim drift --help: EPLB over a drifting run)")
     p.add_argument("--out", default=None, type=writable_dir,
                    help="directory for sim.json and the PNG plots")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -82,7 +82,8 @@ def table(run: DriftRun, blocks, events, label: str) -> str:
     s = summary(blocks)
     means = ", ".join(f"{k} {s[k]['step_ms']:.1f} ms ({s[k]['balancedness']:.3f})"
                       for k in SERIES)
-    rec = "" if s["recovered"] is None else \
+    rec = "; none and ideal within 2%: EPLB has little to win here" \
+        if s["recovered"] is None else \
         f"; the rebalances recover {100 * s['recovered']:.0f}% of none -> ideal"
     out.append(textwrap.fill(f"mean step (balancedness): {means}{rec}", 80,
                              subsequent_indent="  "))
