@@ -24,6 +24,7 @@ from epmoe.eplb.recorder import count_pairs_
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
 from epmoe.memory import check_rank_fits
+from epmoe.eplb.decision import follows_load
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds
@@ -379,18 +380,20 @@ class Runtime:
     # ---------------------------------------------------------------- EPLB
     def rebalance(self, steps_until_next: int | None = None) -> dict:
         return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next,
-                                         self._experts_ms())
+                                         self._follows_ms())
 
-    def _experts_ms(self) -> float | None:
-        """This rank's experts time per step, median over the steps timed so far (the part
-        of a step that follows its load: what a rebalance credits); None: none timed."""
-        ms, where = self.timer.collect().get("experts"), self.timer.collect_where().get("experts")
-        if not ms or not where:
-            return None
+    def _follows_ms(self) -> float | None:
+        """This rank's time per step in the stages that follow its load (`follows_load` of
+        each layer's backend), median over the steps timed so far; None: none timed."""
+        ms, where = self.timer.collect(), self.timer.collect_where()
         per_step: dict = {}
-        for v, (step, _) in zip(ms, where, strict=True):
-            per_step[step] = per_step.get(step, 0.0) + v
-        return statistics.median(per_step.values())
+        for l, plan in enumerate(self.plans):
+            for stage in follows_load(plan.backend):
+                for v, (step, layer) in zip(ms.get(stage, ()), where.get(stage, ()),
+                                            strict=True):
+                    if layer == l:
+                        per_step[step] = per_step.get(step, 0.0) + v
+        return statistics.median(per_step.values()) if per_step else None
 
     def window_balancedness(self) -> float:
         return self.rebalancer.window_balancedness()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.eplb.decision import NVLINK_GBPS, RDMA_GBPS, MigrationLinks, decide
+from epmoe.eplb.decision import NVLINK_GBPS, RDMA_GBPS, MigrationLinks, decide, follows_load
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer, token_bytes
 from epmoe.eplb.topology import Topology, discover, local_node_id
 from epmoe.launch.eplb_run import _stalls
@@ -31,13 +31,13 @@ def test_decision_sync_gain_against_move_time():
     assert d.rebalance and d.gain_ms == pytest.approx(500.0) and "> move" in d.reason
 
 
-def test_decision_credits_the_experts_time_that_follows_the_load():
-    """Of a 100 ms step, 30 ms of experts on the hottest rank halve with its load: 15 ms a
+def test_decision_credits_the_time_that_follows_the_load():
+    """Of a 100 ms step, 30 ms follow the hottest rank's load and halve with it: 15 ms a
     step, not the 50 the whole step would credit; a figure past the step is the step."""
     intra, inter = [1e9], [0]  # 6.7 ms at NVLink's 150 GB/s
     d = decide(100.0, 4.0, 2.0, 1, intra, inter, "sync", follows_ms=30.0)
     assert d.gain_ms == pytest.approx(15.0) and d.rebalance  # 15 > 6.7
-    assert "gain 15.000 ms/step (of 30.000 ms of experts a step) x 1 steps" in d.reason
+    assert "gain 15.000 ms/step (of 30.000 ms a step that follow the load) x 1 steps" in d.reason
     d = decide(100.0, 4.0, 2.0, 1, [2e9], [0], "sync", follows_ms=10.0)
     assert d.gain_ms == pytest.approx(5.0) and not d.rebalance  # 5 < 13.3: the whole step
     assert decide(100.0, 4.0, 2.0, 1, [2e9], [0], "sync").rebalance  # would have moved
@@ -45,6 +45,15 @@ def test_decision_credits_the_experts_time_that_follows_the_load():
         pytest.approx(50.0)
     assert decide(100.0, 4.0, 2.0, 1, intra, inter, "sync", follows_ms=0.0).gain_ms == \
         pytest.approx(50.0)  # nothing measured: the whole step, as before
+
+
+def test_what_follows_the_load_by_backend():
+    """Backends that bring a token's rows to its experts' ranks move the hottest rank's rows:
+    dispatch and combine follow its load; allgather and local move the same bytes anyway."""
+    for b in ("all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll"):
+        assert follows_load(b) == ("dispatch", "experts", "combine")
+    for b in ("allgather", "local"):
+        assert follows_load(b) == ("experts",)
 
 
 def test_decision_async_waits_for_the_bytes_to_land():

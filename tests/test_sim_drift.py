@@ -148,6 +148,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--routing", "zipf:x"], "routing spec"),
     (["--routing", "trace:/nonexistent.pt"], "does not exist"),
     (["--model", "nope"], "nope"),
+    (["--quant", "fp4"], "quant ('fp4') must be one of"),
 ])
 def test_bad_input_exits_2_with_one_line(flags, says, capsys):
     base = ["drift", "--model", "deepseek-v3-tiny", "--ep", "4", "--steps", "4", "--every",

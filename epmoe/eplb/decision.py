@@ -1,18 +1,18 @@
 """Cost-aware rebalancing: is a new placement worth the bytes it moves?
 
-Model: the part of a step that follows the load, the experts' time on the busiest GPU,
-costs mean_l / b_l in layer l for balancedness b_l (mean/max GPU load) and equal means across
-layers, so
+Model: the part of a step that follows the load, on the busiest GPU, costs mean_l / b_l in
+layer l for balancedness b_l (mean/max GPU load) and equal means across layers, so
 
     follows after = follows now x sum_l 1/b_new_l / sum_l 1/b_old_l
     gain per step = follows now - follows after
 
-where `follows now` is the busiest rank's measured experts time per step (the runtime's
-stage timer; the simulator: the cost model's), or the whole step where none was measured.
-The rest of a step (router, dispatch and combine's fixed costs, the shared experts, the work
-between layers) does not move with the hottest rank: crediting the whole step over-credits a
-move 1.2-1.6x (BENCHMARKS.md 52). The bytes the hottest rank receives do follow it and are
-left out: the gain is a floor.
+`follows now` is the slowest rank's measured time per step in the stages that follow its
+load (`follows_load`: the experts, and with a backend that brings each token's rows to its
+experts' ranks also dispatch and combine, which move the hottest rank's rows; the runtime's
+stage timer, the simulator's cost model), or the whole step where none was measured. Against
+the cost model's own gain from a move (BENCHMARKS.md 52) that credits 1.0-1.3x with all2all
+and DeepEP and 1.1-1.4x with allgather, where the whole step credited up to 3.5x and the
+experts alone as little as 0.2x.
 
 The move occupies the links for move_ms = max over ranks of (bytes received from its own node
 / intra-node bandwidth + bytes from other nodes / inter-node bandwidth); in sync mode the steps
@@ -36,6 +36,17 @@ from dataclasses import dataclass
 # Default link bandwidths (GB/s per direction, usable), used when no figure is given:
 NVLINK_GBPS = 150.0  # intra-node: H800-class NVLink (DeepEP's README measures ~155-160 GB/s)
 RDMA_GBPS = 40.0  # inter-node: one 400 Gb/s NIC per GPU (~50 GB/s line rate, ~40 usable)
+
+
+# Comm backends that bring a token's rows to its experts' ranks: their dispatch and combine move
+# the hottest rank's rows, so they follow its load with the experts. The others (allgather:
+# every rank gets every row; local) move the same bytes whatever the placement.
+ROUTED_TO_EXPERTS = ("all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll", "deepep-v2")
+
+
+def follows_load(backend: str) -> tuple[str, ...]:
+    """The stages of a layer on `backend` whose time follows the hottest rank's load."""
+    return ("dispatch", "experts", "combine") if backend in ROUTED_TO_EXPERTS else ("experts",)
 
 
 @dataclass(frozen=True)
@@ -85,8 +96,8 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
     defaults); link_gbps (one figure for both) overrides them; move_scale: how much longer
     than its link time the run's last move took (its checksums, collectives' fixed costs, a
     loaded host: measured, so the next move is costed as moves cost here; None: 1);
-    follows_ms: the ms of a step that follow the hottest rank's load (its experts; None or 0:
-    the whole step)."""
+    follows_ms: the ms of a step that follow the hottest rank's load (`follows_load`; None or
+    0: the whole step)."""
     links = links or MigrationLinks()
     intra = links.intra_gbps if link_gbps is None else link_gbps
     inter = links.inter_gbps if link_gbps is None else link_gbps
@@ -112,7 +123,7 @@ def decide(step_ms: float, inv_bal_old: float, inv_bal_new: float, steps_until_n
         return Decision(False, f"no predicted gain (balancedness would not improve); move "
                                f"{link}", gain, move_ms, moved, intra, inter, source, link_ms)
     ok = gain > move_ms
-    part = f" (of {follows:.3f} ms of experts a step)" if follows != step_ms else ""
+    part = f" (of {follows:.3f} ms a step that follow the load)" if follows != step_ms else ""
     why = (f"gain {per_step:.3f} ms/step{part} x {horizon} = {gain:.3f} ms "
            f"{'>' if ok else '<='} move {link}")
     return Decision(ok, why, gain, move_ms, moved, intra, inter, source, link_ms)

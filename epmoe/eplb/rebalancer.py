@@ -225,10 +225,11 @@ class Rebalancer:
                     topology=self.topology.summary())
 
     def rebalance(self, layers, step_ms: list[float], steps_until_next: int | None = None,
-                  experts_ms: float | None = None) -> dict:
+                  follows_ms: float | None = None) -> dict:
         """Decide on and start (or apply) a new placement from the window; collective.
-        experts_ms: this rank's experts time per step (the decision credits the slowest
-        rank's: the part of a step that follows the load; None: the whole step)."""
+        follows_ms: this rank's time per step in the stages that follow its load
+        (`decision.follows_load`; the decision credits the slowest rank's; None: the whole
+        step)."""
         if self.recorder is None:
             raise RuntimeError("rebalance needs RunConfig(eplb=True)")
         t0 = time.perf_counter()
@@ -250,9 +251,9 @@ class Rebalancer:
         new, kind = next_placement(weight_LE, old, ng, nodes, G, mode,
                                    self.options.incremental_slack)
         new_gpu = new.phy2log.clone()
-        step = torch.tensor([_median(step_ms), self._move_scale or 0.0, experts_ms or 0.0],
+        step = torch.tensor([_median(step_ms), self._move_scale or 0.0, follows_ms or 0.0],
                             dtype=torch.float64)
-        if self.grouped:  # rank 0's placement; the slowest rank's step, move scale, experts
+        if self.grouped:  # rank 0's placement; the slowest rank's step, move scale, follows
             new_gpu = new_gpu.to(self.device)
             dist.broadcast(new_gpu, 0, group=self.group)
             step = step.to(self.device)
@@ -275,7 +276,7 @@ class Rebalancer:
         ev.update(kind=kind, balancedness_before=float(balancedness_per_layer(
             load, self.world).mean()), balancedness_old_predicted=float(bal_old.mean()),
             balancedness_predicted=float(bal_new.mean()), step_ms=float(step[0]), move_scale=scale,
-            experts_ms=float(step[2]) or None, **dec.summary())
+            follows_ms=float(step[2]) or None, **dec.summary())
         if traffic is not None:
             ev.update(traffic_before=traffic[0].summary(), traffic_after=traffic[1].summary(),
                       tradeoff=tradeoff(float(bal_old.mean()), float(bal_new.mean()),

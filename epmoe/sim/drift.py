@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from epmoe.config import QuantConfig, default_scale_fmt, fitting_recipe, get_preset
+from epmoe.config import (RECIPES, QuantConfig, default_scale_fmt, fitting_recipe,
+                          get_preset)
 from epmoe.docfile import is_int
-from epmoe.eplb.decision import decide
+from epmoe.eplb.decision import decide, follows_load
 from epmoe.eplb.incremental import next_placement
 from epmoe.eplb.migrate import bytes_to_move
 from epmoe.eplb.placement import Placement
@@ -69,6 +70,7 @@ class DriftRun:
     redundant_per_rank: int = 1
     migration: str = "sync"
     candidate: str | None = None
+    quant: str | None = None  # None: the first of fp8_block, mxfp8, bf16 that fits the model
     layers: int = 4
     sample_tokens: int = 512
     block: int = 25
@@ -92,6 +94,8 @@ class DriftRun:
             raise ValueError(f"migration ({self.migration!r}) must be sync or async")
         if self.candidate is not None:
             _candidate(self.candidate)
+        if self.quant is not None and self.quant not in RECIPES:
+            raise ValueError(f"quant ({self.quant!r}) must be one of {', '.join(RECIPES)}")
         if not self.routing.startswith("trace:"):  # (a trace is read, and checked, once)
             from epmoe.eplb.routing import make_routing
 
@@ -141,7 +145,7 @@ class _Model:
         self.run = run
         self.cfg = get_preset(run.model)
         self.prof = load_profile(run.gpu)
-        recipe = fitting_recipe(self.cfg)[0]
+        recipe = run.quant or fitting_recipe(self.cfg)[0]
         self.quant = QuantConfig(recipe, default_scale_fmt(recipe, self.prof.fig("sm_arch")))
         g = run.node_size()
         cores = {"cores_per_node": local_cores()} if self.prof.gpu == "cpu" else {}
@@ -162,8 +166,8 @@ class _Model:
 
     def price(self, load_LE: np.ndarray,
               placement: Placement | None) -> tuple[float, float, float]:
-        """(ms of one step of the whole stack, mean balancedness over the priced layers, the
-        experts' ms of that step on the slowest rank)."""
+        """(ms of one step of the whole stack, mean balancedness over the priced layers, the ms
+        of that step on the slowest rank in the stages that follow the load)."""
         layers, bal = [], []
         for l, load in enumerate(load_LE):
             spec = RoutingSpec.from_load(load)
@@ -177,9 +181,10 @@ class _Model:
             pairs = np.asarray(stats.pairs_rank)
             bal.append(float(pairs.mean() / pairs.max()))
         stack = [layers[l % len(layers)] for l in range(self.cfg.num_moe_layers)]
-        experts = sum(p.stages_us.get("experts", 0.0) for p, _, _ in stack)
+        follows = sum(p.stages_us.get(k, 0.0) for p, _, _ in stack
+                      for k in follows_load(self.candidate.backend))
         return (stack_layers_us(stack, self.topo, self.prof) / 1e3, float(np.mean(bal)),
-                experts / 1e3)
+                follows / 1e3)
 
     def _pick(self, work: Workload, stats) -> Candidate:
         """The planner's ep_dp pick, or the candidate given, if it is feasible here."""
@@ -241,7 +246,7 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
     pending: tuple[int, Placement] | None = None  # (step it lands, placement): async moves
     blocks, events = [], []
     total = len(set(range(0, run.steps, run.block)) | set(range(0, run.steps, run.every)))
-    a, last = 0, None  # (step ms, experts ms) of the last block under the eplb placement
+    a, last = 0, None  # (step ms, follows ms) of the last block under the eplb placement
     while a < run.steps:
         stall = 0.0
         if pending is not None and pending[0] <= a:
@@ -263,8 +268,8 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
         load = np.sum(loads[a:b], axis=0)
         ms, bal = {}, {}
         for name, p in (("ideal", m.place(load)), ("none", None), ("eplb", current)):
-            ms[name], bal[name], experts = (float(x) for x in m.price(load / (b - a), p))
-        last = (ms["eplb"], experts)
+            ms[name], bal[name], follows = (float(x) for x in m.price(load / (b - a), p))
+        last = (ms["eplb"], follows)
         ms["eplb"] += stall / (b - a)  # a sync move's stall, spread over its block's steps
         blocks.append(Block(a, b, {k: ms[k] for k in SERIES}, {k: bal[k] for k in SERIES}))
         if progress is not None:
@@ -274,9 +279,9 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
 
 
 def _rebalance(m: _Model, run: DriftRun, loads, step: int, current: Placement, step_ms: float,
-               experts_ms: float) -> tuple[Event, Placement]:
+               follows_ms: float) -> tuple[Event, Placement]:
     """The rebalancer's choice and decision after `step` steps, scaled to the whole stack
-    (the gain credited to the experts' share of the step, as the runtime's timer measures)."""
+    (the gain credited to the stages that follow the load, as the runtime's timer measures)."""
     weight = np.sum(loads[max(0, step - run.window):step], axis=0)
     new, kind = next_placement(weight, current, m.groups, m.topo.num_nodes, run.ep, m.mode,
                                SLACK)
@@ -285,7 +290,7 @@ def _rebalance(m: _Model, run: DriftRun, loads, step: int, current: Placement, s
     inv_old = float((1 / current.balancedness(weight)).sum()) * m.scale
     inv_new = float((1 / new.balancedness(weight)).sum()) * m.scale
     dec = decide(step_ms, inv_old, inv_new, run.every, intra, inter, run.migration,
-                 links=migration_links(m.prof, m.topo), follows_ms=experts_ms)
+                 links=migration_links(m.prof, m.topo), follows_ms=follows_ms)
     applied = dec.rebalance and slots > 0
     land = step if run.migration == "sync" else \
         step + max(1, math.ceil(dec.move_ms / step_ms)) if step_ms > 0 else step + 1

@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--migration", choices=("sync", "async"), default=D.migration)
     p.add_argument("--candidate", default=None,
                    help="ep_dp/BACKEND/EXPERTS to hold (default: the planner's pick)")
+    p.add_argument("--quant", default=None,
+                   help="recipe (default: the first of fp8_block, mxfp8, bf16 that fits)")
     p.add_argument("--layers", type=at_least(1), default=D.layers,
                    help="MoE layers priced, scaled to the stack (default %(default)s)")
     p.add_argument("--sample-tokens", type=at_least(1), default=D.sample_tokens,
@@ -82,9 +84,10 @@ def table(run: DriftRun, blocks, events, label: str) -> str:
     s = summary(blocks)
     means = ", ".join(f"{k} {s[k]['step_ms']:.1f} ms ({s[k]['balancedness']:.3f})"
                       for k in SERIES)
-    rec = "; none and ideal within 2%: EPLB has little to win here" \
-        if s["recovered"] is None else \
-        f"; the rebalances recover {100 * s['recovered']:.0f}% of none -> ideal"
+    r = s["recovered"]
+    rec = "; none and ideal within 2%: EPLB has little to win here" if r is None else \
+        f"; the rebalances recover {100 * r:.0f}% of none -> ideal" if r >= 0 else \
+        f"; eplb is slower than none, by {100 * -r:.0f}% of the none -> ideal gap"
     out.append(textwrap.fill(f"mean step (balancedness): {means}{rec}", 80,
                              subsequent_indent="  "))
     return "\n".join(out)
