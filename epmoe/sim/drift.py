@@ -10,7 +10,8 @@ priced by the planner's cost model, step by step, at the run's `tokens` per rank
 - eplb: `redundant_per_rank` extra slots per rank, first placed as the runtime places them
   (slot s holds expert s % E), then every `every` steps the rebalancer's own choice
   (`epmoe.eplb.incremental.next_placement`: incremental when within slack of a full
-  re-placement) for the last `window` steps' load, applied only when the rebalancer's
+  re-placement) for the last `window` steps' load (since the last switch at most: the
+  runtime's load window restarts there), applied only when the rebalancer's
   decision (`epmoe.eplb.decision.decide`: the gain until the next rebalance against the link
   time of the weights moved, at the profile's figures) says so; a sync move stalls its step,
   an async one lands ceil(move / step) steps later;
@@ -247,19 +248,21 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
     blocks, events = [], []
     total = len(set(range(0, run.steps, run.block)) | set(range(0, run.steps, run.every)))
     a, last = 0, None  # (step ms, follows ms) of the last block under the eplb placement
+    since = 0  # the load window restarts where a placement takes effect (the runtime's clear)
     while a < run.steps:
         stall = 0.0
         if pending is not None and pending[0] <= a:
-            current, pending = pending[1], None
+            current, pending, since = pending[1], None, a
         if a and a % run.every == 0:
             if pending is not None:  # the runtime's answer while a move is under way
                 events.append(Event(a, "busy", 0, 0.0, 0.0, False, -1,
                                     "the previous migration is still staging"))
             else:
-                ev, new = _rebalance(m, run, loads, a, current, *last)
+                ev, new = _rebalance(m, run, loads[max(since, a - run.window):a], a, current,
+                                     *last)
                 events.append(ev)
                 if ev.applied and run.migration == "sync":
-                    current, stall = new, ev.move_ms
+                    current, stall, since = new, ev.move_ms, a
                 elif ev.applied:
                     pending = (ev.lands, new)
                     total += 1
@@ -278,11 +281,15 @@ def simulate(run: DriftRun, progress=None, phase=None) -> tuple[list[Block], lis
     return blocks, events, m.candidate.label
 
 
-def _rebalance(m: _Model, run: DriftRun, loads, step: int, current: Placement, step_ms: float,
-               follows_ms: float) -> tuple[Event, Placement]:
-    """The rebalancer's choice and decision after `step` steps, scaled to the whole stack
-    (the gain credited to the stages that follow the load, as the runtime's timer measures)."""
-    weight = np.sum(loads[max(0, step - run.window):step], axis=0)
+def _rebalance(m: _Model, run: DriftRun, window: list, step: int, current: Placement,
+               step_ms: float, follows_ms: float) -> tuple[Event, Placement]:
+    """The rebalancer's choice and decision after `step` steps for the `window` of step loads
+    recorded since the last switch (at most run.window), scaled to the whole stack (the gain
+    credited to the stages that follow the load, as the runtime's timer measures)."""
+    if not window:
+        return Event(step, "skip", 0, 0.0, 0.0, False, -1, "no load recorded since the last "
+                     "switch"), current
+    weight = np.sum(window, axis=0)
     new, kind = next_placement(weight, current, m.groups, m.topo.num_nodes, run.ep, m.mode,
                                SLACK)
     intra, inter, slots = bytes_to_move(current.phy2log.tolist(), new.phy2log.tolist(),
