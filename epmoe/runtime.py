@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.comm import CommContext, make_comm
+from epmoe.eplb.decision import follows_load
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.experts.base import Experts
 from epmoe.layer import MoELayer
 from epmoe.memory import check_rank_fits
-from epmoe.eplb.decision import follows_load
 from epmoe.plan.forms import LayerPlan
 from epmoe.plan.run import RunConfig
 from epmoe.router import Routing, TokenIds

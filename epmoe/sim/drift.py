@@ -42,6 +42,7 @@ from epmoe.eplb.incremental import next_placement
 from epmoe.eplb.migrate import bytes_to_move
 from epmoe.eplb.placement import Placement
 from epmoe.eplb.policy import choose_mode, rebalance
+from epmoe.eplb.rebalancer import RebalanceOptions
 from epmoe.plan.comm_cost import migration_links
 from epmoe.plan.cost import Candidate, Workload, predict_layer
 from epmoe.plan.planner import candidates, rank_layer, rejections
@@ -53,7 +54,7 @@ from epmoe.sim.layers import stack_layers_us, stack_pick
 from epmoe.sim.sweep import parse_candidate
 
 SERIES = ("none", "eplb", "ideal")
-SLACK = 0.02  # RebalanceOptions.incremental_slack's default
+SLACK = RebalanceOptions().incremental_slack  # the rebalancer's default
 RECOVERED_FLOOR = 0.02
 
 
