@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from epmoe.checkpoint import SafetensorsCheckpoint
 from epmoe.comm import CommContext, make_comm
-from epmoe.eplb.decision import follows_load
+from epmoe.eplb.decision import measured_follows_ms
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer
 from epmoe.eplb.recorder import count_pairs_
 from epmoe.experts.base import Experts
@@ -379,21 +379,12 @@ class Runtime:
 
     # ---------------------------------------------------------------- EPLB
     def rebalance(self, steps_until_next: int | None = None) -> dict:
-        return self.rebalancer.rebalance(self.layers, self.step_ms, steps_until_next,
-                                         self._follows_ms())
-
-    def _follows_ms(self) -> float | None:
-        """This rank's time per step in the stages that follow its load (`follows_load` of
-        each layer's backend), median over the steps timed so far; None: none timed."""
-        ms, where = self.timer.collect(), self.timer.collect_where()
-        per_step: dict = {}
-        for l, plan in enumerate(self.plans):
-            for stage in follows_load(plan.backend):
-                for v, (step, layer) in zip(ms.get(stage, ()), where.get(stage, ()),
-                                            strict=True):
-                    if layer == l:
-                        per_step[step] = per_step.get(step, 0.0) + v
-        return statistics.median(per_step.values()) if per_step else None
+        # step 0 warms up (the stage timer dropped it), as in the launch report
+        timed = self.step_ms[1:] if self.run.steps > 1 and len(self.step_ms) > 1 \
+            else self.step_ms
+        follows = measured_follows_ms(self.timer.collect(), self.timer.collect_where(),
+                                      [plan.backend for plan in self.plans])
+        return self.rebalancer.rebalance(self.layers, timed, steps_until_next, follows)
 
     def window_balancedness(self) -> float:
         return self.rebalancer.window_balancedness()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from epmoe.config import QuantConfig, get_preset
-from epmoe.eplb.decision import NVLINK_GBPS, RDMA_GBPS, MigrationLinks, decide, follows_load
+from epmoe.eplb.decision import (NVLINK_GBPS, RDMA_GBPS, MigrationLinks, decide, follows_load,
+                                 measured_follows_ms)
 from epmoe.eplb.rebalancer import RebalanceOptions, Rebalancer, token_bytes
 from epmoe.eplb.topology import Topology, discover, local_node_id
 from epmoe.launch.eplb_run import _stalls
@@ -54,6 +55,28 @@ def test_what_follows_the_load_by_backend():
         assert follows_load(b) == ("dispatch", "experts", "combine")
     for b in ("allgather", "local"):
         assert follows_load(b) == ("experts",)
+
+
+def test_measured_follows_sums_a_steps_stages_per_layer_backend(seed):
+    """Per step, the stages that follow the load of each layer's own backend are summed; the
+    median over steps is credited. Layer 0 all2all (dispatch, experts, combine), layer 1
+    allgather (its experts only)."""
+    rng = torch.Generator().manual_seed(seed)
+    steps, stages = [1, 2, 3], ("dispatch", "experts", "combine", "relayout")
+    ms = {s: [] for s in stages}
+    where = {s: [] for s in stages}
+    want = {}
+    for step in steps:
+        for layer in (0, 1):
+            for s in stages:
+                v = float(torch.rand((), generator=rng)) * 10
+                ms[s].append(v)
+                where[s].append((step, layer))
+                if (layer == 0 and s != "relayout") or (layer == 1 and s == "experts"):
+                    want[step] = want.get(step, 0.0) + v
+    got = measured_follows_ms(ms, where, ["all2all", "allgather"])
+    assert got == pytest.approx(sorted(want.values())[1])
+    assert measured_follows_ms({}, {}, ["all2all"]) is None
 
 
 def test_decision_async_waits_for_the_bytes_to_land():

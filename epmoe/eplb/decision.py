@@ -31,6 +31,7 @@ move_ms x (the last move's measured time / its link time): the run's own figure.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 # Default link bandwidths (GB/s per direction, usable), used when no figure is given:
@@ -47,6 +48,21 @@ ROUTED_TO_EXPERTS = ("all2all", "deepep-ht", "deepep-ll", "symm-ht", "symm-ll", 
 def follows_load(backend: str) -> tuple[str, ...]:
     """The stages of a layer on `backend` whose time follows the hottest rank's load."""
     return ("dispatch", "experts", "combine") if backend in ROUTED_TO_EXPERTS else ("experts",)
+
+
+def measured_follows_ms(stage_ms: dict[str, list[float]], where: dict[str, list[tuple]],
+                        backends: list[str]) -> float | None:
+    """A rank's time per step in the stages that follow its load (`follows_load` of each
+    layer's backend), median over the steps its stage timer holds; stage_ms / where: the
+    timer's times and (step, layer) tags per stage; None: none timed."""
+    per_step: dict = {}
+    for l, backend in enumerate(backends):
+        for stage in follows_load(backend):
+            for v, (step, layer) in zip(stage_ms.get(stage, ()), where.get(stage, ()),
+                                        strict=True):
+                if layer == l:
+                    per_step[step] = per_step.get(step, 0.0) + v
+    return statistics.median(per_step.values()) if per_step else None
 
 
 @dataclass(frozen=True)
