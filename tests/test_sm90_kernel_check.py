@@ -34,7 +34,8 @@ def test_every_layer_kernel_variant_compiles_for_sm90():
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton wheel bundles no ptxas")
-    out = subprocess.run([sys.executable, TOOL, "--set", "layer", "--json"],
+    jobs = str(min(4, os.cpu_count() or 1))  # forked compiles, output in the list's order
+    out = subprocess.run([sys.executable, TOOL, "--set", "layer", "--json", "--jobs", jobs],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -50,6 +51,9 @@ def test_an_unknown_set_is_exit_2():
     out = subprocess.run([sys.executable, TOOL, "--set", "nope"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+    out = subprocess.run([sys.executable, TOOL, "--jobs", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--jobs (0) must be >= 1" in out.stderr
 
 
 def _run_with_tool(body: str) -> None:

@@ -1,7 +1,7 @@
 """Compile kernels for sm_90 on a machine without a GPU and report what ptxas says.
 
     python tools/sm90_kernel_check.py [--set symm|w4a8|layer] [--hidden 7168] [--warps 16]
-                                      [--json]
+                                      [--json] [--jobs N]
 
 --set symm (default): each kernel of `epmoe/comm/symm` at DeepSeek-V3 shapes and the backends'
 default tiles; --set w4a8: the W4A8 grouped GEMM (`epmoe/kernels/gemm_w4a8.py`) at each BLOCK_M
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -179,9 +180,13 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=16, help="warps per CTA (the GPU default)")
     p.add_argument("--only", default="", help="comma-separated kernel names (substrings)")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="kernels compiled at once, each in a forked process (output in order)")
     a = p.parse_args(argv)
     if a.hidden % 128 or a.hidden < 128:
         p.error(f"--hidden ({a.hidden}) must be a positive multiple of 128")
+    if a.jobs < 1:
+        p.error(f"--jobs ({a.jobs}) must be >= 1")
     if not os.path.exists(PTXAS):
         print(f"no ptxas at {PTXAS} (the triton wheel bundles it)", file=sys.stderr)
         return 2
@@ -197,14 +202,40 @@ def main(argv=None) -> int:
     if not a.json:
         print(f"{'kernel':<{width}} {'regs':>5} {'spill B':>8} {'v4 ld':>6} {'v4 st':>6} "
               f"{'narrow ld/st':>13}")
-    for name, fn, sig, consts, fusion, warps, stages in todo:
-        r = compile_sm90(fn, sig, consts, warps, fusion, stages)
+    for (name, *_, warps, _), r in zip(todo, _compiled(todo, a.jobs), strict=True):
         if a.json:
             print(json.dumps(dict(kernel=name, warps=warps, **r)))
         else:
             print(f"{name:<{width}} {r['registers']:>5} {r['spill_bytes']:>8} {r['v4_loads']:>6} "
                   f"{r['v4_stores']:>6} {r['narrow_loads']:>6}/{r['narrow_stores']:<6}")
     return 0
+
+
+def _compile_one(job) -> dict:
+    _, fn, sig, consts, fusion, warps, stages = job
+    return compile_sm90(fn, sig, consts, warps, fusion, stages)
+
+
+def _compiled(todo: list[tuple], jobs: int):
+    """Each kernel's ptxas report, in `todo`'s order; jobs > 1: forked workers, which inherit
+    the jit functions (they do not pickle) and get each job as its index."""
+    if jobs == 1 or len(todo) < 2:
+        yield from map(_compile_one, todo)
+        return
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(todo)),
+                                                  initializer=_hold, initargs=(todo,)) as pool:
+        yield from pool.imap(_compile_at, range(len(todo)))
+
+
+_HELD: list = []  # a forked worker's copy of the jobs (set by the pool's initializer)
+
+
+def _hold(todo: list[tuple]) -> None:
+    _HELD[:] = todo
+
+
+def _compile_at(i: int) -> dict:
+    return _compile_one(_HELD[i])
 
 
 if __name__ == "__main__":
