@@ -96,6 +96,20 @@ def test_eplb_replicas_lower_the_hottest_rank():
     assert t1 < t0
 
 
+def test_shared_draws_give_the_same_stats_on_every_placement():
+    """A sweep prices one routing on many placements and rank counts with one store of draws:
+    the experts are drawn once per routing and every call's stats equal a fresh call's."""
+    draws: dict = {}
+    hot = [0, 5, 9, 12]
+    cases = [(4, 4, None), (4, 2, None), (2, 2, None),
+             (4, 4, SlotMap(tuple(range(16)) + tuple(hot)))]
+    for spec in (RoutingSpec("zipf", 1.2), RoutingSpec("zipf", 0.6, seed=3)):
+        for world, g, slots in cases:
+            shared = routing_stats(CFG, spec, world, g, slots, draws=draws)
+            assert shared == routing_stats(CFG, spec, world, g, slots), (spec, world, slots)
+    assert len(draws) == 2  # one per routing
+
+
 def test_doubling_link_bandwidth_halves_the_link_term():
     prof = synthetic_profile()  # alpha 0, no SM limit, free quantize and launches
     st = routing_stats(CFG, RoutingSpec(), 8, 4)

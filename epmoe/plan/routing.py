@@ -16,7 +16,9 @@ runtime's ReplicaMap picks a replica by token index, round robin).
   k experts without replacement by weight), DeepSeek group limiting (a group scores the sum of
   its top-2 perturbed experts; the topk_group best groups are kept), replicas picked uniformly.
 Per-rank pair loads use exact marginals where known (uniform, recorded loads) and the Monte
-Carlo frequencies otherwise.
+Carlo frequencies otherwise. The draws depend on the routing alone, not on the ranks or the
+slots: a caller that prices one routing on many placements (a sweep) passes one `draws` dict
+to every call and the experts are drawn once (the results are the same as without it).
 """
 
 from __future__ import annotations
@@ -158,7 +160,10 @@ def hit_probability_uniform(num_experts: int, held: int, top_k: int) -> float:
 
 
 def routing_stats(cfg: MoEConfig, spec: RoutingSpec, world: int, gpus_per_node: int,
-                  slots: SlotMap | None = None, mc_tokens: int = MC_TOKENS) -> RoutingStats:
+                  slots: SlotMap | None = None, mc_tokens: int = MC_TOKENS,
+                  draws: dict | None = None) -> RoutingStats:
+    """draws: the caller's store of Monte Carlo draws, shared by calls on one routing (None:
+    drawn here)."""
     e, k = cfg.num_experts, cfg.top_k
     slots = slots or SlotMap.identity(e)
     r = slots.num_slots
@@ -174,7 +179,14 @@ def routing_stats(cfg: MoEConfig, spec: RoutingSpec, world: int, gpus_per_node: 
         return _uniform_closed(e, k, world, world // gpus_per_node)
     pop = spec.popularity(e)
     rng = np.random.default_rng(MC_SEED + spec.seed)
-    ids = _sample_topk(pop, k, cfg.n_group if grouped else 1, cfg.topk_group, mc_tokens, rng)
+    groups = cfg.n_group if grouped else 1
+    key = (pop.tobytes(), k, groups, cfg.topk_group, mc_tokens, spec.seed)
+    if draws is not None and key in draws:  # the experts drawn, and the generator after them
+        ids, rng.bit_generator.state = draws[key]
+    else:
+        ids = _sample_topk(pop, k, groups, cfg.topk_group, mc_tokens, rng)
+        if draws is not None:
+            draws[key] = ids, rng.bit_generator.state
     # replica of each pick: uniform over the expert's slots
     order = np.argsort(np.asarray(slots.phy2log), kind="stable")
     start = np.concatenate([[0], np.cumsum(cnt)[:-1]])

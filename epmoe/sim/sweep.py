@@ -169,7 +169,8 @@ def parse_candidate(text: str) -> Candidate:
     return Candidate(*parts)
 
 
-def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int) -> SlotMap:
+def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int,
+                draws: dict | None = None) -> SlotMap:
     """A placement of E + extra slots for the routing's expected per-expert load, by EPLB's
     public `rebalance(weight_LE, num_replicas, num_groups, num_nodes, num_gpus, mode)` in the
     default mode for the model and node count (any result
@@ -178,7 +179,7 @@ def _eplb_slots(cfg, spec, world: int, nodes: int, extra: int) -> SlotMap:
 
     from epmoe.eplb import choose_mode, rebalance
 
-    q = routing_stats(cfg, spec, world, world // nodes).pairs_slot
+    q = routing_stats(cfg, spec, world, world // nodes, draws=draws).pairs_slot
     groups = cfg.n_group if cfg.num_experts % cfg.n_group == 0 else 1
     p = rebalance(torch.tensor([q], dtype=torch.float64), cfg.num_experts + extra, groups,
                   nodes, world, choose_mode(cfg.n_group, cfg.topk_group, nodes).mode)
@@ -193,7 +194,7 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
     routings = [stack_routing(r, cfg) for r in sweep.routing]
     placed_for = None if sweep.placed_for is None else \
         stack_routing(sweep.placed_for, cfg, "placed_for")
-    rows = []
+    rows, draws = [], {}  # the routings' Monte Carlo draws, made once for every placement
     done, total = 0, len(sweep.gpus) * len(sweep.ep) * len(sweep.routing) * \
         len(sweep.redundant_per_rank) * len(sweep.tokens)
     recipe = sweep.recipe()[0]
@@ -211,7 +212,7 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
                     place = (placed_for or routing) if rpr else None
                     pairs, index = layer_pairs(routing, placed_for if rpr else None,
                                                cfg.num_moe_layers)
-                    placed = [_placed(cfg, spec, ep, g, topo.num_nodes, rpr, to)
+                    placed = [_placed(cfg, spec, ep, g, topo.num_nodes, rpr, to, draws)
                               for spec, to in pairs]
                     for tokens in sweep.tokens:
                         works = [Workload(cfg, quant, tokens, spec, slots)
@@ -245,13 +246,13 @@ def run(sweep: Sweep, progress=None) -> list[dict]:
     return rows
 
 
-def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int, placed_for):
+def _placed(cfg, spec, ep: int, g: int, nodes: int, rpr: int, placed_for, draws: dict):
     """(slots placed for routing `placed_for`, the routing stats of `spec` on them) of a
     point; (None, None) when its experts do not split over the ranks (the candidates then say
     so, one by one: tp still runs)."""
     try:
-        slots = _eplb_slots(cfg, placed_for, ep, nodes, rpr * ep) if rpr else None
-        return slots, routing_stats(cfg, spec, ep, g, slots)
+        slots = _eplb_slots(cfg, placed_for, ep, nodes, rpr * ep, draws) if rpr else None
+        return slots, routing_stats(cfg, spec, ep, g, slots, draws=draws)
     except ValueError:
         return None, None
 
